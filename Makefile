@@ -1,0 +1,32 @@
+# Set-up and the two entry points of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that lies on this project's machines; override on others.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+DEMO_DATA ?= data/digits
+
+.PHONY: venv demo test schema clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+$(DEMO_DATA)/info.json: | venv
+	$(BIN)/fsdpclip data digits $(DEMO_DATA)
+
+demo: venv $(DEMO_DATA)/info.json
+	$(BIN)/fsdpclip validate examples/tiny-cpu.json
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+schema: venv
+	$(BIN)/fsdpclip schema > schemas/job.schema.json
+
+clean:
+	rm -rf $(VENV) $(DEMO_DATA) runs

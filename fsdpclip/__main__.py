@@ -1,0 +1,3 @@
+from fsdpclip.cli import app
+
+app()

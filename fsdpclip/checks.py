@@ -1,0 +1,327 @@
+"""What `fsdpclip validate` checks beyond structure: the job's meaning, on the meta device.
+
+Every check adds `Problem`s with JSON locations instead of raising, so that a user sees
+every mistake at once. Nothing here allocates real model storage or touches a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory
+from fsdpclip.model import (
+    SHARED_PARAMETERS, DecayGroup, ModelError, Tower, apply_freeze, build_model, count, decay_groups,
+    find_towers, frozen_names, instances, original_shapes, rule_matches, slice_problem,
+)
+from fsdpclip.problems import Problem, closest
+from fsdpclip.shard import Unit, plan_units, wrap_classes
+from fsdpclip.data import is_local, shard_urls
+from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
+
+
+@dataclass
+class Report:
+    """Problems found, and what was learned about the job on the way."""
+
+    world_size: int
+    problems: list[Problem] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    def error(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
+        self.problems.append(Problem(location, message, value, hint))
+
+    def warn(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
+        self.problems.append(Problem(location, message, value, hint, severity="warning"))
+
+
+def world_size_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
+                  gpus_per_node: Optional[int] = None) -> int:
+    """The world size to check against: explicit, from nodes × GPUs, or from the spec."""
+    if world_size is not None:
+        return world_size
+    return (nodes or job.launch.nodes) * (gpus_per_node or job.launch.gpus_per_node)
+
+
+def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
+    """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
+
+    `check_paths=False` skips the existence of data, eval and weight files (paths of another machine).
+    """
+    report = Report(world_size)
+    _check_precision(job, report)
+    _check_eval(job, report)
+    steps = _check_batch_and_schedule(job, report)
+    if check_paths:
+        _check_files(job, report)
+        _check_data(job, report)
+        _check_eval_paths(job, report)
+    _check_output_dir(job, report)
+    if job.logging.tensorboard:
+        _check_importable("tensorboard", "logging.tensorboard", report)
+    try:
+        model = build_model(job.model, device="meta")
+    except ModelError as exc:
+        _model_problem(job, str(exc), report)
+        return report
+    towers = find_towers(model, job.model)
+    classes_ok = _check_classes(job, towers, report)
+    _check_freeze(job, towers, report)
+    frozen = frozen_names(towers, job.freeze) if not report.errors else set()
+    apply_freeze(model, frozen)
+    groups = _check_decay(job, model, report)
+    if job.loss.kind == "siglip" and getattr(model, "logit_bias", None) is None:
+        report.error("loss.kind", "SigLIP needs a model with a learned logit bias (init_logit_bias in its config)",
+                     value="siglip", hint="use a *-SigLIP model config, or kind 'clip'")
+    if classes_ok:
+        _summarise(job, model, towers, frozen, groups, steps, report)
+    return report
+
+
+# ----------------------------------------------------------------------- the model
+def _model_problem(job: Job, message: str, report: Report) -> None:
+    import open_clip
+
+    if job.model.name is not None and message.startswith("unknown OpenCLIP model"):
+        near = closest(job.model.name, open_clip.list_models(), n=3, cutoff=0.5)
+        report.error("model.name", "unknown OpenCLIP model", job.model.name,
+                     f"closest: {near}" if near else "see open_clip.list_models()")
+    elif "transformers" in message:
+        report.error("model", message, hint="pip install transformers")
+    else:
+        report.error("model.config" if job.model.config else "model.name", message,
+                     job.model.config or job.model.name)
+
+
+def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
+    """Block, wrap and checkpoint classes must exist in their tower."""
+    ok = True
+    for name in TOWERS:
+        tower = towers[name]
+        existing = sorted(tower.classes)
+        block_like = sorted(set(tower.block_classes) & tower.classes) or existing
+        checks = [
+            (f"model.{name}.block_classes", getattr(job.model, name).block_classes),
+            (f"fsdp.wrap.{name}", getattr(job.fsdp.wrap, name)),
+            (f"fsdp.activation_checkpointing.{name}", getattr(job.fsdp.activation_checkpointing, name)),
+        ]
+        for location, classes in checks:
+            for i, cls in enumerate(classes or []):
+                if cls not in tower.classes:
+                    ok = False
+                    near = closest(cls, existing)
+                    report.error(f"{location}[{i}]", f"no module of class '{cls}' in the {name} tower", cls,
+                                 (f"did you mean '{near}'? " if near else "") + f"block classes: {', '.join(block_like)}")
+        if not wrap_classes(job.fsdp, tower):
+            report.warn(f"fsdp.wrap.{name}", f"the {name} tower has no known block class: it is sharded with the "
+                        "root as one unit", hint=f"name its block class; classes: {', '.join(existing[:12])}")
+    return ok
+
+
+def _check_freeze(job: Job, towers: dict[str, Tower], report: Report) -> None:
+    for name in TOWERS:
+        blocks = getattr(job.freeze, name).blocks
+        if blocks is None:
+            continue
+        length = len(towers[name].blocks)
+        why = slice_problem(blocks, length) if length else f"the {name} tower has no blocks to freeze"
+        if why:
+            report.error(f"freeze.{name}.blocks", why, blocks)
+
+
+def _check_decay(job: Job, model, report: Report) -> list[DecayGroup]:
+    """Every rule matches a parameter; every trainable parameter lands in exactly one group."""
+    rules = job.optimizer.decay_rules
+    shapes = original_shapes(model)
+    for i, rule in enumerate(rules):
+        if not any(rule_matches(rule, name, len(shape)) for name, shape in shapes.items()):
+            report.error(f"optimizer.decay_rules[{i}]", "matches no parameter of the model",
+                         rule.pattern if rule.pattern is not None else f"max_ndim={rule.max_ndim}",
+                         hint=f"parameter names look like '{next(iter(shapes))}'")
+    trainable = {name: shapes[name] for name, p in model.named_parameters() if p.requires_grad}
+    groups = decay_groups(trainable, rules, job.optimizer.weight_decay)
+    grouped = [name for g in groups for name in g.names]
+    if sorted(grouped) != sorted(trainable):
+        report.error("optimizer.decay_rules", "internal: optimizer groups do not partition the trainable parameters")
+    if not trainable:
+        report.error("freeze", "every parameter is frozen: nothing to train")
+    return groups
+
+
+# ------------------------------------------------------------- batch and schedule
+def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
+    """Batch arithmetic and the schedule's length; returns total optimizer steps when known."""
+    batch, world = job.batch, report.world_size
+    global_batch = batch.per_gpu * batch.grad_accum * world
+    if batch.global_batch is not None and batch.global_batch != global_batch:
+        report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
+                     f"{world} = {global_batch}", batch.global_batch,
+                     hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+    schedule, samples = job.schedule, job.data.samples
+    if schedule.steps is not None:
+        steps = schedule.steps
+    elif samples is None:
+        report.error("schedule", "the length is unknown: set schedule.steps, or data.samples with schedule.epochs")
+        return None
+    else:
+        per_epoch = samples // global_batch
+        if per_epoch == 0:
+            report.error("data.samples", f"fewer samples than one global batch ({global_batch})", samples)
+            return None
+        steps = per_epoch * (schedule.epochs or 1)
+    if schedule.warmup_steps > steps:
+        report.error("schedule.warmup_steps", f"longer than the whole run ({steps} steps)", schedule.warmup_steps)
+    return steps
+
+
+def _batch_hint(global_batch: int, per_gpu: int, world: int) -> str:
+    if global_batch % (per_gpu * world) == 0:
+        return f"grad_accum {global_batch // (per_gpu * world)} gives it"
+    if global_batch % world == 0:
+        return f"per_gpu {global_batch // world} with grad_accum 1 gives it"
+    return f"it is not a multiple of the world size {world}"
+
+
+# ------------------------------------------------------------------ files and data
+def _check_files(job: Job, report: Report) -> None:
+    paths = [("model.pretrained", job.model.pretrained),
+             ("model.image.pretrained", job.model.image.pretrained),
+             ("model.text.pretrained", job.model.text.pretrained)]
+    resume = job.checkpoint.resume
+    if resume not in (None, "latest"):
+        paths.append(("checkpoint.resume", resume))
+    for location, path in paths:
+        if path is not None and not Path(path).exists():
+            report.error(location, "file not found", path)
+
+
+def _check_data(job: Job, report: Report) -> None:
+    data = job.data
+    if not isinstance(data, WebDatasetSpec):
+        return
+    urls = shard_urls(data.urls)
+    local = [u for u in urls if is_local(u)]
+    missing = [u for u in local if not Path(u).is_file()]
+    if missing:
+        report.error("data.urls", f"{len(missing)} of {len(urls)} shards not found", missing[0],
+                     hint="check the path and the brace range" if len(missing) < len(urls) else
+                     "paths are relative to the directory you run fsdpclip in")
+    needed = report.world_size * max(1, data.workers)
+    if not data.resampled and len(urls) < needed:
+        report.error("data.urls", f"{len(urls)} shards for {report.world_size} ranks × {max(1, data.workers)} "
+                     f"workers: some would get none", len(urls),
+                     hint=f"use ≥ {needed} shards, fewer workers, or data.resampled")
+
+
+def _check_eval(job: Job, report: Report) -> None:
+    for i, zs in enumerate(job.eval.zeroshot):
+        if zs.dataset == "folder" and zs.classnames is None:
+            report.error(f"eval.zeroshot[{i}].classnames", "a 'folder' dataset needs a class-name file")
+    if job.eval.every_steps is not None and not job.eval.zeroshot:
+        report.error("eval.every_steps", "set, but eval.zeroshot lists no dataset", job.eval.every_steps)
+
+
+def _check_eval_paths(job: Job, report: Report) -> None:
+    for i, zs in enumerate(job.eval.zeroshot):
+        where = f"eval.zeroshot[{i}]"
+        if not Path(zs.path).is_dir():
+            report.error(f"{where}.path", "directory not found", zs.path)
+        if zs.classnames is not None and not Path(zs.classnames).is_file():
+            report.error(f"{where}.classnames", "file not found", zs.classnames)
+        if zs.templates not in ("openai", "simple") and not Path(zs.templates).is_file():
+            report.error(f"{where}.templates", "not 'openai', 'simple' or an existing file", zs.templates)
+
+
+def _check_output_dir(job: Job, report: Report) -> None:
+    target = Path(job.run.output_dir) / job.run.name
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        report.error("run.output_dir", "not a directory", str(existing))
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        report.error("run.output_dir", "cannot create the run directory: no write permission", str(existing))
+
+
+def _check_precision(job: Job, report: Report) -> None:
+    fsdp = job.fsdp
+    scaler = fsdp.grad_scaler.enabled
+    if fsdp.param_dtype == "fp16" and scaler is False:
+        report.error("fsdp.grad_scaler.enabled", "fp16 training without loss scaling underflows gradients", False,
+                     hint="leave it 'auto' (a sharding-aware dynamic scaler) or use bf16")
+    if fsdp.param_dtype != "fp16" and scaler is True:
+        report.error("fsdp.grad_scaler.enabled", f"loss scaling is for fp16, not {fsdp.param_dtype}", True,
+                     hint="leave it 'auto'")
+    if {fsdp.param_dtype, fsdp.reduce_dtype} == {"bf16", "fp16"}:
+        report.error("fsdp.reduce_dtype", f"mixes fp16 and bf16 with param_dtype {fsdp.param_dtype}",
+                     fsdp.reduce_dtype, hint="reduce in fp32 or in the param dtype")
+    if job.launch.device == "cpu" and fsdp.param_dtype == "fp16":
+        report.error("fsdp.param_dtype", "fp16 is not supported on CPU", "fp16", hint="use bf16 or fp32")
+
+
+def _check_importable(module: str, location: str, report: Report) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        report.error(location, f"needs the '{module}' package", hint=f"pip install {module}")
+
+
+# ---------------------------------------------------------------------- summary
+def _summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],
+               steps: Optional[int], report: Report) -> None:
+    params = dict(model.named_parameters())
+    summary: dict = {"model": job.model.label, "class": type(model).__name__, "world_size": report.world_size}
+    tower_rows = {}
+    for name in TOWERS + ("shared",):
+        names = towers[name].parameters if name in towers else [n for n in SHARED_PARAMETERS if n in params]
+        total = count(params[n] for n in names)
+        trainable = count(params[n] for n in names if n not in frozen)
+        tower_rows[name] = {"parameters": total, "trainable": trainable, "frozen": total - trainable,
+                            "blocks": len(towers[name].blocks) if name in towers else 0,
+                            "block_classes": list(towers[name].block_classes) if name in towers else []}
+    summary["towers"] = tower_rows
+    summary["parameters"] = {k: sum(r[k] for r in tower_rows.values()) for k in ("parameters", "trainable", "frozen")}
+    units = plan_units(model, towers, job.fsdp)
+    summary["fsdp_units"] = _unit_rows(units, report.world_size)
+    summary["decay_groups"] = [{"rule": "default" if g.rule is None else f"decay_rules[{g.rule}]",
+                                "weight_decay": g.weight_decay, "tensors": len(g.names),
+                                "parameters": count(params[n] for n in g.names)} for g in groups]
+    world, batch = report.world_size, job.batch
+    summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
+                        "global": batch.per_gpu * batch.grad_accum * world, "steps": steps}
+    checkpointed = {m for t in TOWERS
+                    for m in instances(model.named_modules(), t, getattr(job.fsdp.activation_checkpointing, t))}
+    estimate = estimate_memory(job, units, activation_elements(model, towers, checkpointed), world)
+    summary["memory_gib"] = estimate.as_gib()
+    report.summary = summary
+    _check_memory(job, estimate, report)
+
+
+def _unit_rows(units: list[Unit], world_size: int) -> list[dict]:
+    """Units grouped by tower and class: count, parameters each, bytes per GPU (fp32 shards)."""
+    rows: dict[tuple, dict] = {}
+    for unit in units:
+        key = (unit.tower or "root", unit.cls, unit.numel)
+        row = rows.setdefault(key, {"tower": unit.tower or "root", "class": unit.cls, "count": 0,
+                                    "parameters_each": unit.numel, "shard_mib_each": 0.0,
+                                    "first": unit.module or "(root)"})
+        row["count"] += 1
+        row["shard_mib_each"] = round(unit.shard_numel(world_size) * 4 / 2 ** 20, 3)
+    return list(rows.values())
+
+
+def _check_memory(job: Job, estimate: MemoryEstimate, report: Report) -> None:
+    limit = job.launch.gpu_memory_gib
+    if limit is not None and estimate.total > limit * GIB:
+        report.warn("launch.gpu_memory_gib", f"estimated peak {estimate.total / GIB:.1f} GiB per GPU exceeds "
+                    f"{limit:g} GiB", limit, hint="more GPUs, activation checkpointing, CPU offload or a smaller batch")

@@ -1,0 +1,145 @@
+"""The `fsdpclip` command line: parse arguments, call the library, render with rich."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fsdpclip.problems import Problem, SpecError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
+data_app = typer.Typer(no_args_is_help=True, help="Build datasets.")
+app.add_typer(data_app, name="data", help="Build datasets (the offline digits demo).")
+console = Console()
+err_console = Console(stderr=True)
+
+USER_ERROR = 2
+
+
+def _fail(problems: list[Problem], as_json: bool = False) -> None:
+    """Show problems (table or JSON) and exit with the user-error code."""
+    if as_json:
+        print(json.dumps({"ok": False, "errors": [p.as_dict() for p in problems if p.severity == "error"],
+                          "warnings": [p.as_dict() for p in problems if p.severity == "warning"]}, indent=2))
+    else:
+        _problem_table(problems, err_console)
+    raise typer.Exit(USER_ERROR)
+
+
+def _problem_table(problems: list[Problem], out: Console) -> None:
+    errors = sum(p.severity == "error" for p in problems)
+    title = f"{errors} error{'s' * (errors != 1)}" if errors else "warnings"
+    table = Table(title=title, title_style="bold red" if errors else "bold yellow", show_lines=False)
+    for column in ("", "location", "problem", "value", "hint"):
+        table.add_column(column, overflow="fold")
+    for p in problems:
+        mark = "[red]✗[/red]" if p.severity == "error" else "[yellow]![/yellow]"
+        value = "" if p.value is None else repr(p.value)
+        table.add_row(mark, p.location, p.message, value, p.hint or "")
+    out.print(table)
+
+
+@app.command()
+def validate(
+    job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", min=1, help="Check for this many ranks."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Check for this many nodes."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="Check for this many GPUs per node."),
+    check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
+                                     help="Check that data, eval and weight files exist (off for cluster paths)."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Check a job spec and its meaning before any GPU is allocated."""
+    from fsdpclip.checks import check_job, world_size_of
+    from fsdpclip.spec import load_job
+
+    if world_size is not None and (nodes is not None or gpus_per_node is not None):
+        _fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
+    try:
+        job = load_job(job_file, overrides)
+    except SpecError as exc:
+        _fail(exc.problems, as_json)
+    report = check_job(job, world_size_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
+    if report.errors:
+        _fail(report.problems, as_json)
+    if as_json:
+        print(json.dumps({"ok": True, "errors": [], "warnings": [p.as_dict() for p in report.warnings],
+                          "summary": report.summary}, indent=2))
+        return
+    if report.warnings:
+        _problem_table(report.warnings, console)
+    _summary_tables(report.summary)
+    console.print(f"[bold green]✓[/bold green] {job_file} is valid for world size {report.world_size}")
+
+
+def _summary_tables(summary: dict) -> None:
+    params = Table(title=f"{summary['model']} ({summary['class']})")
+    for column in ("tower", "parameters", "trainable", "frozen", "blocks", "block class"):
+        params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
+    for tower, row in summary["towers"].items():
+        params.add_row(tower, f"{row['parameters']:,}", f"{row['trainable']:,}", f"{row['frozen']:,}",
+                       str(row["blocks"] or ""), ", ".join(row["block_classes"]))
+    total = summary["parameters"]
+    params.add_row("total", f"{total['parameters']:,}", f"{total['trainable']:,}", f"{total['frozen']:,}", "", "",
+                   style="bold")
+    console.print(params)
+
+    units = Table(title=f"FSDP units (world size {summary['world_size']})")
+    for column in ("tower", "class", "count", "parameters each", "fp32 shard each", "first"):
+        units.add_column(column, justify="right" if column in ("count", "parameters each", "fp32 shard each") else "left")
+    for row in summary["fsdp_units"]:
+        units.add_row(row["tower"], row["class"], str(row["count"]), f"{row['parameters_each']:,}",
+                      f"{row['shard_mib_each']:,.2f} MiB", row["first"])
+    console.print(units)
+
+    decay = Table(title="Weight decay groups (original parameter names)")
+    for column in ("rule", "weight decay", "tensors", "parameters"):
+        decay.add_column(column, justify="left" if column == "rule" else "right")
+    for row in summary["decay_groups"]:
+        decay.add_row(row["rule"], f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
+    console.print(decay)
+
+    memory = summary["memory_gib"]
+    mem = Table(title="Estimated memory per GPU (GiB)")
+    for key in ("parameters", "gradients", "optimizer", "unsharded", "activations", "total", "host"):
+        mem.add_column(key, justify="right")
+    mem.add_row(*(f"{memory[k]:.2f}" for k in ("parameters", "gradients", "optimizer", "unsharded", "activations",
+                                               "total", "host")))
+    console.print(mem)
+    batch = summary["batch"]
+    steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
+    console.print(f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
+                  f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the job spec."""
+    from fsdpclip.spec import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+
+
+@data_app.command("digits")
+def data_digits(
+    out_dir: Path = typer.Argument(..., help="Where to write the shards and the held-out split."),
+    shards: int = typer.Option(8, min=1, help="Number of training shards."),
+    seed: int = typer.Option(0, help="Seed of the split and the captions."),
+) -> None:
+    """Write scikit-learn's digits as webdataset shards with captions, plus a zero-shot split."""
+    from fsdpclip.digits import write_digits
+
+    try:
+        info = write_digits(out_dir, shards=shards, seed=seed)
+    except RuntimeError as exc:
+        err_console.print(f"[red]✗[/red] {exc}")
+        raise typer.Exit(USER_ERROR)
+    console.print(f"[green]✓[/green] {info['train_samples']} training pairs in {shards} shards "
+                  f"({info['train_urls']}), {info['test_samples']} held-out images in {info['test_dir']}")

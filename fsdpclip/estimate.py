@@ -1,0 +1,97 @@
+"""Per-GPU memory estimate of a job, computed on the meta device before anything is allocated."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from fsdpclip.model import Tower, image_shape, text_shape
+from fsdpclip.shard import Unit
+from fsdpclip.spec import Job
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Activations a transformer block keeps for backward, in elements per element of its output
+# (Korthikanti et al. 2022, 34·s·h bytes at 16 bits, with fused attention and no dropout).
+BLOCK_ACTIVATION_FACTOR = 17
+GIB = 1024 ** 3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU: the sharded state, the unsharded working copies and the activations."""
+
+    world_size: int
+    parameters: float  # fp32 master shards
+    gradients: float  # fp32 gradient shards (trainable only)
+    optimizer: float  # AdamW moments (trainable only)
+    unsharded: float  # gathered parameters and gradients of the units in flight
+    activations: float  # kept for backward, a rough figure
+    host: float  # sharded state held in CPU memory when offloaded
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.unsharded + self.activations
+
+    def as_gib(self) -> dict:
+        out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "world_size"}
+        out["total"] = round(self.total / GIB, 3)
+        out["world_size"] = self.world_size
+        return out
+
+
+def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed: set[str]) -> float:
+    """Activation elements one sample keeps for backward, from a forward on the meta device.
+
+    A block keeps BLOCK_ACTIVATION_FACTOR times its output, a checkpointed block only its input,
+    and a block before the first trainable parameter of its tower nothing at all.
+    """
+    sizes: dict[str, int] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            first = output[0] if isinstance(output, (tuple, list)) else output
+            sizes[name] = first.numel() // 2
+        return hook
+
+    blocks = [b for tower in towers.values() for b in tower.blocks]
+    handles = [model.get_submodule(name).register_forward_hook(record(name)) for name in blocks]
+    try:
+        with torch.device("meta"), torch.no_grad():
+            context, _ = text_shape(model)
+            model(torch.empty(2, *image_shape(model)), torch.zeros(2, context, dtype=torch.long))
+    finally:
+        for handle in handles:
+            handle.remove()
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    elements = 0.0
+    for tower in towers.values():
+        grad_flows = any(n in trainable for n in tower.parameters if tower.part_of(n) == "embeddings")
+        for index, name in enumerate(tower.blocks):
+            grad_flows = grad_flows or any(n in trainable for n in tower.parameters if tower.block_of(n) == index)
+            if not grad_flows:
+                continue
+            inside_checkpoint = any(name == c or name.startswith(c + ".") for c in checkpointed)
+            elements += sizes[name] if inside_checkpoint else BLOCK_ACTIVATION_FACTOR * sizes[name]
+    return elements
+
+
+def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, world_size: int) -> MemoryEstimate:
+    """Peak memory of one GPU for `job` at `world_size` (activation part from `activation_elements`)."""
+    fsdp, micro = job.fsdp, job.batch.per_gpu
+    param_bytes, reduce_bytes = DTYPE_BYTES[fsdp.param_dtype], DTYPE_BYTES[fsdp.reduce_dtype]
+    params = sum(u.shard_numel(world_size) for u in units) * 4
+    trainable_fraction = [u.trainable / u.numel if u.numel else 0.0 for u in units]
+    grads = sum(u.shard_numel(world_size) * f for u, f in zip(units, trainable_fraction)) * 4
+    optimizer = 2 * grads
+    root, blocks = units[-1], units[:-1]
+    largest = max((u.numel for u in blocks), default=0)
+    gathered_blocks = sum(u.numel for u in blocks) if not fsdp.reshard_after_forward else 2 * largest
+    unsharded = (root.numel + gathered_blocks) * param_bytes + max(largest, root.numel) * (param_bytes + reduce_bytes)
+    logits = 3 * micro * micro * world_size * 4
+    activations = activations_per_sample * micro * param_bytes + logits
+    host = 0.0
+    if fsdp.cpu_offload:
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    return MemoryEstimate(world_size, params, grads, optimizer, unsharded, activations, host)

@@ -1,0 +1,257 @@
+"""Build OpenCLIP models from the spec; find each tower's blocks; freeze ranges; weight-decay groups.
+
+Knows nothing of sharding: everything here works on the meta device as on real storage,
+and every name it returns is an original (unwrapped) parameter or module name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from fsdpclip.spec import TOWERS, DecayRule, FreezeSpec, ModelSpec
+
+# Repeated blocks of the tower families OpenCLIP can build (its own, timm and Hugging Face).
+KNOWN_BLOCK_CLASSES = (
+    "ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck",
+    "Block", "EvaBlock", "EvaBlockPostNorm", "ResPostBlock", "ConvNeXtBlock", "MbConvBlock", "MaxxVitBlock",
+    "T5Block", "MT5Block", "BertLayer", "RobertaLayer", "XLMRobertaLayer", "CLIPEncoderLayer",
+)
+SHARED_PARAMETERS = ("logit_scale", "logit_bias")
+# Parameters outside the blocks that come before them (embeddings, stems); the rest are the head.
+EMBEDDING_RE = re.compile(
+    r"(^|\.)(conv1|bn1|conv2|bn2|conv3|bn3|class_embedding|positional_embedding|ln_pre|token_embedding|"
+    r"patch_embed|cls_token|reg_token|pos_embed|embeddings|embed_tokens|shared|stem|cls_emb)(\.|$)")
+
+
+class ModelError(Exception):
+    """A model that cannot be built from the spec (message meant for the user)."""
+
+
+# ------------------------------------------------------------------------ building
+def model_config(spec: ModelSpec) -> dict:
+    """The OpenCLIP model config the spec asks for, with its tower overrides applied."""
+    import open_clip
+
+    if spec.config is not None:
+        try:
+            raw = json.loads(Path(spec.config).read_text())
+        except OSError as exc:
+            raise ModelError(f"cannot read model config: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"model config is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        cfg = raw.get("model_cfg", raw) if isinstance(raw, dict) else None
+        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(cfg, dict) or k not in cfg]
+        if missing:
+            raise ModelError(f"model config lacks {', '.join(missing)}")
+    else:
+        cfg = open_clip.get_model_config(spec.name)
+        if cfg is None:
+            raise ModelError(f"unknown OpenCLIP model '{spec.name}'")
+    vision, text = cfg["vision_cfg"], cfg["text_cfg"]
+    if spec.quick_gelu:
+        cfg["quick_gelu"] = True
+    if spec.image.patch_dropout is not None:
+        vision["patch_dropout"] = spec.image.patch_dropout
+    if spec.image.image_size is not None:
+        vision["image_size"] = spec.image.image_size
+    if spec.text.context_length is not None:
+        text["context_length"] = spec.text.context_length
+    # Never download: towers start from random weights or the spec's local files.
+    if "timm_model_name" in vision:
+        vision["timm_model_pretrained"] = False
+    if "hf_model_name" in text:
+        text["hf_model_pretrained"] = False
+    return cfg
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Module:
+    """Instantiate the OpenCLIP model (random init; `meta` allocates nothing).
+
+    `logit_scale`/`logit_bias` become 1-element tensors, which FSDP2 can shard; export
+    turns them back into OpenCLIP's 0-d shape.
+    """
+    import open_clip
+    from open_clip.transform import PreprocessCfg, merge_preprocess_dict
+    from dataclasses import asdict
+
+    cfg = model_config(spec)
+    text_cfg = cfg["text_cfg"]
+    custom_text = cfg.pop("custom_text", False) or "hf_model_name" in text_cfg
+    if custom_text and "multimodal_cfg" in cfg:
+        model_class = open_clip.CoCa
+    elif custom_text:
+        model_class = open_clip.CustomTextCLIP
+    else:
+        model_class = open_clip.CLIP
+    try:
+        with torch.device(device):
+            model = model_class(**cfg, nonscalar_logit_scale=True)
+    except (ImportError, RuntimeError) as exc:
+        raise ModelError(str(exc)) from None
+    except (TypeError, ValueError, AssertionError, KeyError) as exc:
+        raise ModelError(f"model config does not build: {type(exc).__name__}: {exc}") from None
+    size = getattr(model.visual, "image_size", None)
+    preprocess = merge_preprocess_dict(asdict(PreprocessCfg()), {"size": size} if size else {})
+    open_clip.model.set_model_preprocess_cfg(model, preprocess)
+    return model
+
+
+def count(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def image_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(channels, height, width) of the images the model takes."""
+    size = model.visual.preprocess_cfg["size"]
+    height, width = (size, size) if isinstance(size, int) else size
+    return 3, height, width
+
+
+def text_shape(model: nn.Module) -> tuple[int, int]:
+    """(context length, vocabulary size) of the token ids the model takes."""
+    text = getattr(model, "text", model)
+    config = getattr(getattr(text, "transformer", None), "config", None)
+    context = getattr(text, "context_length", None) or getattr(config, "max_position_embeddings", 77)
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size")
+    return context, vocab
+
+
+def original_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Parameter shapes as OpenCLIP defines them (its logit scale and bias are 0-d)."""
+    return {name: torch.Size([]) if name in SHARED_PARAMETERS else p.shape for name, p in model.named_parameters()}
+
+
+# -------------------------------------------------------------------------- towers
+def tower_of(name: str) -> Optional[str]:
+    """Which tower an original parameter or module name belongs to (None: shared logit scale/bias)."""
+    if name == "visual" or name.startswith("visual."):
+        return "image"
+    if name in SHARED_PARAMETERS or name == "":
+        return None
+    return "text"
+
+
+@dataclass
+class Tower:
+    """One tower of a CLIP model: its repeated blocks and its parameters, by original name."""
+
+    name: str
+    block_classes: tuple[str, ...]
+    blocks: list[str] = field(default_factory=list)
+    parameters: list[str] = field(default_factory=list)
+    classes: set[str] = field(default_factory=set)
+
+    def block_of(self, parameter: str) -> Optional[int]:
+        """Index of the block holding `parameter`, or None outside the blocks."""
+        for index, block in enumerate(self.blocks):
+            if parameter.startswith(block + "."):
+                return index
+        return None
+
+    def part_of(self, parameter: str) -> str:
+        """'block', 'embeddings' (before the blocks) or 'head' (after them)."""
+        if self.block_of(parameter) is not None:
+            return "block"
+        return "embeddings" if EMBEDDING_RE.search(parameter) else "head"
+
+
+def find_towers(model: nn.Module, spec: ModelSpec) -> dict[str, Tower]:
+    """The image and text towers of `model` with their blocks in forward order."""
+    overrides = {"image": spec.image.block_classes, "text": spec.text.block_classes}
+    modules = {name: module for name, module in model.named_modules() if name}
+    classes: dict[str, set[str]] = {t: set() for t in TOWERS}
+    for name, module in modules.items():
+        classes[tower_of(name)].add(type(module).__name__)
+    towers = {}
+    for tower_name in TOWERS:
+        wanted = overrides[tower_name]
+        block_classes = tuple(wanted) if wanted is not None else tuple(
+            c for c in KNOWN_BLOCK_CLASSES if c in classes[tower_name])
+        towers[tower_name] = Tower(tower_name, block_classes, instances(modules.items(), tower_name, block_classes),
+                                   classes=classes[tower_name])
+    for name, _ in model.named_parameters():
+        if tower_of(name) is not None:
+            towers[tower_of(name)].parameters.append(name)
+    return towers
+
+
+def instances(modules: Iterable[tuple[str, nn.Module]], tower: str, class_names: Iterable[str]) -> list[str]:
+    """Names of the outermost modules of `tower` whose class is in `class_names`, in order."""
+    class_names = set(class_names)
+    found: list[str] = []
+    for name, module in modules:
+        if tower_of(name) == tower and type(module).__name__ in class_names:
+            if not any(name.startswith(outer + ".") for outer in found):
+                found.append(name)
+    return found
+
+
+# -------------------------------------------------------------------------- freeze
+def parse_slice(text: str) -> slice:
+    """'0:-1' -> slice(0, -1); the spec has already checked the syntax."""
+    parts = [p.strip() for p in text.split(":")]
+    return slice(*(int(p) if p else None for p in parts))
+
+
+def slice_problem(text: str, length: int) -> Optional[str]:
+    """Why a freeze slice does not fit `length` blocks, or None."""
+    chosen = parse_slice(text)
+    for bound in (chosen.start, chosen.stop):
+        if bound is not None and not -length <= bound <= length:
+            return f"index {bound} is out of range for {length} blocks"
+    if not range(length)[chosen]:
+        return f"selects none of the {length} blocks"
+    return None
+
+
+def frozen_names(towers: dict[str, Tower], freeze: FreezeSpec) -> set[str]:
+    """Original names of the parameters the freeze spec turns off."""
+    frozen: set[str] = set()
+    for tower in towers.values():
+        rule = getattr(freeze, tower.name)
+        blocks = set(range(len(tower.blocks))[parse_slice(rule.blocks)]) if rule.blocks else set()
+        for name in tower.parameters:
+            part = tower.part_of(name)
+            if (part == "block" and tower.block_of(name) in blocks) or (part == "embeddings" and rule.embeddings) \
+                    or (part == "head" and rule.head):
+                frozen.add(name)
+    if freeze.logit_scale:
+        frozen.update(SHARED_PARAMETERS)
+    return frozen
+
+
+def apply_freeze(model: nn.Module, frozen: set[str]) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+
+
+# --------------------------------------------------------------------- weight decay
+def rule_matches(rule: DecayRule, name: str, ndim: int) -> bool:
+    return (rule.pattern is None or re.search(rule.pattern, name) is not None) and \
+        (rule.max_ndim is None or ndim <= rule.max_ndim)
+
+
+@dataclass
+class DecayGroup:
+    """Parameters sharing one weight decay; `rule` is the index of the rule that chose it (None: default)."""
+
+    weight_decay: float
+    rule: Optional[int]
+    names: list[str] = field(default_factory=list)
+
+
+def decay_groups(shapes: dict[str, torch.Size], rules: list[DecayRule], default_decay: float) -> list[DecayGroup]:
+    """Split parameters (original name -> shape) into groups by the first matching rule."""
+    groups: dict[Optional[int], DecayGroup] = {}
+    for name, shape in shapes.items():
+        index = next((i for i, rule in enumerate(rules) if rule_matches(rule, name, len(shape))), None)
+        decay = rules[index].weight_decay if index is not None else default_decay
+        groups.setdefault(index, DecayGroup(decay, index)).names.append(name)
+    return [groups[k] for k in sorted(groups, key=lambda k: (k is None, k if k is not None else 0))]

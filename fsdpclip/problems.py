@@ -1,0 +1,59 @@
+"""Problems found in a job: where (JSON location), what, the bad value and a hint."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Literal, Optional
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One mistake in a job spec, located by its JSON path (e.g. `fsdp.wrap.image[1]`)."""
+
+    location: str
+    message: str
+    value: Any = None
+    hint: Optional[str] = None
+    severity: Literal["error", "warning"] = "error"
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["value"] = _jsonable(self.value)
+        return out
+
+    def __str__(self) -> str:
+        text = f"{self.location}: {self.message}"
+        if self.value is not None:
+            text += f" (got {self.value!r})"
+        if self.hint:
+            text += f"; {self.hint}"
+        return text
+
+
+class SpecError(Exception):
+    """A job spec that cannot be used; carries every problem found."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def closest(word: str, candidates: Iterable[str], n: int = 1, cutoff: float = 0.6) -> Optional[str]:
+    """The closest candidate to `word`, or None; several with n > 1, joined by ', '."""
+    candidates = list(candidates)
+    lowered = {c.lower(): c for c in candidates}
+    matches = difflib.get_close_matches(word.lower(), list(lowered), n=n, cutoff=cutoff)
+    if not matches:
+        return None
+    return ", ".join(lowered[m] for m in matches)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)

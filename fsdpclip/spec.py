@@ -1,0 +1,500 @@
+"""The job spec: one JSON document that describes a whole training job.
+
+Pure data: pydantic models with `extra="forbid"` everywhere, no torch. Structural
+problems come back as `Problem`s with JSON locations; meaning (does the model
+exist, do the regexes match) is checked later by `fsdpclip.checks`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from fsdpclip.problems import Problem, SpecError, closest
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+TOWERS = ("image", "text")
+SLICE_RE = re.compile(r"^\s*-?\d*\s*:\s*-?\d*\s*(:\s*-?\d+\s*)?$")
+
+
+class Section(BaseModel):
+    """Base of every spec block: unknown keys are errors, never ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# --------------------------------------------------------------------------- run
+class RunSpec(Section):
+    name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Directory that holds run directories (created if missing).")
+    seed: int = Field(0, ge=0, description="Seed for initialisation, data order and dropout.")
+
+
+# ------------------------------------------------------------------------- model
+class ImageTowerSpec(Section):
+    image_size: Optional[int] = Field(None, gt=0, description="Override the image size of the model config.")
+    patch_dropout: Optional[float] = Field(
+        None, ge=0.0, lt=1.0, description="Fraction of patches dropped during training (ViT towers).")
+    pretrained: Optional[str] = Field(None, description="Local weights file for the image tower only.")
+    block_classes: Optional[list[str]] = Field(
+        None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
+                          "default: the known block classes found in the tower.")
+
+
+class TextTowerSpec(Section):
+    context_length: Optional[int] = Field(None, gt=0, description="Override the text context length.")
+    pretrained: Optional[str] = Field(None, description="Local weights file for the text tower only.")
+    block_classes: Optional[list[str]] = Field(
+        None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
+                          "default: the known block classes found in the tower.")
+
+
+class ModelSpec(Section):
+    name: Optional[str] = Field(None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()).")
+    config: Optional[str] = Field(
+        None, description="Path to a local OpenCLIP model-config JSON (embed_dim, vision_cfg, text_cfg); "
+                          "instead of `name`.")
+    pretrained: Optional[str] = Field(
+        None, description="Local OpenCLIP checkpoint (.pt, .bin or .safetensors) for the whole model. No hub downloads.")
+    quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
+    image: ImageTowerSpec = Field(default_factory=ImageTowerSpec, description="Image tower options.")
+    text: TextTowerSpec = Field(default_factory=TextTowerSpec, description="Text tower options.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if (self.name is None) == (self.config is None):
+            raise ValueError("give exactly one of `name` (an OpenCLIP architecture) or `config` (a model-config file)")
+        return self
+
+    @property
+    def label(self) -> str:
+        """A short name for logs and eval output."""
+        return self.name or Path(self.config).stem
+
+
+# -------------------------------------------------------------------------- fsdp
+class WrapSpec(Section):
+    image: Optional[list[str]] = Field(
+        None, description="Module classes of the image tower sharded as their own FSDP units; default: its blocks.")
+    text: Optional[list[str]] = Field(
+        None, description="Module classes of the text tower sharded as their own FSDP units; default: its blocks.")
+
+
+class ActivationCheckpointSpec(Section):
+    image: list[str] = Field(default_factory=list, description="Image-tower module classes to activation-checkpoint.")
+    text: list[str] = Field(default_factory=list, description="Text-tower module classes to activation-checkpoint.")
+
+
+class GradScalerSpec(Section):
+    enabled: Union[Literal["auto"], bool] = Field(
+        "auto", description="Dynamic loss scaling for fp16 ('auto': on exactly when param_dtype is fp16).")
+    init_scale: float = Field(2.0 ** 16, gt=0, description="Initial loss scale.")
+    growth_interval: int = Field(2000, gt=0, description="Steps without overflow before the scale doubles.")
+
+
+class FsdpSpec(Section):
+    wrap: WrapSpec = Field(default_factory=WrapSpec, description="Which modules become FSDP units, per tower.")
+    reshard_after_forward: bool = Field(
+        True, description="Free unsharded parameters after forward (less memory, one more all-gather in backward).")
+    param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
+    reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    activation_checkpointing: ActivationCheckpointSpec = Field(
+        default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in backward.")
+    compile: bool = Field(False, description="torch.compile each FSDP unit's module before sharding.")
+    grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
+
+
+# ------------------------------------------------------------------------ freeze
+class TowerFreezeSpec(Section):
+    blocks: Optional[str] = Field(
+        None, description="Python slice of the tower's blocks to freeze, e.g. '0:-1' (all but the last), ':' (all).")
+    embeddings: bool = Field(False, description="Freeze the parts before the blocks (patch/token and position embeddings).")
+    head: bool = Field(False, description="Freeze the parts after the blocks (final norms, pooling, projection).")
+
+    @field_validator("blocks")
+    @classmethod
+    def _slice(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not SLICE_RE.match(value):
+            raise ValueError("must be a Python slice 'start:stop[:step]', e.g. '0:-1'")
+        if value is not None and value.count(":") == 2 and int(value.split(":")[2]) == 0:
+            raise ValueError("slice step cannot be zero")
+        return value
+
+
+class FreezeSpec(Section):
+    image: TowerFreezeSpec = Field(default_factory=TowerFreezeSpec, description="Frozen parts of the image tower.")
+    text: TowerFreezeSpec = Field(default_factory=TowerFreezeSpec, description="Frozen parts of the text tower.")
+    logit_scale: bool = Field(False, description="Freeze the learned temperature (and bias, if any).")
+
+
+# --------------------------------------------------------------------- optimizer
+class DecayRule(Section):
+    pattern: Optional[str] = Field(
+        None, description="Regex searched in the original (unwrapped) parameter name, e.g. 'visual\\.proj$'.")
+    max_ndim: Optional[int] = Field(None, ge=0, description="Only tensors with at most this many dims (1: biases, norms).")
+    weight_decay: float = Field(description="Weight decay for the parameters this rule matches first.", ge=0.0)
+
+    @model_validator(mode="after")
+    def _selective(self) -> "DecayRule":
+        if self.pattern is None and self.max_ndim is None:
+            raise ValueError("a decay rule needs `pattern`, `max_ndim` or both")
+        return self
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+NO_DECAY_PATTERN = r"(^|\.)bias$|logit_(scale|bias)$|norm|(^|\.)ln_|embed|cls_token|reg_token"
+DEFAULT_DECAY_RULES = [
+    DecayRule(max_ndim=1, weight_decay=0.0),
+    DecayRule(pattern=NO_DECAY_PATTERN, weight_decay=0.0),
+]
+
+
+class OptimizerSpec(Section):
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
+    eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.2, ge=0, description="Weight decay of parameters that no decay rule matches.")
+    grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the global gradient norm to this value.")
+    decay_rules: list[DecayRule] = Field(
+        default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
+        description="Ordered weight-decay rules over the original parameter names; the first match wins, "
+                    "unmatched parameters get `weight_decay`. Default: no decay for tensors of fewer than 2 dims, "
+                    "biases, norms, logit_scale and embeddings.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("both betas must lie in [0, 1)")
+        return value
+
+
+# ---------------------------------------------------------------------- schedule
+class ScheduleSpec(Section):
+    kind: Literal["cosine", "constant"] = Field("cosine", description="LR shape after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
+    steps: Optional[int] = Field(None, gt=0, description="Total optimizer steps (instead of `epochs`).")
+    epochs: Optional[int] = Field(
+        None, gt=0, description="Epochs of `data.samples` samples (instead of `steps`; default 1 when neither is set).")
+    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule.")
+
+    @field_validator("epochs")
+    @classmethod
+    def _one_length(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if value is not None and info.data.get("steps") is not None:
+            raise ValueError("give `steps` or `epochs`, not both")
+        return value
+
+
+# -------------------------------------------------------------------------- data
+class WebDatasetSpec(Section):
+    source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
+    urls: Union[str, list[str]] = Field(
+        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'.")
+    samples: int = Field(gt=0, description="Samples in one epoch (the sum over all shards).")
+    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, equal epochs per rank).")
+    shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
+    workers: int = Field(4, ge=0, description="DataLoader workers per rank.")
+    image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
+    text_key: str = Field("txt", description="Sample key of the caption.")
+
+
+class SyntheticSpec(Section):
+    source: Literal["synthetic"] = Field(description="Random images and tokens generated on the device (benchmarks).")
+    samples: Optional[int] = Field(None, gt=0, description="Samples in one epoch (needed only with `schedule.epochs`).")
+
+
+def _data_tag(value: Any) -> str:
+    return value.get("source", "webdataset") if isinstance(value, dict) else getattr(value, "source", "webdataset")
+
+
+DataSpec = Annotated[
+    Union[Annotated[WebDatasetSpec, Tag("webdataset")], Annotated[SyntheticSpec, Tag("synthetic")]],
+    Discriminator(_data_tag),
+]
+
+
+# ------------------------------------------------------------------------- batch
+class BatchSpec(Section):
+    per_gpu: int = Field(gt=0, description="Micro batch per GPU (per process) and forward.")
+    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step.")
+    global_batch: Optional[int] = Field(
+        None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
+                                "per_gpu × grad_accum × world size.")
+
+
+# -------------------------------------------------------------------------- loss
+class ClipLossSpec(Section):
+    kind: Literal["clip"] = Field("clip", description="Contrastive softmax loss (CLIP).")
+    local_loss: bool = Field(True, description="Each rank computes the loss of its own rows against the global batch.")
+    gather_with_grad: bool = Field(
+        True, description="Gather features with gradient (needed for the exact global-batch gradient).")
+
+
+class SigLipLossSpec(Section):
+    kind: Literal["siglip"] = Field(description="Sigmoid loss (SigLIP); the model needs a learned logit bias.")
+    exchange: Literal["bidir", "shift", "reduce", "gather"] = Field(
+        "bidir", description="How text features travel between ranks.")
+
+
+def _kind_tag(value: Any) -> str:
+    return value.get("kind", "clip") if isinstance(value, dict) else getattr(value, "kind", "clip")
+
+
+LossSpec = Annotated[
+    Union[Annotated[ClipLossSpec, Tag("clip")], Annotated[SigLipLossSpec, Tag("siglip")]],
+    Discriminator(_kind_tag),
+]
+
+
+# -------------------------------------------------------------------------- eval
+class ZeroShotSpec(Section):
+    dataset: Literal["digits", "imagenet", "folder"] = Field(
+        description="'digits' (the demo split), 'imagenet' (a val folder of synset folders, or CLIP_benchmark "
+                    "webdataset) or 'folder' (one folder per class).")
+    path: str = Field(description="Dataset directory.")
+    classnames: Optional[str] = Field(None, description="File with one class name per line (needed for 'folder').")
+    templates: str = Field("openai", description="'openai', 'simple' or a file with one '{c}'-template per line.")
+    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images.")
+
+
+class EvalSpec(Section):
+    zeroshot: list[ZeroShotSpec] = Field(default_factory=list, description="Zero-shot classification sets.")
+    every_steps: Optional[int] = Field(None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
+    at_end: bool = Field(True, description="Evaluate after the last step.")
+    batch_per_gpu: int = Field(64, gt=0, description="Images per GPU and forward during evaluation.")
+
+
+# -------------------------------------------------------------------- checkpoint
+class CheckpointSpec(Section):
+    every_steps: Optional[int] = Field(None, gt=0, description="Save a sharded checkpoint every N optimizer steps.")
+    at_end: bool = Field(True, description="Save after the last step.")
+    keep: int = Field(2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
+    resume: Optional[str] = Field(
+        "latest", description="'latest': resume from the newest complete checkpoint of the run, if any; "
+                              "a path: resume from that checkpoint; null: always start fresh.")
+    async_save: bool = Field(False, description="Write checkpoints in the background while training goes on.")
+
+
+# ----------------------------------------------------------------------- logging
+class LoggingSpec(Section):
+    every_steps: int = Field(10, gt=0, description="Write metrics.jsonl (and TensorBoard) every N optimizer steps.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files (needs `tensorboard`).")
+    peak_tflops: Optional[float] = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one device for MFU; default: a table of known GPUs.")
+
+
+# ------------------------------------------------------------------------ launch
+class SlurmSpec(Section):
+    partition: Optional[str] = Field(None, description="sbatch --partition.")
+    account: Optional[str] = Field(None, description="sbatch --account.")
+    qos: Optional[str] = Field(None, description="sbatch --qos.")
+    time: Optional[str] = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
+                                description="sbatch --time, e.g. '2-00:00:00' or '04:00:00'.")
+    cpus_per_task: Optional[int] = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node).")
+    requeue: bool = Field(True, description="Requeue the job after preemption or a time-limit signal.")
+    signal_seconds: int = Field(120, gt=0, description="Send USR1 this many seconds before the time limit.")
+    extra_sbatch: list[str] = Field(default_factory=list, description="More '#SBATCH' options, e.g. '--exclusive'.")
+    setup: list[str] = Field(default_factory=list,
+                             description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables exported in the batch script.")
+
+
+class LaunchSpec(Section):
+    nodes: int = Field(1, gt=0, description="Number of nodes.")
+    gpus_per_node: int = Field(1, gt=0, description="Processes per node: one per GPU (or CPU processes with device 'cpu').")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
+    gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against.")
+    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for every rank (e.g. NCCL_*).")
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# --------------------------------------------------------------------------- job
+class Job(Section):
+    schema_ref: Optional[str] = Field(None, alias="$schema", description="JSON Schema reference for editors; ignored.")
+    run: RunSpec = Field(default_factory=RunSpec, description="Run name, output directory and seed.")
+    model: ModelSpec = Field(description="The OpenCLIP model and its towers.")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Sharding, precision, offload, checkpointing, compile.")
+    freeze: FreezeSpec = Field(default_factory=FreezeSpec, description="Frozen ranges of either tower.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW, clipping and weight-decay rules.")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Training length and LR schedule.")
+    data: DataSpec = Field(description="Training data: webdataset shards or a synthetic source.")
+    batch: BatchSpec = Field(description="Batch sizes and gradient accumulation.")
+    loss: LossSpec = Field(default_factory=ClipLossSpec, description="Contrastive loss: CLIP or SigLIP.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Zero-shot evaluation during and after training.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Sharded checkpoints and resume.")
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics and TensorBoard.")
+    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="Nodes, processes per node and Slurm options.")
+
+    def to_json(self) -> str:
+        """The resolved spec as indented JSON (every default spelled out)."""
+        return self.model_dump_json(indent=2, by_alias=True, exclude={"schema_ref"}) + "\n"
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a job spec (committed as schemas/job.schema.json)."""
+    schema = Job.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "fsdpclip job spec"
+    return schema
+
+
+# ------------------------------------------------------------------------ loading
+def read_job_dict(path: Path) -> dict:
+    """Read a job file as a dict; a missing file or bad JSON is a SpecError."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SpecError([Problem("(file)", f"cannot read job file: {exc.strerror}", value=str(path))]) from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError([Problem("(file)", f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                                 value=str(path))]) from None
+    if not isinstance(raw, dict):
+        raise SpecError([Problem("(file)", "a job spec must be a JSON object", value=type(raw).__name__)])
+    return raw
+
+
+def apply_overrides(raw: dict, assignments: list[str]) -> dict:
+    """Apply `a.b=value` overrides (value parsed as JSON, else taken as a string)."""
+    raw = copy.deepcopy(raw)
+    problems = []
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key.strip():
+            problems.append(Problem("--set", "expected KEY=VALUE with a dotted key, e.g. batch.per_gpu=64",
+                                    value=assignment))
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = raw
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(Problem(key, f"cannot set a key inside '{part}', which is not an object",
+                                        value=child))
+                break
+            node = child
+        else:
+            node[leaf] = value
+    if problems:
+        raise SpecError(problems)
+    return raw
+
+
+def parse_job(raw: dict) -> Job:
+    """Validate a raw dict into a Job; every structural problem at once as a SpecError."""
+    try:
+        return Job.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError([_problem(error) for error in exc.errors()]) from None
+
+
+def load_job(path: Path, overrides: Optional[list[str]] = None) -> Job:
+    """Read, override and validate a job file."""
+    return parse_job(apply_overrides(read_job_dict(path), overrides or []))
+
+
+def _problem(error: dict) -> Problem:
+    """Turn one pydantic error into a Problem with a JSON location and a hint."""
+    path, model = _json_path(error["loc"])
+    kind, message, value = error["type"], error["msg"], error.get("input")
+    hint = None
+    if kind == "extra_forbidden":
+        known = list(model.model_fields) if model is not None else []
+        aliases = [f.alias for f in model.model_fields.values() if f.alias] if model is not None else []
+        message = "unknown key"
+        value = path[-1] if path else value
+        match = closest(str(value), known + aliases)
+        hint = f"did you mean '{match}'?" if match else (f"known keys: {', '.join(known)}" if known else None)
+    elif kind == "missing":
+        message, value = "required key is missing", None
+    elif kind == "union_tag_invalid":
+        message = f"unknown {'data source' if path == ['data'] else 'kind'} '{error['ctx']['tag']}'"
+        hint = f"one of {error['ctx']['expected_tags']}"
+    elif kind == "value_error":
+        message = message.removeprefix("Value error, ")
+        value = None if isinstance(value, dict) else value
+    elif kind == "literal_error":
+        hint = message.replace("Input should be", "expected")
+        message = "value not allowed"
+    return Problem(_format_path(path), message, value=value, hint=hint)
+
+
+UNION_MEMBERS = {
+    "data": {"webdataset": WebDatasetSpec, "synthetic": SyntheticSpec},
+    "loss": {"clip": ClipLossSpec, "siglip": SigLipLossSpec},
+}
+
+
+def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
+    """Drop union tags from a pydantic location; return it with the model owning its last key."""
+    model: Optional[type[BaseModel]] = Job
+    path: list = []
+    members: Optional[dict] = None
+    for part in loc:
+        if members is not None:
+            model, members = members.get(part), None
+            if model is not None:
+                continue
+        path.append(part)
+        if model is None or isinstance(part, int) or part not in model.model_fields:
+            continue
+        if model is Job and part in UNION_MEMBERS:
+            members, model = UNION_MEMBERS[part], None
+        else:
+            model = _model_in(model.model_fields[part].annotation)
+    return path, model
+
+
+def _model_in(annotation: Any) -> Optional[type[BaseModel]]:
+    """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _format_path(path: list) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(root)"

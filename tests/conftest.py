@@ -1,0 +1,62 @@
+"""Shared fixtures: the CLI runner, the tiny model config and the demo digits data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fsdpclip.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_CONFIG = REPO / "examples" / "models" / "tiny-clip.json"
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> Path:
+    """The digits demo data, built once per test session."""
+    from fsdpclip.digits import write_digits
+
+    out = tmp_path_factory.mktemp("digits")
+    write_digits(out, shards=8)
+    return out
+
+
+@pytest.fixture
+def tiny_job(tmp_path, digits_dir) -> dict:
+    """A valid tiny job (2 CPU ranks) on the digits shards, as a dict to edit."""
+    return {
+        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 1},
+        "batch": {"per_gpu": 16},
+        "launch": {"gpus_per_node": 2, "device": "cpu"},
+    }
+
+
+def write_job(tmp_path: Path, job: dict, name: str = "job.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(job))
+    return path
+
+
+class Cli:
+    """Runs `fsdpclip` in-process and parses --json output."""
+
+    def __init__(self):
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str):
+        return self.runner.invoke(app, [str(a) for a in args])
+
+    def validate_json(self, path: Path, *extra: str) -> tuple[int, dict]:
+        result = self("validate", path, "--json", *extra)
+        return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.fixture
+def cli() -> Cli:
+    return Cli()

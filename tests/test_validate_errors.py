@@ -1,0 +1,153 @@
+"""`fsdpclip validate` on bad inputs: exit code 2, the JSON location and the message, all at once."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+from conftest import write_job
+
+
+def _set(job: dict, dotted: str, value) -> dict:
+    job = copy.deepcopy(job)
+    *parents, leaf = dotted.split(".")
+    node = job
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return job
+
+
+def _drop(job: dict, dotted: str) -> dict:
+    job = copy.deepcopy(job)
+    *parents, leaf = dotted.split(".")
+    node = job
+    for part in parents:
+        node = node[part]
+    del node[leaf]
+    return job
+
+
+# (case id, edit of the valid tiny job, expected location, words of the message, words of the hint)
+CASES = [
+    ("unknown-top-key", lambda j: _set(j, "optimiser", {"lr": 1e-3}), "optimiser", "unknown key", "optimizer"),
+    ("unknown-nested-key", lambda j: _set(j, "fsdp.reshard_after_fwd", False), "fsdp.reshard_after_fwd",
+     "unknown key", "reshard_after_forward"),
+    ("wrong-type-in-list", lambda j: _set(j, "fsdp.wrap", {"image": ["ResidualAttentionBlock", 3]}),
+     "fsdp.wrap.image[1]", "valid string", None),
+    ("bad-dtype", lambda j: _set(j, "fsdp.param_dtype", "bf32"), "fsdp.param_dtype", "not allowed", "bf16"),
+    ("bad-regex", lambda j: _set(j, "optimizer.decay_rules", [{"pattern": "visual.(", "weight_decay": 0}]),
+     "optimizer.decay_rules[0].pattern", "regular expression", None),
+    ("regex-matches-nothing", lambda j: _set(j, "optimizer.decay_rules",
+                                             [{"max_ndim": 1, "weight_decay": 0},
+                                              {"pattern": "^visual\\.nonexistent", "weight_decay": 0}]),
+     "optimizer.decay_rules[1]", "matches no parameter", "parameter names look like"),
+    ("unknown-model", lambda j: _set(j, "model", {"name": "ViT-B-33"}), "model.name", "unknown OpenCLIP model",
+     "ViT-B-32"),
+    ("name-and-config", lambda j: _set(j, "model.name", "ViT-B-32"), "model", "exactly one of", None),
+    ("missing-model-config", lambda j: _set(j, "model.config", "/nonexistent/cfg.json"), "model.config",
+     "cannot read model config", None),
+    ("wrap-class-missing", lambda j: _set(j, "fsdp.wrap", {"image": ["ResidualAttentionBlok"]}),
+     "fsdp.wrap.image[0]", "no module of class", "ResidualAttentionBlock"),
+    ("checkpoint-class-missing", lambda j: _set(j, "fsdp.activation_checkpointing", {"text": ["Bottleneck"]}),
+     "fsdp.activation_checkpointing.text[0]", "no module of class", "ResidualAttentionBlock"),
+    ("freeze-out-of-range", lambda j: _set(j, "freeze", {"image": {"blocks": "0:40"}}), "freeze.image.blocks",
+     "out of range for 2 blocks", None),
+    ("freeze-empty", lambda j: _set(j, "freeze", {"text": {"blocks": "1:1"}}), "freeze.text.blocks",
+     "selects none", None),
+    ("freeze-syntax", lambda j: _set(j, "freeze", {"image": {"blocks": "first"}}), "freeze.image.blocks",
+     "Python slice", None),
+    ("global-batch", lambda j: _set(j, "batch.global_batch", 100), "batch.global_batch",
+     "16 × grad_accum 1 × world size 2 = 32", None),
+    ("shards-missing", lambda j: _set(j, "data.urls", "/nonexistent/shard-{0..3}.tar"), "data.urls",
+     "4 of 4 shards not found", None),
+    ("too-few-shards", lambda j: _set(j, "data.workers", 8), "data.urls", "8 shards for 2 ranks × 8 workers",
+     "≥ 16 shards"),
+    ("fp16-no-scaler", lambda j: _set(j, "fsdp", {"param_dtype": "fp16", "grad_scaler": {"enabled": False}}),
+     "fsdp.grad_scaler.enabled", "underflows", None),
+    ("siglip-without-bias", lambda j: _set(j, "loss", {"kind": "siglip"}), "loss.kind", "logit bias", None),
+    ("clip-option-with-siglip", lambda j: _set(j, "loss", {"kind": "siglip", "local_loss": False}),
+     "loss.local_loss", "unknown key", None),
+    ("unknown-loss", lambda j: _set(j, "loss", {"kind": "infonce"}), "loss", "unknown kind 'infonce'", "siglip"),
+    ("steps-and-epochs", lambda j: _set(j, "schedule", {"steps": 10, "epochs": 2}), "schedule.epochs",
+     "not both", None),
+    ("missing-data", lambda j: _drop(j, "data"), "data", "required key is missing", None),
+    ("unknown-source", lambda j: _set(j, "data", {"source": "parquet"}), "data", "unknown data source", "synthetic"),
+    ("warmup-too-long", lambda j: _set(j, "schedule", {"warmup_steps": 1000}), "schedule.warmup_steps",
+     "longer than the whole run (44 steps)", None),
+    ("eval-without-sets", lambda j: _set(j, "eval", {"every_steps": 10}), "eval.every_steps", "no dataset", None),
+    ("pretrained-missing", lambda j: _set(j, "model.pretrained", "/nonexistent/w.pt"), "model.pretrained",
+     "file not found", None),
+    ("unknown-key-in-union-member", lambda j: _set(j, "data.shuffle", 10), "data.shuffle", "unknown key",
+     "shuffle_buffer"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_located(case, cli, tiny_job, tmp_path):
+    _, edit, location, message, hint = case
+    code, out = cli.validate_json(write_job(tmp_path, edit(tiny_job)))
+    assert code == 2
+    assert out["ok"] is False
+    match = [e for e in out["errors"] if e["location"] == location]
+    assert match, f"no error at {location}: {out['errors']}"
+    assert message in match[0]["message"], match[0]
+    if hint:
+        assert hint in (match[0]["hint"] or ""), match[0]
+
+
+def test_every_error_at_once(cli, tiny_job, tmp_path):
+    job = _set(_set(_set(tiny_job, "fsdp.param_dtype", "bf32"), "model.nmae", "x"), "batch.per_gpu", 0)
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 2
+    assert {e["location"] for e in out["errors"]} == {"fsdp.param_dtype", "model.nmae", "batch.per_gpu"}
+
+
+def test_every_semantic_error_at_once(cli, tiny_job, tmp_path):
+    job = _set(_set(_set(tiny_job, "freeze", {"image": {"blocks": "0:9"}}), "batch.global_batch", 7),
+               "fsdp.wrap", {"text": ["Nope"]})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 2
+    assert {"freeze.image.blocks", "batch.global_batch", "fsdp.wrap.text[0]"} <= {e["location"] for e in out["errors"]}
+
+
+def test_bad_json_file(cli, tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text('{"model": {"name": "ViT-B-32"},\n  "batch": }')
+    code, out = cli.validate_json(path)
+    assert code == 2
+    assert out["errors"][0]["location"] == "(file)"
+    assert "line 2" in out["errors"][0]["message"]
+
+
+def test_output_dir_is_a_file(cli, tiny_job, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(blocker / "sub"))))
+    assert code == 2
+    assert [e["message"] for e in out["errors"] if e["location"] == "run.output_dir"] == ["not a directory"]
+
+
+def test_set_override_is_validated_like_the_file(cli, tiny_job, tmp_path):
+    code, out = cli.validate_json(write_job(tmp_path, tiny_job), "--set", "batch.per_gpu=-3")
+    assert code == 2
+    assert out["errors"][0]["location"] == "batch.per_gpu"
+
+
+def test_world_size_flags_change_the_batch_check(cli, tiny_job, tmp_path):
+    path = write_job(tmp_path, _set(tiny_job, "batch.global_batch", 32))
+    assert cli.validate_json(path)[0] == 0
+    code, out = cli.validate_json(path, "--nodes", "2", "--gpus-per-node", "2", "--no-check-paths")
+    assert code == 2 and out["errors"][0]["location"] == "batch.global_batch"
+
+
+def test_no_traceback_from_the_real_command(tiny_job, tmp_path):
+    """The installed entry point prints a table and exits 2, without a Python traceback."""
+    path = write_job(tmp_path, _set(tiny_job, "freeze", {"image": {"blocks": "0:40"}}))
+    proc = subprocess.run([sys.executable, "-m", "fsdpclip", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "freeze.image.blocks" in proc.stderr

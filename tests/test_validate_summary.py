@@ -1,0 +1,90 @@
+"""What a successful `validate` reports, computed on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_job
+
+
+def _vit_job(model: str, **extra) -> dict:
+    job = {"model": {"name": model}, "data": {"source": "synthetic"}, "schedule": {"steps": 100},
+           "batch": {"per_gpu": 32}}
+    job.update(extra)
+    return job
+
+
+def test_vit_b_32_counts(cli, tmp_path):
+    code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32")), "--world-size", "8")
+    assert code == 0, out
+    summary = out["summary"]
+    assert summary["parameters"] == {"parameters": 151_277_313, "trainable": 151_277_313, "frozen": 0}
+    assert summary["towers"]["image"]["blocks"] == 12 and summary["towers"]["text"]["blocks"] == 12
+    units = {(u["tower"], u["class"]): u for u in summary["fsdp_units"]}
+    assert units[("image", "ResidualAttentionBlock")]["count"] == 12
+    assert units[("image", "ResidualAttentionBlock")]["parameters_each"] == 7_087_872
+    total = sum(u["count"] * u["parameters_each"] for u in summary["fsdp_units"])
+    assert total == 151_277_313
+    assert summary["batch"]["global"] == 256
+
+
+def test_freeze_ranges_counted(cli, tmp_path):
+    job = _vit_job("ViT-B-32", freeze={"image": {"blocks": "0:-1", "embeddings": True},
+                                       "text": {"blocks": ":", "embeddings": True, "head": True},
+                                       "logit_scale": True})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 0, out
+    image, text = out["summary"]["towers"]["image"], out["summary"]["towers"]["text"]
+    # Last block (7,087,872) + ln_post (2 × 768) + proj (768 × 512) stay trainable.
+    assert image["trainable"] == 7_087_872 + 2 * 768 + 768 * 512
+    assert text["trainable"] == 0
+    assert out["summary"]["towers"]["shared"]["trainable"] == 0
+
+
+def test_default_decay_rules_on_open_clip_names(cli, tmp_path):
+    code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32")))
+    groups = {g["rule"]: g for g in out["summary"]["decay_groups"]}
+    # Embeddings (token 49408×512, text positional 77×512, image positional 50×768) get no decay by default.
+    assert groups["decay_rules[1]"]["parameters"] == 49408 * 512 + 77 * 512 + 50 * 768
+    assert sum(g["parameters"] for g in groups.values()) == 151_277_313
+
+
+def test_memory_estimate_shrinks_with_world_size(cli, tmp_path):
+    path = write_job(tmp_path, _vit_job("ViT-L-14"))
+    small = cli.validate_json(path, "--world-size", "2")[1]["summary"]["memory_gib"]
+    large = cli.validate_json(path, "--world-size", "64")[1]["summary"]["memory_gib"]
+    assert large["optimizer"] < small["optimizer"] / 16
+    assert large["activations"] == pytest.approx(small["activations"], rel=0.05)
+    offloaded = cli.validate_json(path, "--world-size", "2", "--set", "fsdp.cpu_offload=true")[1]
+    assert offloaded["summary"]["memory_gib"]["optimizer"] == 0
+    assert offloaded["summary"]["memory_gib"]["host"] > 0
+
+
+def test_activation_checkpointing_lowers_the_estimate(cli, tmp_path):
+    path = write_job(tmp_path, _vit_job("ViT-L-14"))
+    plain = cli.validate_json(path)[1]["summary"]["memory_gib"]["activations"]
+    ckpt = cli.validate_json(path, "--set", 'fsdp.activation_checkpointing={"image": ["ResidualAttentionBlock"]}')
+    assert ckpt[1]["summary"]["memory_gib"]["activations"] < plain / 2
+
+
+def test_memory_limit_warns(cli, tmp_path):
+    job = _vit_job("ViT-L-14", launch={"gpu_memory_gib": 1})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 0
+    assert out["warnings"][0]["location"] == "launch.gpu_memory_gib"
+
+
+@pytest.mark.parametrize("model", ["ViT-bigG-14", "EVA02-E-14"])
+def test_huge_models_at_world_size_1024(cli, tmp_path, model):
+    code, out = cli.validate_json(write_job(tmp_path, _vit_job(model)), "--world-size", "1024")
+    assert code == 0, out
+    assert out["summary"]["parameters"]["parameters"] > 2_500_000_000
+    assert out["summary"]["memory_gib"]["parameters"] < 0.1
+
+
+def test_minimal_spec_validates(cli, tmp_path, digits_dir):
+    job = {"model": {"name": "ViT-B-32"},
+           "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 1},
+           "batch": {"per_gpu": 4}}
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 0, out
