@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 $(DEMO_DATA)/info.json: | venv
 	$(BIN)/fsdpclip data digits $(DEMO_DATA)
 
+# The main job: a tiny CLIP trained with FSDP on 2 CPU processes, then zero-shot on held-out digits.
 demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip validate examples/tiny-cpu.json
+	$(BIN)/fsdpclip launch examples/tiny-cpu.json
 
 test: venv
 	$(BIN)/python -m pytest -q tests

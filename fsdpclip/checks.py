@@ -224,9 +224,13 @@ def _check_data(job: Job, report: Report) -> None:
 
 
 def _check_eval(job: Job, report: Report) -> None:
+    seen: set[str] = set()
     for i, zs in enumerate(job.eval.zeroshot):
         if zs.dataset == "folder" and zs.classnames is None:
             report.error(f"eval.zeroshot[{i}].classnames", "a 'folder' dataset needs a class-name file")
+        if zs.label in seen:
+            report.error(f"eval.zeroshot[{i}]", f"a second set named '{zs.label}'", hint="give each set a `name`")
+        seen.add(zs.label)
     if job.eval.every_steps is not None and not job.eval.zeroshot:
         report.error("eval.every_steps", "set, but eval.zeroshot lists no dataset", job.eval.every_steps)
 
@@ -238,7 +242,7 @@ def _check_eval_paths(job: Job, report: Report) -> None:
             report.error(f"{where}.path", "directory not found", zs.path)
         if zs.classnames is not None and not Path(zs.classnames).is_file():
             report.error(f"{where}.classnames", "file not found", zs.classnames)
-        if zs.templates not in ("openai", "simple") and not Path(zs.templates).is_file():
+        if zs.templates not in (None, "openai", "simple") and not Path(zs.templates).is_file():
             report.error(f"{where}.templates", "not 'openai', 'simple' or an existing file", zs.templates)
 
 

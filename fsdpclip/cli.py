@@ -120,6 +120,50 @@ def _summary_tables(summary: dict) -> None:
 
 
 @app.command()
+def launch(
+    job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", min=1,
+                                                 help="Processes on this node (default: launch.gpus_per_node)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+) -> None:
+    """Validate a job and run it with torchrun on this node."""
+    from fsdpclip.checks import check_job
+    from fsdpclip.launch import job_environment, render, resolve_paths, run_command, run_dir, torchrun_command
+    from fsdpclip.spec import load_job
+
+    if nproc_per_node is not None:
+        overrides = [*overrides, f"launch.gpus_per_node={nproc_per_node}"]
+    try:
+        job = load_job(job_file, overrides)
+    except SpecError as exc:
+        _fail(exc.problems)
+    report = check_job(job, job.launch.world_size)
+    if report.errors:
+        _fail(report.problems)
+    if report.warnings:
+        _problem_table(report.warnings, console)
+    job = resolve_paths(job, Path.cwd())
+    job_path = run_dir(job) / "job.json"
+    command = torchrun_command(job_path, job.launch.gpus_per_node)
+    console.print(f"[bold]run directory[/bold] {run_dir(job)}")
+    console.print(render(command), highlight=False, soft_wrap=True)
+    if dry_run:
+        return
+    job_path.parent.mkdir(parents=True, exist_ok=True)
+    job.save(job_path)
+    raise typer.Exit(run_command(command, job_environment(job)))
+
+
+@app.command()
+def train(job_file: Path = typer.Argument(..., help="The resolved spec, usually RUN_DIR/job.json.")) -> None:
+    """Train on this rank (what torchrun starts on every rank)."""
+    from fsdpclip.train import main
+
+    raise typer.Exit(main([str(job_file)]))
+
+
+@app.command()
 def schema() -> None:
     """Print the JSON Schema of the job spec."""
     from fsdpclip.spec import json_schema

@@ -255,3 +255,81 @@ def decay_groups(shapes: dict[str, torch.Size], rules: list[DecayRule], default_
         decay = rules[index].weight_decay if index is not None else default_decay
         groups.setdefault(index, DecayGroup(decay, index)).names.append(name)
     return [groups[k] for k in sorted(groups, key=lambda k: (k is None, k if k is not None else 0))]
+
+
+# ------------------------------------------------------------------ weights and inputs
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelError(f"{path} holds no state dict of tensors")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None) -> None:
+    """Load a whole-model state dict, or one tower's (keys relative to the tower), strictly."""
+    from open_clip.model import resize_pos_embed
+
+    if tower == "image":
+        state = {"visual." + k: v for k, v in state.items()}
+    elif tower == "text" and hasattr(model, "text"):
+        state = {"text." + k: v for k, v in state.items()}
+    for name in SHARED_PARAMETERS:  # OpenCLIP stores them 0-d; ours are 1-element
+        if name in state and state[name].dim() == 0:
+            state[name] = state[name].reshape(1)
+    if tower is None:
+        resize_pos_embed(state, model)
+    own = model.state_dict()
+    expected = {k for k in own if tower is None or tower_of(k) == tower}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelError(f"{where} does not match the model: {len(missing)} missing keys "
+                         f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
+                         f"({', '.join(unexpected[:3])}{'...' if len(unexpected) > 3 else ''})")
+    wrong = [k for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        raise ModelError(f"{where} does not match the model: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                         f"the model {tuple(own[wrong[0]].shape)}")
+    model.load_state_dict(state, strict=False)
+
+
+def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The full model on the CPU with its starting weights: OpenCLIP's init for `seed`, then local weights."""
+    torch.manual_seed(seed)
+    model = build_model(spec, device="cpu")
+    if spec.pretrained:
+        load_weights(model, read_state_dict(spec.pretrained), spec.pretrained)
+    if spec.image.pretrained:
+        load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
+    if spec.text.pretrained:
+        load_weights(model, read_state_dict(spec.text.pretrained), spec.text.pretrained, tower="text")
+    return model
+
+
+def build_tokenizer(spec: ModelSpec):
+    """The tokenizer OpenCLIP pairs with this model config (local files only)."""
+    import open_clip
+
+    text = model_config(spec)["text_cfg"]
+    context = text.get("context_length", open_clip.tokenizer.DEFAULT_CONTEXT_LENGTH)
+    kwargs = text.get("tokenizer_kwargs") or {}
+    if text.get("hf_tokenizer_name"):
+        return open_clip.HFTokenizer(text["hf_tokenizer_name"], context_length=context,
+                                     tokenizer_mode=text.get("tokenizer_mode"), **kwargs)
+    return open_clip.SimpleTokenizer(context_length=context, **kwargs)
+
+
+def image_transform(model: nn.Module, train: bool):
+    """OpenCLIP's preprocessing for this model (train: random resized crop)."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    return image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train)

@@ -279,9 +279,18 @@ class ZeroShotSpec(Section):
         description="'digits' (the demo split), 'imagenet' (a val folder of synset folders, or CLIP_benchmark "
                     "webdataset) or 'folder' (one folder per class).")
     path: str = Field(description="Dataset directory.")
+    name: Optional[str] = Field(
+        None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
     classnames: Optional[str] = Field(None, description="File with one class name per line (needed for 'folder').")
-    templates: str = Field("openai", description="'openai', 'simple' or a file with one '{c}'-template per line.")
+    templates: Optional[str] = Field(
+        None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
+                          "default: 'openai', and the digits prompts for 'digits'.")
     max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images.")
+
+
+    @property
+    def label(self) -> str:
+        return self.name or (Path(self.path).name if self.dataset == "folder" else self.dataset)
 
 
 class EvalSpec(Section):
@@ -332,6 +341,8 @@ class LaunchSpec(Section):
     device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
     gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against.")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
+    collective_timeout_s: int = Field(
+        1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables for every rank (e.g. NCCL_*).")
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
 
@@ -360,6 +371,13 @@ class Job(Section):
     def to_json(self) -> str:
         """The resolved spec as indented JSON (every default spelled out)."""
         return self.model_dump_json(indent=2, by_alias=True, exclude={"schema_ref"}) + "\n"
+
+    def save(self, path: Path) -> None:
+        """Write the resolved spec atomically (readers never see half a file)."""
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(self.to_json())
+        partial.replace(path)
 
 
 def json_schema() -> dict:

@@ -1,0 +1,152 @@
+"""Throughput, MFU, memory, metrics.jsonl, TensorBoard and the progress display (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdpclip.model import image_shape, text_shape
+
+# Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
+               "L40S": 362.1, "A10G": 70.0}
+LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
+
+
+def training_flops_per_sample(model: nn.Module) -> float:
+    """FLOPs of one forward and backward per sample, counted once on the meta device.
+
+    Call it on the unwrapped model with its frozen parameters set, before activation
+    checkpointing (recomputation is not useful work).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.device("meta"):
+        context, _ = text_shape(model)
+        images, texts = torch.empty(2, *image_shape(model)), torch.zeros(2, context, dtype=torch.long)
+    with counter:
+        outputs = model(images, texts)
+        sum(o.float().sum() for o in outputs[:2]).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / 2
+
+
+def peak_tflops(device: torch.device, configured: Optional[float]) -> Optional[float]:
+    """The peak to compute MFU against: the spec's, else the device's datasheet figure (None on CPU)."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory (GPU) or peak resident memory of this process (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def launch_time() -> float:
+    """When `fsdpclip launch` started the job (or, without it, when this process started)."""
+    return float(os.environ.get(LAUNCH_TIME_ENV, _PROCESS_START))
+
+
+_PROCESS_START = time.time()
+
+
+class Window:
+    """Counts samples, time and data waiting between two log points."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.samples, self.data_wait, self.steps = time.perf_counter(), 0, 0.0, 0
+
+    def rates(self, world_size: int, flops_per_sample: float, peak: Optional[float]) -> dict:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        per_gpu = self.samples / elapsed
+        out = {"samples_per_s": per_gpu * world_size, "samples_per_s_per_gpu": per_gpu,
+               "data_wait_fraction": self.data_wait / elapsed, "step_time_s": elapsed / max(1, self.steps)}
+        out["mfu"] = per_gpu * flops_per_sample / (peak * 1e12) if peak else None
+        return out
+
+
+class MetricsLog:
+    """metrics.jsonl (and TensorBoard) in the run directory, and a progress display; rank 0 only."""
+
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, enabled: bool):
+        self.enabled, self.total_steps = enabled, total_steps
+        self.file = self.writer = self.progress = None
+        if not enabled:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        from rich.console import Console
+
+        self.console = Console(file=sys.stdout)
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.description}"), console=self.console)
+            self.task = self.progress.add_task("", total=total_steps)
+            self.progress.start()
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in _flat(record).items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(key, value, record["step"])
+        line = " ".join(f"{k} {_short(v)}" for k, v in record.items() if k in SHOWN and v is not None)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record.get("step", 0), description=line)
+        elif line:
+            self.console.print(f"step {record.get('step')}/{self.total_steps} {line}", highlight=False, soft_wrap=True)
+
+    def announce(self, text: str) -> None:
+        """A line for the reader (above the progress bar when there is one)."""
+        if self.enabled:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file is not None:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+SHOWN = ("loss", "lr", "samples_per_s_per_gpu", "mfu", "peak_memory_gib")
+
+
+def _flat(record: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _short(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,32 @@
+"""Start a small torchrun job from a test and stop exactly its processes (by process group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path = REPO,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc-per-node=nproc ARGS`; kill its whole group on timeout."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return run_group(command, timeout, cwd, env)
+
+
+def run_group(command: list[str], timeout: float, cwd: Path = REPO, env: dict | None = None):
+    """Run a command in its own process group; on timeout stop that group (and only it)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    process = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
