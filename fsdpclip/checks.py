@@ -247,8 +247,7 @@ def _check_eval_paths(job: Job, report: Report) -> None:
 
 
 def _check_output_dir(job: Job, report: Report) -> None:
-    target = Path(job.run.output_dir) / job.run.name
-    existing = target
+    existing = job.run_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():

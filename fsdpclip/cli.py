@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,8 +18,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
 data_app = typer.Typer(no_args_is_help=True, help="Build datasets.")
 app.add_typer(data_app, name="data", help="Build datasets (the offline digits demo).")
-console = Console()
-err_console = Console(stderr=True)
+# Logs and pipes get wide lines (rich would wrap them at 80 columns); terminals keep their width.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 USER_ERROR = 2
 
@@ -129,7 +132,7 @@ def launch(
 ) -> None:
     """Validate a job and run it with torchrun on this node."""
     from fsdpclip.checks import check_job
-    from fsdpclip.launch import job_environment, render, resolve_paths, run_command, run_dir, torchrun_command
+    from fsdpclip.launch import exit_report, job_environment, render, resolve_paths, run_command, torchrun_command
     from fsdpclip.spec import load_job
 
     if nproc_per_node is not None:
@@ -144,15 +147,21 @@ def launch(
     if report.warnings:
         _problem_table(report.warnings, console)
     job = resolve_paths(job, Path.cwd())
-    job_path = run_dir(job) / "job.json"
+    job_path = job.run_dir / "job.json"
     command = torchrun_command(job_path, job.launch.gpus_per_node)
-    console.print(f"[bold]run directory[/bold] {run_dir(job)}")
+    console.print(f"[bold]run directory[/bold] {job.run_dir}")
     console.print(render(command), highlight=False, soft_wrap=True)
     if dry_run:
         return
     job_path.parent.mkdir(parents=True, exist_ok=True)
     job.save(job_path)
-    raise typer.Exit(run_command(command, job_environment(job)))
+    started = time.time()
+    code = run_command(command, job_environment(job))
+    report = exit_report(job.run_dir, started)
+    if report is not None and report["code"] != 0:  # torchrun reports any failure as 1: use the trainer's code
+        err_console.print(f"[red]✗[/red] {report['message']}")
+        code = report["code"]
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -161,6 +170,27 @@ def train(job_file: Path = typer.Argument(..., help="The resolved spec, usually 
     from fsdpclip.train import main
 
     raise typer.Exit(main([str(job_file)]))
+
+
+@app.command()
+def export(
+    checkpoint: Path = typer.Argument(..., help="A run directory (its latest checkpoint) or one checkpoint directory."),
+    out: Path = typer.Argument(..., help="OUT.pt / OUT.safetensors, or a directory for open_clip's 'local-dir:'."),
+    safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle."),
+) -> None:
+    """Write a sharded checkpoint as one OpenCLIP checkpoint."""
+    from fsdpclip.checkpoint import CheckpointError, export_checkpoint, read_meta, resolve_checkpoint
+    from fsdpclip.model import model_from_config
+
+    try:
+        source = resolve_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        _fail([Problem("CHECKPOINT", str(exc), value=str(checkpoint))])
+    meta = read_meta(source)
+    config = meta["model"]["open_clip_config"]
+    model = model_from_config(config, device="meta")
+    written = export_checkpoint(source, model, out, config, safetensors=safetensors)
+    console.print(f"[green]✓[/green] {source} (step {meta['step']}) → {written}")
 
 
 @app.command()

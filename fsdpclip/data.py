@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional, Union
 
 import torch
@@ -76,7 +76,8 @@ class ShardStream(IterableDataset):
         random.Random(f"{self.seed}/{self.epoch}").shuffle(order)
         yield from order[self.rank::self.world_size][logical::workers]
 
-    def _decode(self, sample: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image and tokens of one sample; its random augmentation depends only on `seed`."""
         from PIL import Image
 
         key = next((k for k in self.image_keys if k in sample), None)
@@ -85,7 +86,10 @@ class ShardStream(IterableDataset):
         image = Image.open(io.BytesIO(sample[key]))
         image.load()
         caption = sample[self.spec.text_key].decode("utf-8")
-        return self.preprocess(image.convert("RGB")), self.tokenize([caption])[0]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            pixels = self.preprocess(image.convert("RGB"))
+        return pixels, self.tokenize([caption])[0]
 
     def __iter__(self):
         info = get_worker_info()
@@ -109,7 +113,7 @@ class ShardStream(IterableDataset):
             if emitted <= skip:
                 continue
             try:
-                image, text = self._decode(sample)
+                image, text = self._decode(sample, hash((self.seed, self.epoch, self.rank, logical, emitted)))
             except Exception as exc:  # a broken sample must never stop the run
                 count_and_continue(exc)
                 continue
@@ -137,6 +141,13 @@ class WebDatasetBatches:
     def __init__(self, stream: ShardStream, workers: int, pin_memory: bool):
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
         self.position = StreamPosition()
+
+    def state_dict(self) -> dict:
+        return asdict(self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position (before the first batch is drawn)."""
+        self.position = StreamPosition(**state)
 
     def __iter__(self):
         while True:
@@ -172,6 +183,12 @@ class SyntheticBatches:
         self.image_shape, self.context, self.vocab = image_shape, context, vocab
         self.batch_size, self.device, self.seed, self.rank = batch_size, device, seed, rank
         self.index = 0
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
 
     def batch(self, index: int, rank: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator(device=self.device)

@@ -46,10 +46,6 @@ def resolve_paths(job: Job, base: Path) -> Job:
     return data
 
 
-def run_dir(job: Job) -> Path:
-    return Path(job.run.output_dir) / job.run.name
-
-
 def torchrun_command(job_file: Path, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                      master_addr: Optional[str] = None, master_port: Optional[int] = None,
                      python: str = sys.executable) -> list[str]:
@@ -74,6 +70,18 @@ def job_environment(job: Job) -> dict[str, str]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[LAUNCH_TIME_ENV] = repr(time.time())
     return env
+
+
+def exit_report(run_dir: Path, since: float) -> Optional[dict]:
+    """What the trainer's rank 0 reported about how the run ended (if it did, after `since`)."""
+    import json
+
+    path = Path(run_dir) / "exit.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if report.get("time", 0) >= since else None
 
 
 def run_command(command: list[str], env: dict[str, str]) -> int:

@@ -6,6 +6,7 @@ and every name it returns is an original (unwrapped) parameter or module name.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -72,7 +73,12 @@ def model_config(spec: ModelSpec) -> dict:
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Module:
-    """Instantiate the OpenCLIP model (random init; `meta` allocates nothing).
+    """Instantiate the model the spec asks for (random init; `meta` allocates nothing)."""
+    return model_from_config(model_config(spec), device)
+
+
+def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Module:
+    """Instantiate an OpenCLIP model config the way open_clip.create_model does.
 
     `logit_scale`/`logit_bias` become 1-element tensors, which FSDP2 can shard; export
     turns them back into OpenCLIP's 0-d shape.
@@ -81,7 +87,7 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Modu
     from open_clip.transform import PreprocessCfg, merge_preprocess_dict
     from dataclasses import asdict
 
-    cfg = model_config(spec)
+    cfg = copy.deepcopy(cfg)
     text_cfg = cfg["text_cfg"]
     custom_text = cfg.pop("custom_text", False) or "hf_model_name" in text_cfg
     if custom_text and "multimodal_cfg" in cfg:

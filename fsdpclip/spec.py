@@ -181,6 +181,10 @@ class OptimizerSpec(Section):
     eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(0.2, ge=0, description="Weight decay of parameters that no decay rule matches.")
     grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the global gradient norm to this value.")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="A step whose gradient norm is not finite: 'skip' it (weights untouched, counted in "
+                            "metrics) or 'stop' the run, keeping the last good checkpoint (fp16: the grad scaler "
+                            "handles overflow instead).")
     decay_rules: list[DecayRule] = Field(
         default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
         description="Ordered weight-decay rules over the original parameter names; the first match wins, "
@@ -367,6 +371,11 @@ class Job(Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Sharded checkpoints and resume.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics and TensorBoard.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="Nodes, processes per node and Slurm options.")
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run's job.json, metrics and checkpoints live: <output_dir>/<name>."""
+        return Path(self.run.output_dir) / self.run.name
 
     def to_json(self) -> str:
         """The resolved spec as indented JSON (every default spelled out)."""

@@ -1,12 +1,22 @@
 """The rank entry point (what torchrun starts on every rank) and the training loop.
 
     python -m fsdpclip.train RUN_DIR/job.json      (or: fsdpclip train RUN_DIR/job.json)
+
+Exit codes (also written to RUN_DIR/exit.json by rank 0):
+    0   finished
+    2   the job file is not a valid spec
+    65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
+        good checkpoint is kept
+    75  preempted (SIGTERM or SIGUSR1 on any rank): every rank finished its step and a
+        checkpoint was saved; start the job again in the same run directory to resume
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,15 +25,16 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from fsdpclip.data import ShardStream, SyntheticBatches, WebDatasetBatches
-from fsdpclip.distributed import Dist, all_mean, all_sum, init_distributed
+from fsdpclip.checkpoint import Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state
+from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
+from fsdpclip.distributed import Consensus, Dist, all_mean, all_sum, init_distributed
 from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
 from fsdpclip.metrics import (
     MetricsLog, Window, launch_time, peak_memory_gib, peak_tflops, training_flops_per_sample,
 )
 from fsdpclip.model import (
-    apply_freeze, build_model, build_tokenizer, decay_groups, find_towers, frozen_names, image_shape,
-    image_transform, initial_model, original_shapes, text_shape,
+    apply_freeze, build_tokenizer, decay_groups, find_towers, frozen_names, image_shape, image_transform,
+    initial_model, model_config, model_from_config, original_shapes, text_shape,
 )
 from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients
 from fsdpclip.shard import apply_activation_checkpointing, apply_compile, apply_fsdp, materialize, plan_units
@@ -31,10 +42,29 @@ from fsdpclip.spec import TOWERS, Job, LossSpec, SyntheticSpec
 
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
+EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_FILE = "exit.json"
 
 
-def run_dir_of(job: Job) -> Path:
-    return Path(job.run.output_dir) / job.run.name
+class Stop(Exception):
+    """The run ends early on purpose, with an exit code and a message for the user."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class StopSignals:
+    """Remembers SIGTERM/SIGUSR1 so the loop can finish its step and checkpoint first."""
+
+    def __init__(self):
+        self.received = 0
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
 
 
 def total_steps(job: Job, world_size: int) -> int:
@@ -58,10 +88,11 @@ def build_loss(spec: LossSpec, rank: int, world_size: int) -> torch.nn.Module:
 class Trainer:
     """One rank's share of a sharded training run, built from the job spec."""
 
-    def __init__(self, job: Job, env: Dist, run_dir: Path):
-        self.job, self.env, self.run_dir = job, env, run_dir
+    def __init__(self, job: Job, env: Dist, signals: Optional[StopSignals] = None):
+        self.job, self.env, self.signals = job, env, signals
         fsdp = job.fsdp
-        model = build_model(job.model, device="meta")
+        self.model_config = model_config(job.model)
+        model = model_from_config(self.model_config, device="meta")
         towers = find_towers(model, job.model)
         apply_freeze(model, frozen_names(towers, job.freeze))
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -76,7 +107,7 @@ class Trainer:
         apply_fsdp(model, units, fsdp, env.mesh, env.device)
         materialize(model, env.device, fsdp.cpu_offload, source)
         del source
-        torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout and augmentation differ between ranks
+        torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.model = model
         self.total_steps = total_steps(job, env.world_size)
         self.optimizer = build_optimizer(model, self.decay_groups, job.optimizer)
@@ -87,8 +118,14 @@ class Trainer:
         self.batches = self._batches()
         self.batch_iter: Iterator = iter(self.batches)
         self.zeroshot_sets: Optional[list[ZeroShotSet]] = None
-        self.step = self.samples_seen = 0
+        self.step = self.samples_seen = self.skipped_steps = 0
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
+        self.consensus = Consensus()
+        self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size, env.device)
+        self.last_saved: Optional[int] = None
+        target = self.checkpointer.resume_target()
+        if target is not None:
+            self._resume(target)
 
     # ------------------------------------------------------------------ data
     def _batches(self):
@@ -123,10 +160,12 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.model, self.job.optimizer.grad_clip_norm)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # skips the step itself on overflow
             self.scaler.update()
-        else:
+        elif math.isfinite(grad_norm.item()):  # the norm is global: every rank decides alike
             self.optimizer.step()
+        else:
+            self._bad_step(grad_norm.item())
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -137,10 +176,20 @@ class Trainer:
         window.samples += self.job.batch.per_gpu * accum
         return loss_sum, grad_norm
 
+    def _bad_step(self, norm: float) -> None:
+        if self.job.optimizer.on_nonfinite == "stop":
+            last = latest_checkpoint(self.job.run_dir)
+            raise Stop(EXIT_NONFINITE, f"gradient norm {norm} at step {self.step + 1}: stopped; the last good "
+                                       f"checkpoint is {last or 'none (no checkpoint was saved yet)'}")
+        self.skipped_steps += 1
+        log.warning("step %d: gradient norm %s is not finite; step skipped (%d so far)",
+                    self.step + 1, norm, self.skipped_steps)
+
     # ------------------------------------------------------------------ loop
-    def fit(self) -> None:
+    def fit(self) -> int:
+        """Train to the end (or to a stop); returns the exit code."""
         job, env = self.job, self.env
-        metrics = MetricsLog(self.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main)
+        metrics = MetricsLog(job.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main)
         window, window_loss = Window(), torch.zeros((), device=env.device)
         first_step_s, first_step_done = None, False
         try:
@@ -160,30 +209,54 @@ class Trainer:
                     window_loss.zero_()
                 if job.eval.zeroshot and ((job.eval.every_steps and self.step % job.eval.every_steps == 0 and not last)
                                           or (last and job.eval.at_end)):
-                    results = self.evaluate()
-                    metrics.write({"step": self.step, **{f"zeroshot/{k}": v for k, v in results.items()}})
-                    for name, values in results.items():
-                        metrics.announce(f"step {self.step} zero-shot {name}: acc1 {values['acc1']:.3f}, "
-                                         f"acc5 {values['acc5']:.3f}, mean per-class recall "
-                                         f"{values['mean_per_class_recall']:.3f} ({values['samples']} images)")
+                    self._evaluate_and_report(metrics)
+                self.checkpointer.finish_pending(wait=False)
+                every = job.checkpoint.every_steps
+                if every and self.step % every == 0 and not last:
+                    self.save(asynchronous=job.checkpoint.async_save)
+                signum = self.consensus.update(self.signals.received if self.signals else 0)
+                if signum and not last:
+                    path = self.save()
+                    raise Stop(EXIT_PREEMPTED, f"{signal.Signals(signum).name} received: stopped after step "
+                                               f"{self.step}; checkpoint saved at {path}; start the job again in "
+                                               f"{job.run_dir} to resume")
+            if job.checkpoint.at_end:
+                self.save()
+            self.checkpointer.finish_pending(wait=True)
+            self._report_exit(EXIT_OK, f"finished {self.step} steps")
+            return EXIT_OK
+        except Stop as stop:
+            self.checkpointer.finish_pending(wait=True)
+            metrics.announce(f"[bold red]{stop.message}[/bold red]")
+            self._report_exit(stop.code, stop.message)
+            return stop.code
         finally:
             metrics.close()
 
     def _log_record(self, window: Window, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The metrics of one log window (collectives: every rank calls it)."""
         env = self.env
-        broken = getattr(getattr(self.batches, "position", None), "broken", 0)
+        broken = self.batches.position.broken if isinstance(self.batches, WebDatasetBatches) else 0
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
         broken_total, = all_sum([broken], env.device)
         logit_scale = self.model.logit_scale.full_tensor().exp().item()
         record = {"step": self.step, "samples_seen": self.samples_seen, "loss": loss,
                   "lr": self.optimizer.param_groups[0]["lr"], "logit_scale": logit_scale,
-                  "grad_norm": grad_norm.item(), "broken_samples": int(broken_total)}
+                  "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
+                  "skipped_steps": self.skipped_steps}
         record.update(window.rates(env.world_size, self.flops_per_sample, self.peak))
         record["peak_memory_gib"] = peak_memory_gib(env.device)
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         return record
+
+    def _evaluate_and_report(self, metrics: MetricsLog) -> None:
+        results = self.evaluate()
+        metrics.write({"step": self.step, **{f"zeroshot/{k}": v for k, v in results.items()}})
+        for name, values in results.items():
+            metrics.announce(f"step {self.step} zero-shot {name}: acc1 {values['acc1']:.3f}, acc5 "
+                             f"{values['acc5']:.3f}, mean per-class recall {values['mean_per_class_recall']:.3f} "
+                             f"({values['samples']} images)")
 
     def evaluate(self) -> dict[str, dict]:
         """Zero-shot metrics per configured set, by set name (all ranks take part)."""
@@ -191,8 +264,46 @@ class Trainer:
             transform = image_transform(self.model, train=False)
             self.zeroshot_sets = [load_zeroshot_set(spec, transform) for spec in self.job.eval.zeroshot]
         return {zs.name: zeroshot_metrics(self.model, self.tokenizer, zs, self.env.device,
-                                                         self.job.eval.batch_per_gpu)
+                                          self.job.eval.batch_per_gpu)
                 for zs in self.zeroshot_sets}
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, asynchronous: bool = False) -> Path:
+        """Checkpoint this step (once), every rank taking part."""
+        if self.last_saved == self.step:
+            return self.checkpointer.root / checkpoint_name(self.step)
+        meta = {"samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "model": {"label": self.job.model.label, "open_clip_config": self.model_config}}
+        rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
+        self.last_saved = self.step
+        return self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
+
+    def _resume(self, checkpoint: Path) -> None:
+        meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
+        self.step, self.samples_seen = meta["step"], meta["samples_seen"]
+        self.skipped_steps, self.last_saved = meta["skipped_steps"], meta["step"]
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler is not None and meta["scaler"] is not None:
+            self.scaler.load_state_dict(meta["scaler"])
+        if rank_state is not None:
+            set_rng_state(rank_state["rng"], self.env.device)
+            self.batches.load_state_dict(rank_state["data"])
+        else:
+            log.warning("%s was saved by %d ranks, this run has %d: the data stream restarts at its epoch",
+                        checkpoint, meta["world_size"], self.env.world_size)
+            if isinstance(self.batches, SyntheticBatches):
+                self.batches.index = self.step * self.job.batch.grad_accum
+            else:
+                self.batches.position = StreamPosition(epoch=self.samples_seen // self.job.data.samples)
+        log.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def _report_exit(self, code: int, message: str) -> None:
+        if self.env.is_main:
+            report = {"code": code, "message": message, "step": self.step,
+                      "checkpoint": str(latest_checkpoint(self.job.run_dir) or ""), "time": time.time()}
+            (self.job.run_dir / EXIT_FILE).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -202,25 +313,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fsdpclip.problems import SpecError
     from fsdpclip.spec import load_job
 
-    parser = argparse.ArgumentParser(prog="fsdpclip.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fsdpclip.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job", type=Path, help="the resolved job spec, usually RUN_DIR/job.json")
     args = parser.parse_args(argv)
     try:
         job = load_job(args.job)
     except SpecError as exc:
         print(f"fsdpclip.train: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
-        return 2
+        return EXIT_SPEC
+    signals = StopSignals()
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
-    run_dir = run_dir_of(job)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        trainer = Trainer(job, env, run_dir)
-        trainer.fit()
+        return Trainer(job, env, signals).fit()
     finally:
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

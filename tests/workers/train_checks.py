@@ -1,7 +1,8 @@
 """Runs under torchrun (2 CPU ranks): trains the tiny model with the real Trainer and reports.
 
     parity OUT JOB   losses of each step (mean over ranks) and the trained full state
-    frozen OUT JOB   + the optimizer's decay groups and encode_image on the sharded model
+    frozen OUT JOB   + the optimizer's decay groups and encode_image/encode_text on the sharded model
+    export OUT JOB   + a checkpoint of the trained model and its encodings
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from fsdpclip.train import Trainer
 def main(mode: str, out: str, job_file: str) -> None:
     job = load_job(job_file)
     env = init_distributed("cpu", timeout_s=60)
-    trainer = Trainer(job, env, run_dir=None)
+    trainer = Trainer(job, env)
     window, losses = Window(), []
     for _ in range(trainer.total_steps):
         loss, _ = trainer.train_step(window)
         losses.append(all_mean([loss.item()], env.device)[0])
     result = {"losses": losses}
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if mode == "frozen":
+    if mode == "export":
+        trainer.save()
+    if mode in ("frozen", "export"):
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         result["groups"] = [{"weight_decay": g["weight_decay"], "names": sorted(names[id(p)] for p in g["params"])}
                             for g in trainer.optimizer.param_groups]

@@ -1,0 +1,65 @@
+"""Runs `fsdpclip.train` under torchrun with one fault injected, then exits with its code.
+
+    faults.py JOB signal:RANK:STEP       RANK sends itself SIGUSR1 after STEP
+    faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
+    faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from fsdpclip import checkpoint, train
+
+
+def main(job: str, fault: str) -> int:
+    kind, *args = fault.split(":")
+    rank = int(os.environ["RANK"])
+    if kind == "signal":
+        target, at = int(args[0]), int(args[1])
+        step = train.Trainer.train_step
+
+        def train_step(self, window):
+            out = step(self, window)
+            if self.step == at and rank == target:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return out
+
+        train.Trainer.train_step = train_step
+    elif kind == "nan":
+        at = int(args[0])
+        build = train.build_loss
+
+        def build_loss(spec, rank_, world):
+            loss_fn = build(spec, rank_, world)
+            calls = [0]
+
+            def poisoned(*outputs):
+                calls[0] += 1
+                loss = loss_fn(*outputs)
+                return loss * torch.tensor(float("nan")) if calls[0] == at else loss
+
+            return poisoned
+
+        train.build_loss = build_loss
+    elif kind == "crash-save":
+        target, nth = int(args[0]), int(args[1])
+        write = checkpoint.Checkpointer._write_rank_state
+        calls = [0]
+
+        def write_rank_state(self, partial, state):
+            calls[0] += 1
+            if rank == target and calls[0] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(self, partial, state)
+
+        checkpoint.Checkpointer._write_rank_state = write_rank_state
+    return train.main([job])
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
