@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps clip_benchmark  # the reference the eval tests compare with
 	touch $@
 
 $(DEMO_DATA)/info.json: | venv
@@ -23,6 +24,7 @@ $(DEMO_DATA)/info.json: | venv
 demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip validate examples/tiny-cpu.json
 	$(BIN)/fsdpclip launch examples/tiny-cpu.json
+	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
 
 test: venv
 	$(BIN)/python -m pytest -q tests

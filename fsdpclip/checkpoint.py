@@ -196,6 +196,21 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------- export
+def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state of a sharded checkpoint, read by this process alone onto the CPU.
+
+    `model` (usually on the meta device) gives the keys, shapes and dtypes.
+    """
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    except Exception as exc:  # DCP reports a mismatch in many forms
+        raise CheckpointError(f"{checkpoint} does not match the model: {str(exc).strip()[:300]}") from None
+    return state
+
+
 def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False) -> Path:
     """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.
 
@@ -206,10 +221,7 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
     """
     from fsdpclip.model import SHARED_PARAMETERS
 
-    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    state = read_model_state(checkpoint, model)
     for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
         if name in state:
             state[name] = state[name].reshape(())

@@ -74,7 +74,7 @@ def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
     except ModelError as exc:
         _model_problem(job, str(exc), report)
         return report
-    towers = find_towers(model, job.model)
+    towers = find_towers(model, job.model.block_classes)
     classes_ok = _check_classes(job, towers, report)
     _check_freeze(job, towers, report)
     frozen = frozen_names(towers, job.freeze) if not report.errors else set()

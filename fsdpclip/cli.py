@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +33,12 @@ def _fail(problems: list[Problem], as_json: bool = False) -> None:
                           "warnings": [p.as_dict() for p in problems if p.severity == "warning"]}, indent=2))
     else:
         _problem_table(problems, err_console)
+    raise typer.Exit(USER_ERROR)
+
+
+def _stop(message: str) -> None:
+    """A mistake outside any spec (a path, a checkpoint): one line, the user-error code."""
+    err_console.print(f"[red]✗[/red] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(USER_ERROR)
 
 
@@ -185,12 +192,102 @@ def export(
     try:
         source = resolve_checkpoint(checkpoint)
     except CheckpointError as exc:
-        _fail([Problem("CHECKPOINT", str(exc), value=str(checkpoint))])
+        _stop(str(exc))
     meta = read_meta(source)
     config = meta["model"]["open_clip_config"]
     model = model_from_config(config, device="meta")
     written = export_checkpoint(source, model, out, config, safetensors=safetensors)
     console.print(f"[green]✓[/green] {source} (step {meta['step']}) → {written}")
+
+
+class ZeroShotKind(str, Enum):
+    imagenet = "imagenet"
+    digits = "digits"
+    folder = "folder"
+
+
+class EvalPrecision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+@app.command("eval")
+def eval_command(
+    checkpoint: Path = typer.Argument(..., help="A run or checkpoint directory, an exported OpenCLIP file or local-dir."),
+    zeroshot: ZeroShotKind = typer.Option(..., "--zeroshot", help="Which kind of zero-shot set."),
+    data: Path = typer.Option(..., "--data", help="Its folder: class folders, or CLIP_benchmark shards."),
+    model: Optional[str] = typer.Option(None, "--model", help="OpenCLIP name, for an exported file."),
+    model_config: Optional[Path] = typer.Option(None, "--model-config", help="Model-config JSON, for an exported file."),
+    classnames: Optional[Path] = typer.Option(None, "--classnames", help="One class name per line (folder sets)."),
+    templates: Optional[str] = typer.Option(None, "--templates", help="'openai', 'simple' or a file of '{c}' templates."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Images per forward and process."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=0,
+                                          help="Data loading workers per process (default: up to 4, one per core)."),
+    max_samples: Optional[int] = typer.Option(None, "--max-samples", min=1, help="Evaluate at most this many images."),
+    precision: EvalPrecision = typer.Option(EvalPrecision.fp32, "--precision", help="fp32, or bf16 (autocast / FSDP)."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Write CLIP_benchmark's JSON here."),
+) -> None:
+    """Zero-shot accuracy of a checkpoint, in CLIP_benchmark's JSON format (torchrun: sharded)."""
+    import os
+
+    import torch
+    from pydantic import ValidationError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from fsdpclip.checkpoint import CheckpointError
+    from fsdpclip.evaluate import (
+        DatasetError, checkpoint_source, clip_benchmark_record, load_eval_model, load_zeroshot_set, zeroshot_metrics,
+    )
+    from fsdpclip.model import ModelError, build_tokenizer, image_transform
+    from fsdpclip.spec import ZeroShotSpec
+
+    try:
+        spec = ZeroShotSpec(dataset=zeroshot.value, path=str(data), templates=templates, max_samples=max_samples,
+                            classnames=None if classnames is None else str(classnames))
+        config, label, fill = checkpoint_source(checkpoint, model, None if model_config is None else str(model_config))
+    except ModelError as exc:
+        _stop(str(exc))
+    except ValidationError as exc:
+        _stop("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+    env = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from fsdpclip.distributed import init_distributed
+
+        env = init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s=1800)
+    device = env.device if env else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    main = env is None or env.is_main
+    try:
+        model_ = load_eval_model(config, fill, device, env.mesh if env else None, precision.value)
+        zs = load_zeroshot_set(spec, image_transform(model_, train=False))
+        with Progress(TextColumn(f"[bold]zero-shot {zs.name}"), BarColumn(), MofNCompleteColumn(),
+                      TimeRemainingColumn(), console=console, disable=not main) as bar:
+            task = bar.add_task("", total=zs.size)
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                      enabled=precision == EvalPrecision.bf16 and env is None)
+            with autocast:
+                metrics = zeroshot_metrics(model_, build_tokenizer(config), zs, device, batch_size, workers,
+                                           progress=lambda n: bar.advance(task, n))
+    except (ModelError, CheckpointError, DatasetError) as exc:
+        _stop(str(exc))
+    finally:
+        if env is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if not main:
+        return
+    dataset = {"imagenet": "imagenet1k"}.get(zs.name, zs.name)
+    record = clip_benchmark_record(dataset, label, str(checkpoint), metrics)
+    table = Table(title=f"zero-shot {dataset}: {label} ({metrics['samples']} images)")
+    for key in record["metrics"]:
+        table.add_column(key, justify="right")
+    table.add_row(*(f"{v:.4f}" for v in record["metrics"].values()))
+    console.print(table)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(record) + "\n")
+        console.print(f"[green]✓[/green] {output}")
 
 
 @app.command()
@@ -213,7 +310,6 @@ def data_digits(
     try:
         info = write_digits(out_dir, shards=shards, seed=seed)
     except RuntimeError as exc:
-        err_console.print(f"[red]✗[/red] {exc}")
-        raise typer.Exit(USER_ERROR)
+        _stop(str(exc))
     console.print(f"[green]✓[/green] {info['train_samples']} training pairs in {shards} shards "
                   f"({info['train_urls']}), {info['test_samples']} held-out images in {info['test_dir']}")

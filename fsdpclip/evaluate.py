@@ -1,34 +1,95 @@
-"""Zero-shot classification, computed as CLIP_benchmark does (100× logits, per-class template means).
+"""Zero-shot classification, computed as CLIP_benchmark computes it.
 
-Every rank takes part: all compute the same class embeddings, each embeds an equal share of
-the images (padded), and the confusion counts are summed, so no rank ever skips a forward.
+Class embeddings are the normalised mean of the normalised template embeddings; logits are
+100 × the normalised image features against them; acc1/acc5 are top-k accuracies (acc5 is NaN
+under 5 classes) and mean per-class recall is the balanced accuracy over the classes present.
+
+Every rank takes part: all embed the same prompts, each embeds its share of the images, and
+a rank whose share is exhausted keeps running (padding) forwards until all are done, so no
+rank ever skips a forward of the sharded model.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from fsdpclip.spec import ZeroShotSpec
+
+WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")
+
+
+class DatasetError(Exception):
+    """A zero-shot dataset that is missing or laid out wrongly (message meant for the user)."""
 
 
 @dataclass
 class ZeroShotSet:
-    """Images with labels, the class names in label order and the prompt templates."""
+    """A labelled image set with its class names (in label order) and prompt templates.
+
+    `images` is a map-style dataset of (image, label), or `shards`, a CLIP_benchmark webdataset.
+    """
 
     name: str
-    images: Dataset
     classnames: list[str]
     templates: list[Callable[[str], str]]
+    images: Optional[Dataset] = None
+    shards: Optional[list[str]] = None
+    transform: Optional[Callable] = None
+    max_samples: Optional[int] = None
+
+    @property
+    def size(self) -> Optional[int]:
+        """Number of images, when known without reading the shards."""
+        return len(self.images) if self.images is not None else None
+
+    def batches(self, rank: int, world_size: int, batch_size: int, workers: int) -> Iterator:
+        """This rank's (images, labels) batches: every world_size-th sample or shard."""
+        if self.images is not None:
+            share = torch.utils.data.Subset(self.images, range(rank, len(self.images), world_size))
+            return iter(DataLoader(share, batch_size=batch_size, num_workers=workers))
+        stream = _ClassShards(self.shards[rank::world_size], self.transform, batch_size,
+                              None if self.max_samples is None else -(-self.max_samples // world_size))
+        return iter(DataLoader(stream, batch_size=None, num_workers=min(workers, len(stream.shards))))
 
 
+class _ClassShards(IterableDataset):
+    """Batches of (image, label) from CLIP_benchmark classification shards (.webp/.png/.jpg + .cls)."""
+
+    def __init__(self, shards: list[str], transform: Callable, batch_size: int, limit: Optional[int]):
+        self.shards, self.transform, self.batch_size, self.limit = shards, transform, batch_size, limit
+
+    def __iter__(self):
+        from PIL import Image
+        from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+        info = get_worker_info()
+        shards = self.shards[info.id::info.num_workers] if info else self.shards
+        samples = group_by_keys(tar_file_expander(url_opener({"url": s} for s in shards)))
+        images, labels, seen = [], [], 0
+        for sample in samples:
+            if self.limit is not None and seen >= self.limit:
+                break
+            key = next(k for k in WDS_IMAGE_KEYS if k in sample)
+            images.append(self.transform(Image.open(io.BytesIO(sample[key])).convert("RGB")))
+            labels.append(int(sample["cls"]))
+            seen += 1
+            if len(images) == self.batch_size:
+                yield torch.stack(images), torch.tensor(labels)
+                images, labels = [], []
+        if images:
+            yield torch.stack(images), torch.tensor(labels)
+
+
+# ---------------------------------------------------------------------- datasets
 def read_templates(choice: str) -> list[Callable[[str], str]]:
     """'openai' (80 prompts), 'simple' or a file with one '{c}' template per line."""
     from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
@@ -37,35 +98,75 @@ def read_templates(choice: str) -> list[Callable[[str], str]]:
         return list(OPENAI_IMAGENET_TEMPLATES)
     if choice == "simple":
         return list(SIMPLE_IMAGENET_TEMPLATES)
-    lines = [line.strip() for line in Path(choice).read_text().splitlines() if line.strip()]
-    return [lambda c, t=line: t.format(c=c) for line in lines]
+    return [lambda c, t=line: t.format(c=c) for line in _lines(Path(choice))]
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except OSError as exc:
+        raise DatasetError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
-    """Build one of the spec's zero-shot sets (a folder of class folders)."""
+    """One of the spec's zero-shot sets, from a folder of class folders or CLIP_benchmark shards."""
+    root = Path(spec.path)
+    if not root.is_dir():
+        raise DatasetError(f"dataset folder not found: {root}")
+    wds_split = next((d for d in (root / "test", root) if (d / "nshards.txt").is_file()), None)
+    if wds_split is not None:
+        classnames, templates = _names_and_templates(spec, root)
+        shards = [str(wds_split / f"{i}.tar") for i in range(int((wds_split / "nshards.txt").read_text()))]
+        missing = [s for s in shards if not Path(s).is_file()]
+        if missing:
+            raise DatasetError(f"{wds_split}/nshards.txt names {len(shards)} shards but {missing[0]} is missing")
+        return ZeroShotSet(spec.label, classnames, templates, shards=shards, transform=transform,
+                           max_samples=spec.max_samples)
     from torchvision.datasets import ImageFolder
 
-    images = ImageFolder(spec.path, transform=transform)
-    if spec.dataset == "digits":
-        from fsdpclip.digits import CLASSNAMES, TEMPLATES
-
-        classnames = list(CLASSNAMES)
-        templates = [lambda c, t=t: t.format(c=c) for t in TEMPLATES] if spec.templates is None \
-            else read_templates(spec.templates)
-    elif spec.dataset == "imagenet":
-        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
-
-        classnames, templates = list(IMAGENET_CLASSNAMES), read_templates(spec.templates or "openai")
-    else:
-        classnames = [line.strip() for line in Path(spec.classnames).read_text().splitlines() if line.strip()]
-        templates = read_templates(spec.templates or "openai")
-    if len(classnames) != len(images.classes):
-        raise ValueError(f"{spec.path} has {len(images.classes)} class folders but {len(classnames)} class names")
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if not folders:
+        raise DatasetError(f"{root} has no class folders: expected one folder per class "
+                           f"({'n01440764/, n01443537/, ...' if spec.dataset == 'imagenet' else '0/, 1/, ...'}) "
+                           "or CLIP_benchmark shards (test/nshards.txt)")
+    classnames, templates = _names_and_templates(spec, None)
+    if len(folders) != len(classnames):
+        source = spec.classnames or f"the {spec.dataset} class list"
+        raise DatasetError(f"{root} has {len(folders)} class folders but {source} names {len(classnames)} classes")
+    images = ImageFolder(str(root), transform=transform)
     if spec.max_samples is not None and spec.max_samples < len(images):
         images = torch.utils.data.Subset(images, range(spec.max_samples))
-    return ZeroShotSet(spec.label, images, classnames, templates)
+    return ZeroShotSet(spec.label, classnames, templates, images=images)
 
 
+def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[list[str], list[Callable]]:
+    """Class names and templates: ImageNet's (as OpenCLIP and CLIP_benchmark have them), the digits',
+    the given files, or a CLIP_benchmark dataset's own classnames.txt / templates file."""
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+
+    from fsdpclip.digits import CLASSNAMES, TEMPLATES
+
+    own_templates = wds_root / "zeroshot_classification_templates.txt" if wds_root else None
+    if spec.templates is not None:
+        templates = read_templates(spec.templates)
+    elif spec.dataset == "digits":
+        templates = [lambda c, t=t: t.format(c=c) for t in TEMPLATES]
+    elif spec.dataset == "folder" and own_templates is not None and own_templates.is_file():
+        templates = read_templates(str(own_templates))
+    else:
+        templates = read_templates("openai")
+    if spec.dataset == "imagenet":
+        return list(IMAGENET_CLASSNAMES), templates
+    if spec.dataset == "digits":
+        return list(CLASSNAMES), templates
+    if spec.classnames is not None:
+        return _lines(Path(spec.classnames)), templates
+    if wds_root is not None and (wds_root / "classnames.txt").is_file():
+        return _lines(wds_root / "classnames.txt"), templates
+    raise DatasetError(f"{spec.path}: a 'folder' dataset needs --classnames (one name per line, in label order)")
+
+
+# ----------------------------------------------------------------------- metrics
 @torch.no_grad()
 def class_embeddings(model: nn.Module, tokenizer: Callable, classnames: Sequence[str],
                      templates: Sequence[Callable[[str], str]], device: torch.device, batch_size: int) -> torch.Tensor:
@@ -73,33 +174,18 @@ def class_embeddings(model: nn.Module, tokenizer: Callable, classnames: Sequence
     columns = []
     for name in classnames:
         prompts = [template(name) for template in templates]
-        embedded = torch.cat([model.encode_text(tokenizer(prompts[i:i + batch_size]).to(device), normalize=True)
+        embedded = torch.cat([model.encode_text(tokenizer(prompts[i:i + batch_size]).to(device)).float()
                               for i in range(0, len(prompts), batch_size)])
-        columns.append(F.normalize(embedded.float().mean(dim=0), dim=-1))
+        columns.append(F.normalize(F.normalize(embedded, dim=-1).mean(dim=0), dim=-1))
     return torch.stack(columns, dim=1)
-
-
-class _RankShare(Dataset):
-    """This rank's share of a dataset, padded to the same length on every rank (padding label -1)."""
-
-    def __init__(self, dataset: Dataset, rank: int, world_size: int):
-        self.dataset, self.indices = dataset, list(range(rank, len(dataset), world_size))
-        self.length = -(-len(dataset) // world_size)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int):
-        if i < len(self.indices):
-            return self.dataset[self.indices[i]]
-        image, _ = self.dataset[0]
-        return image, -1
 
 
 @torch.no_grad()
 def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, device: torch.device,
-                     batch_size: int, workers: int = 2) -> dict:
+                     batch_size: int, workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
     """acc1, acc5 and mean per-class recall over the whole set, identical on every rank."""
+    from fsdpclip.model import image_shape
+
     was_training = model.training
     model.eval()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -107,24 +193,110 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
     classes = len(zs.classnames)
     confusion = torch.zeros(classes, classes, dtype=torch.float64, device=device)
     top5 = torch.zeros((), dtype=torch.float64, device=device)
-    loader = DataLoader(_RankShare(zs.images, rank, world), batch_size=batch_size, num_workers=workers)
-    for images, labels in loader:
-        features = model.encode_image(images.to(device), normalize=True).float()
+    batches = zs.batches(rank, world, batch_size, workers)
+    padding = (torch.zeros(1, *image_shape(model)), torch.tensor([-1]))
+    while True:
+        batch = next(batches, None)
+        if world > 1:
+            left = torch.tensor([batch is not None], dtype=torch.int32, device=device)
+            dist.all_reduce(left, op=dist.ReduceOp.MAX)
+            if not left.item():
+                break
+        elif batch is None:
+            break
+        images, labels = batch if batch is not None else padding
+        if int(labels.max()) >= classes:
+            raise DatasetError(f"{zs.name}: label {int(labels.max())} but only {classes} class names")
+        features = F.normalize(model.encode_image(images.to(device)).float(), dim=-1)
         logits = 100.0 * features @ classifier
         labels = labels.to(device)
         keep = labels >= 0
         predicted = logits.argmax(dim=-1)
         confusion.index_put_((labels[keep], predicted[keep]), torch.ones_like(labels[keep], dtype=confusion.dtype),
                              accumulate=True)
-        k = min(5, classes)
-        top5 += (logits.topk(k, dim=-1).indices == labels[:, None]).any(dim=-1)[keep].sum()
+        top5 += (logits.topk(min(5, classes), dim=-1).indices == labels[:, None]).any(dim=-1)[keep].sum()
+        if progress is not None:
+            progress(int(keep.sum()) * world)
     if world > 1:
         dist.all_reduce(confusion)
         dist.all_reduce(top5)
     model.train(was_training)
     total = confusion.sum()
+    if total == 0:
+        raise DatasetError(f"{zs.name}: no images found")
     per_class = confusion.diag() / confusion.sum(dim=1).clamp(min=1)
     present = confusion.sum(dim=1) > 0
     return {"acc1": (confusion.diag().sum() / total).item(),
             "acc5": (top5 / total).item() if classes >= 5 else float("nan"),
             "mean_per_class_recall": per_class[present].mean().item(), "samples": int(total.item())}
+
+
+def clip_benchmark_record(dataset: str, model: str, pretrained: str, metrics: dict) -> dict:
+    """The JSON CLIP_benchmark writes for one zero-shot classification result."""
+    return {"dataset": dataset, "model": model, "pretrained": pretrained, "task": "zeroshot_classification",
+            "metrics": {k: metrics[k] for k in ("acc1", "acc5", "mean_per_class_recall")}, "language": "en"}
+
+
+# ------------------------------------------------------------------------ models
+WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
+                "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin")
+
+
+def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optional[str]) -> tuple[dict, str, Callable]:
+    """(OpenCLIP config, model label, a function filling a full CPU model with the weights) for `path`:
+    a run or checkpoint directory of fsdpclip, an exported file, or an open_clip local-dir."""
+    from fsdpclip.checkpoint import CheckpointError, read_meta, read_model_state, resolve_checkpoint
+    from fsdpclip.model import ModelError, load_weights, model_config as spec_config, read_state_dict
+    from fsdpclip.spec import ModelSpec
+
+    path = Path(path)
+    try:
+        checkpoint = resolve_checkpoint(path)
+    except CheckpointError:
+        checkpoint = None
+    if checkpoint is not None:
+        meta = read_meta(checkpoint)
+
+        def fill(model: nn.Module) -> None:
+            model.load_state_dict(read_model_state(checkpoint, model))
+
+        return meta["model"]["open_clip_config"], meta["model"]["label"], fill
+    if path.is_dir() and (path / "open_clip_config.json").is_file():
+        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+        if weights is None:
+            raise ModelError(f"{path} has open_clip_config.json but none of {', '.join(WEIGHT_FILES)}")
+        model_config, path = str(path / "open_clip_config.json"), weights
+    elif not path.is_file():
+        raise ModelError(f"{path} is not a checkpoint: expected a run or checkpoint directory, "
+                         "an OpenCLIP weights file or an open_clip local-dir")
+    if (model_name is None) == (model_config is None):
+        raise ModelError(f"{path} is an OpenCLIP weights file: give --model NAME or --model-config FILE")
+    spec = ModelSpec(name=model_name, config=model_config)
+
+    def fill(model: nn.Module) -> None:
+        load_weights(model, read_state_dict(str(path)), str(path))
+
+    return spec_config(spec), spec.label, fill
+
+
+def load_eval_model(config: dict, fill: Callable, device: torch.device, mesh, precision: str) -> nn.Module:
+    """The model with its weights: plain on one process, sharded with FSDP2 over `mesh` otherwise.
+
+    Rank 0 reads the weights; the other ranks receive only their shards.
+    """
+    from fsdpclip.model import find_towers, model_from_config
+    from fsdpclip.shard import apply_fsdp, materialize, plan_units
+    from fsdpclip.spec import FsdpSpec
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    source = None
+    if rank == 0:
+        source = model_from_config(config, device="cpu")
+        fill(source)
+    if mesh is None:
+        return source.to(device).eval()
+    model = model_from_config(config, device="meta")
+    fsdp = FsdpSpec(param_dtype=precision, reduce_dtype="fp32")
+    apply_fsdp(model, plan_units(model, find_towers(model), fsdp), fsdp, mesh, device)
+    materialize(model, device, offload=False, source=source)
+    return model.eval()

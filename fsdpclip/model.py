@@ -168,16 +168,19 @@ class Tower:
         return "embeddings" if EMBEDDING_RE.search(parameter) else "head"
 
 
-def find_towers(model: nn.Module, spec: ModelSpec) -> dict[str, Tower]:
-    """The image and text towers of `model` with their blocks in forward order."""
-    overrides = {"image": spec.image.block_classes, "text": spec.text.block_classes}
+def find_towers(model: nn.Module, block_classes: Optional[dict[str, Optional[list[str]]]] = None) -> dict[str, Tower]:
+    """The image and text towers of `model` with their blocks in forward order.
+
+    `block_classes` names a tower's block classes (default: the known ones found in it).
+    """
+    overrides = block_classes or {}
     modules = {name: module for name, module in model.named_modules() if name}
     classes: dict[str, set[str]] = {t: set() for t in TOWERS}
     for name, module in modules.items():
         classes[tower_of(name)].add(type(module).__name__)
     towers = {}
     for tower_name in TOWERS:
-        wanted = overrides[tower_name]
+        wanted = overrides.get(tower_name)
         block_classes = tuple(wanted) if wanted is not None else tuple(
             c for c in KNOWN_BLOCK_CLASSES if c in classes[tower_name])
         towers[tower_name] = Tower(tower_name, block_classes, instances(modules.items(), tower_name, block_classes),
@@ -321,11 +324,11 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
     return model
 
 
-def build_tokenizer(spec: ModelSpec):
-    """The tokenizer OpenCLIP pairs with this model config (local files only)."""
+def build_tokenizer(cfg: dict):
+    """The tokenizer OpenCLIP pairs with a model config (local files only)."""
     import open_clip
 
-    text = model_config(spec)["text_cfg"]
+    text = cfg["text_cfg"]
     context = text.get("context_length", open_clip.tokenizer.DEFAULT_CONTEXT_LENGTH)
     kwargs = text.get("tokenizer_kwargs") or {}
     if text.get("hf_tokenizer_name"):

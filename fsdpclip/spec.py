@@ -87,6 +87,10 @@ class ModelSpec(Section):
         """A short name for logs and eval output."""
         return self.name or Path(self.config).stem
 
+    @property
+    def block_classes(self) -> dict[str, Optional[list[str]]]:
+        return {"image": self.image.block_classes, "text": self.text.block_classes}
+
 
 # -------------------------------------------------------------------------- fsdp
 class WrapSpec(Section):

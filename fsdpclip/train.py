@@ -93,7 +93,7 @@ class Trainer:
         fsdp = job.fsdp
         self.model_config = model_config(job.model)
         model = model_from_config(self.model_config, device="meta")
-        towers = find_towers(model, job.model)
+        towers = find_towers(model, job.model.block_classes)
         apply_freeze(model, frozen_names(towers, job.freeze))
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         shapes = {n: s for n, s in original_shapes(model).items() if n in trainable}
@@ -114,7 +114,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         self.scaler = build_grad_scaler(fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
-        self.tokenizer = build_tokenizer(job.model)
+        self.tokenizer = build_tokenizer(self.model_config)
         self.batches = self._batches()
         self.batch_iter: Iterator = iter(self.batches)
         self.zeroshot_sets: Optional[list[ZeroShotSet]] = None
@@ -134,7 +134,7 @@ class Trainer:
             context, vocab = text_shape(model)
             return SyntheticBatches(image_shape(model), context, vocab, job.batch.per_gpu, env.device,
                                     job.run.seed, env.rank)
-        stream = ShardStream(job.data, image_transform(model, train=True), build_tokenizer(job.model),
+        stream = ShardStream(job.data, image_transform(model, train=True), self.tokenizer,
                              job.batch.per_gpu, env.rank, env.world_size, job.run.seed)
         return WebDatasetBatches(stream, job.data.workers, pin_memory=env.device.type == "cuda")
 

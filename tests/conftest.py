@@ -60,3 +60,10 @@ class Cli:
 @pytest.fixture
 def cli() -> Cli:
     return Cli()
+
+
+def squeezed(text: str) -> str:
+    """Text without whitespace or table borders, to find a message that rich wrapped in a table cell."""
+    import re
+
+    return re.sub(r"[\s│┃]+", "", text)

@@ -1,0 +1,166 @@
+"""`fsdpclip eval` against CLIP_benchmark's own metric code, on one process and two."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import webdataset as wds
+
+from conftest import TINY_CONFIG, squeezed, write_job
+from ranks import run_group, torchrun
+
+TEMPLATES = ["a photo of the number {c}.", "the digit {c}.", "a handwritten {c}."]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, digits_dir):
+    """A tiny model trained 60 steps on the digits, checkpointed, and its export."""
+    tmp = tmp_path_factory.mktemp("trained")
+    job = {"run": {"name": "digits", "output_dir": str(tmp / "runs")}, "model": {"config": str(TINY_CONFIG)},
+           "fsdp": {"param_dtype": "fp32"}, "optimizer": {"lr": 2e-3}, "schedule": {"warmup_steps": 10, "steps": 60},
+           "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 1},
+           "batch": {"per_gpu": 32}, "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60}}
+    proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(write_job(tmp, job))], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = tmp / "runs" / "digits"
+    proc = run_group([sys.executable, "-m", "fsdpclip", "export", str(run_dir), str(tmp / "tiny.pt")], timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    return run_dir, tmp / "tiny.pt"
+
+
+def _reference(weights, dataloader, classnames):
+    """CLIP_benchmark's classifier and logits, on the exported weights loaded by OpenCLIP itself.
+
+    Its evaluate() then takes top-k accuracies and sklearn's balanced accuracy; its accuracy()
+    helper fails under NumPy 2 ("only 0-dimensional arrays can be converted to Python scalars"),
+    so those two lines are taken here the same way.
+    """
+    import open_clip
+    from clip_benchmark.metrics.zeroshot_classification import run_classification, zero_shot_classifier
+    from sklearn.metrics import balanced_accuracy_score
+
+    open_clip.add_model_config(TINY_CONFIG)
+    model, _, preprocess = open_clip.create_model_and_transforms(TINY_CONFIG.stem, pretrained=str(weights))
+    model.eval()
+    tokenizer = open_clip.get_tokenizer(TINY_CONFIG.stem)
+    classifier = zero_shot_classifier(model, tokenizer, classnames, TEMPLATES, "cpu", amp=False)
+    logits, target = run_classification(model, classifier, dataloader(preprocess), "cpu", amp=False)
+    top5 = logits.topk(5, dim=1).indices
+    return {"acc1": (top5[:, 0] == target).float().mean().item(),
+            "acc5": (top5 == target[:, None]).any(dim=1).float().mean().item(),
+            "mean_per_class_recall": balanced_accuracy_score(target, logits.argmax(dim=1))}
+
+
+def _ours(cli, tmp_path, *args) -> dict:
+    out = tmp_path / "ours.json"
+    result = cli("eval", *args, "--output", out, "--workers", "0")
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def _assert_same(record: dict, reference: dict):
+    for key in ("acc1", "acc5", "mean_per_class_recall"):
+        assert record["metrics"][key] == pytest.approx(reference[key], abs=1e-6), key
+
+
+def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
+    from torchvision.datasets import ImageFolder
+
+    from fsdpclip.digits import CLASSNAMES
+
+    run_dir, weights = trained
+    record = _ours(cli, tmp_path, run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
+    assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
+    assert record["task"] == "zeroshot_classification" and record["dataset"] == "digits"
+    assert record["metrics"]["acc1"] > 0.2  # trained: well above chance (0.1)
+
+    def loader(preprocess):
+        return torch.utils.data.DataLoader(ImageFolder(str(digits_dir / "test"), transform=preprocess), batch_size=50)
+
+    _assert_same(record, _reference(weights, loader, list(CLASSNAMES)))
+    exported = _ours(cli, tmp_path, weights, "--model-config", TINY_CONFIG, "--zeroshot", "digits",
+                     "--data", digits_dir / "test")
+    assert exported["metrics"] == record["metrics"]
+
+
+def test_two_ranks_agree_with_one(trained, digits_dir, tmp_path, cli):
+    run_dir, _ = trained
+    one = _ours(cli, tmp_path, run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
+    out = tmp_path / "two.json"
+    proc = torchrun(["-m", "fsdpclip", "eval", str(run_dir), "--zeroshot", "digits", "--data",
+                     str(digits_dir / "test"), "--output", str(out), "--workers", "0", "--batch-size", "37"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    two = json.loads(out.read_text())
+    for key, value in one["metrics"].items():
+        assert two["metrics"][key] == pytest.approx(value, abs=1e-6)
+
+
+def test_clip_benchmark_webdataset_layout(trained, digits_dir, tmp_path, cli):
+    """CLIP_benchmark's wds layout (test/nshards.txt, .cls labels, classnames.txt, templates.txt)."""
+    from PIL import Image
+    from torchvision.datasets import ImageFolder
+
+    from fsdpclip.digits import CLASSNAMES
+
+    run_dir, weights = trained
+    root = tmp_path / "wds"
+    (root / "test").mkdir(parents=True)
+    images = ImageFolder(str(digits_dir / "test"))
+    shards = 3
+    for shard in range(shards):
+        with wds.TarWriter(str(root / "test" / f"{shard}.tar")) as sink:
+            for i in range(shard, len(images), shards):
+                path, label = images.samples[i]
+                sink.write({"__key__": f"s{i:05d}", "webp": _webp(Image.open(path)), "cls": label})
+    (root / "test" / "nshards.txt").write_text(f"{shards}\n")
+    (root / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
+    (root / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
+    record = _ours(cli, tmp_path, run_dir, "--zeroshot", "folder", "--data", root)
+
+    def loader(preprocess):  # as clip_benchmark.datasets.builder.build_wds_dataset reads it
+        pattern = str(root / "test" / f"{{0..{shards - 1}}}.tar")
+        dataset = (wds.WebDataset(pattern, nodesplitter=lambda src: src, shardshuffle=False)
+                   .decode(wds.autodecode.ImageHandler("pil", extensions=["webp", "png", "jpg", "jpeg"]))
+                   .to_tuple(["webp", "png", "jpg", "jpeg"], "cls").map_tuple(preprocess, None))
+        dataset.classes = list(CLASSNAMES)
+        return torch.utils.data.DataLoader(dataset.batched(40), batch_size=None)
+
+    _assert_same(record, _reference(weights, loader, list(CLASSNAMES)))
+
+
+def _webp(image) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="WEBP", lossless=True)
+    return buffer.getvalue()
+
+
+def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
+    run_dir, weights = trained
+    cases = [
+        ((run_dir, "--zeroshot", "digits", "--data", tmp_path / "nowhere"), "dataset folder not found"),
+        ((run_dir, "--zeroshot", "imagenet", "--data", digits_dir / "test"),
+         "has 10 class folders but the imagenet class list names 1000 classes"),
+        ((run_dir, "--zeroshot", "folder", "--data", digits_dir / "test", "--classnames", _names(tmp_path, 9)),
+         "has 10 class folders but"),
+        ((run_dir, "--zeroshot", "digits", "--data", digits_dir / "test" / "3"), "has no class folders"),
+        ((weights, "--zeroshot", "digits", "--data", digits_dir / "test"), "give --model NAME or --model-config"),
+        ((weights, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test"),
+         "does not match the model"),
+        ((tmp_path, "--zeroshot", "digits", "--data", digits_dir / "test"), "is not a checkpoint"),
+    ]
+    for args, message in cases:
+        result = cli("eval", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert squeezed(message) in squeezed(result.output), (message, result.output)
+        assert "Traceback" not in result.output
+
+
+def _names(tmp_path, count: int):
+    path = tmp_path / f"names{count}.txt"
+    path.write_text("\n".join(f"class {i}" for i in range(count)) + "\n")
+    return path
