@@ -7,13 +7,16 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from fsdpclip.problems import Problem, SpecError
+
+if TYPE_CHECKING:
+    from fsdpclip.spec import Job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
@@ -132,18 +135,38 @@ def _summary_tables(summary: dict) -> None:
 @app.command()
 def launch(
     job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", min=1,
-                                                 help="Processes on this node (default: launch.gpus_per_node)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", "--nproc-per-node", min=1,
+                                                help="Processes per node (default: launch.gpus_per_node)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Number of nodes (default: launch.nodes)."),
+    slurm: bool = typer.Option(False, "--slurm", help="Submit a batch script with sbatch instead of running here."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition (default: launch.slurm)."),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit (default: launch.slurm)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0,
+                                            help="Without Slurm: this node's rank, 0 to --nodes - 1."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Without Slurm: the address of node 0."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
+                                              help="Rendezvous port on node 0 (default: launch.master_port)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run (or the batch script)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
-    """Validate a job and run it with torchrun on this node."""
+    """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
+    import shutil
+
     from fsdpclip.checks import check_job
     from fsdpclip.launch import exit_report, job_environment, render, resolve_paths, run_command, torchrun_command
     from fsdpclip.spec import load_job
 
-    if nproc_per_node is not None:
-        overrides = [*overrides, f"launch.gpus_per_node={nproc_per_node}"]
+    if slurm and (node_rank is not None or master_addr is not None):
+        _stop("--slurm starts every node itself: --node-rank and --master-addr are for launches without Slurm")
+    if not slurm and (partition is not None or time_limit is not None):
+        _stop("--partition and --time are Slurm options: add --slurm")
+    if node_rank is not None and master_addr is None:
+        _stop("--node-rank needs --master-addr, the address of node 0")
+    if slurm and not dry_run and shutil.which("sbatch") is None:
+        _stop("--slurm needs Slurm's sbatch on the PATH (use --dry-run to only print the batch script)")
+    flags = {"launch.nodes": nodes, "launch.gpus_per_node": gpus_per_node, "launch.master_port": master_port,
+             "launch.slurm.partition": partition, "launch.slurm.time": time_limit}
+    overrides = [*overrides, *(f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None)]
     try:
         job = load_job(job_file, overrides)
     except SpecError as exc:
@@ -153,9 +176,19 @@ def launch(
         _fail(report.problems)
     if report.warnings:
         _problem_table(report.warnings, console)
+    spec = job.launch
+    if not slurm and spec.nodes > 1 and node_rank is None:
+        _stop(f"{spec.nodes} nodes without Slurm: run `fsdpclip launch` on each node with --node-rank R "
+              "and --master-addr (node 0's address), or add --slurm")
+    if node_rank is not None and node_rank >= spec.nodes:
+        _stop(f"--node-rank {node_rank} is not below the number of nodes ({spec.nodes})")
     job = resolve_paths(job, Path.cwd())
+    if slurm:
+        _submit(job, dry_run)
+        return
     job_path = job.run_dir / "job.json"
-    command = torchrun_command(job_path, job.launch.gpus_per_node)
+    command = torchrun_command(job_path, spec.gpus_per_node, spec.nodes, node_rank or 0, master_addr,
+                               spec.master_port)
     console.print(f"[bold]run directory[/bold] {job.run_dir}")
     console.print(render(command), highlight=False, soft_wrap=True)
     if dry_run:
@@ -169,6 +202,28 @@ def launch(
         err_console.print(f"[red]✗[/red] {report['message']}")
         code = report["code"]
     raise typer.Exit(code)
+
+
+def _submit(job: Job, dry_run: bool) -> None:
+    """Write RUN_DIR/job.json and RUN_DIR/launch.sbatch and submit it (or only print the script)."""
+    from fsdpclip.launch import BATCH_SCRIPT, LOG_DIR, SubmitError, sbatch_script, submit
+
+    script = sbatch_script(job)
+    if dry_run:
+        print(script, end="")
+        return
+    logs, script_path = job.run_dir / LOG_DIR, job.run_dir / BATCH_SCRIPT
+    logs.mkdir(parents=True, exist_ok=True)
+    job.save(job.run_dir / "job.json")
+    script_path.write_text(script)
+    try:
+        job_id = submit(script_path)
+    except SubmitError as exc:
+        _stop(f"sbatch refused {script_path}: {exc}")
+    console.print(f"[green]✓[/green] submitted batch job {job_id} ({job.launch.nodes} node(s) × "
+                  f"{job.launch.gpus_per_node} rank(s)): {script_path}", highlight=False, soft_wrap=True)
+    console.print(f"logs: {logs}/slurm-{job_id}.out and .err (the batch script), "
+                  f"{logs}/slurm-{job_id}-node<N>.out (node N's ranks)", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -1,0 +1,176 @@
+"""Launch rendering (torchrun, sbatch) against golden files, the launch flags, and a two-node launch without Slurm.
+
+Set FSDPCLIP_UPDATE_GOLDEN=1 to rewrite the golden files after an intended change, then review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_CONFIG, write_job
+from ranks import run_group
+from fsdpclip.checkpoint import latest_checkpoint
+from fsdpclip.launch import render, resolve_paths, sbatch_script, torchrun_command
+from fsdpclip.spec import load_job
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE = os.environ.get("FSDPCLIP_UPDATE_GOLDEN") == "1"
+CLUSTER_EXAMPLE = REPO / "cluster" / "vit-b-32-laion400m.sbatch"
+
+# name -> (spec, --set overrides, interpreter); paths resolve against /project.
+CASES = {
+    "tiny-cpu-two-nodes": ("examples/tiny-cpu.json", [
+        "launch.nodes=2", "launch.gpus_per_node=1", "batch.per_gpu=32", "launch.master_port=29511",
+        'launch.env={"GLOO_SOCKET_IFNAME": "eth0"}',
+        'launch.slurm={"account": "proj-1", "qos": "low", "time": "00:30:00", "signal_seconds": 60,'
+        ' "extra_sbatch": ["--exclusive", "--mem=0"], "env": {"NCCL_SOCKET_IFNAME": "^lo,docker0"}}',
+    ], "/opt/venv/bin/python"),
+    "no-requeue-quoted-paths": ("examples/tiny-cpu.json", [
+        'run.output_dir="/scratch/$USER/my runs"',
+        'launch.slurm={"requeue": false, "cpus_per_task": 4,'
+        ' "setup": ["module load cuda/12.4", "source ~/env/bin/activate"]}',
+    ], None),
+}
+
+
+def _render(spec: str, overrides: list[str], python) -> str:
+    job = resolve_paths(load_job(REPO / spec, overrides), Path("/project"))
+    return sbatch_script(job, python)
+
+
+def _check_golden(path: Path, text: str) -> None:
+    if UPDATE:
+        path.write_text(text)
+    assert path.read_text() == text, f"{path.name} differs from the rendering: rerun with FSDPCLIP_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sbatch_matches_golden(name):
+    _check_golden(GOLDEN / f"{name}.sbatch", _render(*CASES[name]))
+
+
+def test_cluster_example_is_the_rendered_example():
+    script = _render("examples/vit-b-32-laion400m.json", [], None)
+    _check_golden(CLUSTER_EXAMPLE, script)
+    assert "source /opt/fsdpclip/.venv/bin/activate" in script and "\n    python -m torch.distributed.run" in script
+
+
+SCRIPTS = [*sorted(GOLDEN.glob("*.sbatch")), CLUSTER_EXAMPLE, REPO / "cluster" / "local-slurm.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_pass_bash_syntax_check(script):
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_sbatch_content():
+    script = _render(*CASES["tiny-cpu-two-nodes"])
+    lines = script.splitlines()
+    options = [line.removeprefix("#SBATCH ") for line in lines if line.startswith("#SBATCH ")]
+    assert options[:3] == ["--job-name=tiny-cpu", "--nodes=2", "--ntasks-per-node=1"]
+    assert "--requeue" in options and "--signal=B:USR1@60" in options
+    assert not any(o.startswith("--gres") for o in options)  # CPU job
+    assert "--output=/project/runs/tiny-cpu/logs/slurm-%j.out" in options
+    assert "export NCCL_SOCKET_IFNAME='^lo,docker0'" in lines and "export GLOO_SOCKET_IFNAME=eth0" in lines
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60" in lines
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$head_addr:29511" --rdzv-id="$SLURM_JOB_ID"' in script
+    assert "-m fsdpclip.train /project/runs/tiny-cpu/job.json &" in script
+
+    quiet = _render(*CASES["no-requeue-quoted-paths"])
+    assert "--requeue" not in quiet and "trap '" not in quiet and "scontrol requeue" not in quiet
+    assert "#SBATCH '--output=/scratch/$USER/my runs/tiny-cpu/logs/slurm-%j.out'" in quiet
+    assert "run_dir='/scratch/$USER/my runs/tiny-cpu'" in quiet
+    assert "\n    python -m torch.distributed.run" in quiet  # setup lines choose the interpreter
+
+
+def test_torchrun_commands():
+    job = Path("/runs/x/job.json")
+    assert render(torchrun_command(job, 2, python="py")) == (
+        "py -m torch.distributed.run --nproc-per-node=2 --standalone -m fsdpclip.train /runs/x/job.json")
+    assert render(torchrun_command(job, 8, 4, 3, "10.0.0.1", 29400, python="py")) == (
+        "py -m torch.distributed.run --nproc-per-node=8 --nnodes=4 --node-rank=3 --master-addr=10.0.0.1 "
+        "--master-port=29400 -m fsdpclip.train /runs/x/job.json")
+
+
+def _tiny(tmp_path, **launch) -> Path:
+    return write_job(tmp_path, {
+        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "schedule": {"steps": 4},
+        "data": {"source": "synthetic"},
+        "batch": {"per_gpu": 16, "global_batch": 32},
+        "logging": {"every_steps": 1},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60, **launch},
+    })
+
+
+def test_slurm_dry_run_prints_the_script_and_writes_nothing(cli, tmp_path):
+    path = _tiny(tmp_path)
+    result = cli("launch", path, "--slurm", "--dry-run", "--nodes", "2", "--gpus-per-node", "1",
+                 "--partition", "cpu", "--time", "1:00:00")
+    assert result.exit_code == 0, result.output
+    job = load_job(path, ["launch.nodes=2", "launch.gpus_per_node=1", 'launch.slurm.partition="cpu"',
+                          'launch.slurm.time="1:00:00"'])
+    assert result.stdout == sbatch_script(job)
+    assert "#SBATCH --partition=cpu" in result.stdout and "#SBATCH --time=1:00:00" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_flags_are_validated_with_the_real_world_size(cli, tmp_path):
+    path = _tiny(tmp_path)  # global_batch 32 = 16 per rank × 2 ranks
+    for flags in (["--slurm", "--nodes", "2"], ["--nodes", "2", "--node-rank", "0", "--master-addr", "h"]):
+        result = cli("launch", path, "--dry-run", *flags)
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert "batch.global_batch" in result.output and "world size 4" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--node-rank", "1"], "--node-rank needs --master-addr"),
+    (["--nodes", "2", "--gpus-per-node", "1"], "2 nodes without Slurm"),
+    (["--nodes", "2", "--gpus-per-node", "1", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2 is not below"),
+    (["--slurm", "--master-addr", "h"], "--slurm starts every node itself"),
+    (["--partition", "gpu"], "add --slurm"),
+    (["--slurm", "--time", "soon"], "launch.slurm.time"),
+])
+def test_bad_launch_flags_are_user_errors(cli, tmp_path, flags, message):
+    result = cli("launch", _tiny(tmp_path), "--dry-run", *flags)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert message in result.output
+
+
+def test_slurm_without_sbatch_is_a_user_error(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = cli("launch", _tiny(tmp_path), "--slurm")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "needs Slurm's sbatch on the PATH" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_two_nodes_without_slurm(tmp_path):
+    """What a user types on each of two machines (here both on this one): a static rendezvous on node 0."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = _tiny(tmp_path, nodes=2, gpus_per_node=1)
+    launches = [[sys.executable, "-m", "fsdpclip", "launch", str(path), "--node-rank", str(rank),
+                 "--master-addr", "127.0.0.1", "--master-port", str(port)] for rank in (0, 1)]
+    with ThreadPoolExecutor(2) as pool:
+        node0, node1 = pool.map(lambda command: run_group(command, timeout=180), launches)
+    assert node0.returncode == 0, node0.stdout[-4000:]
+    assert node1.returncode == 0, node1.stdout[-4000:]
+    assert "--nnodes=2 --node-rank=1 --master-addr=127.0.0.1" in node1.stdout
+    run_dir = tmp_path / "runs" / "t"
+    assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
+    assert json.loads((latest_checkpoint(run_dir) / "meta.json").read_text())["world_size"] == 2
