@@ -16,35 +16,24 @@ import torch
 import torch.distributed as dist
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch", type=int, required=True, help="per GPU")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the whole model")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
+def ddp_rate(model_name: str, batch: int, warmup: int, steps: int, compile_model: bool = False) -> dict:
+    """samples/s/GPU and peak memory of the plain DDP step (the process group is already up)."""
     import open_clip
     from open_clip.loss import ClipLoss
 
-    start = float(os.environ.get("FSDPCLIP_LAUNCH_TIME", time.time()))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    model = open_clip.create_model(args.model, device=device)
-    if args.compile:
+    torch.cuda.reset_peak_memory_stats(device)
+    model = open_clip.create_model(model_name, device=device)
+    size = model.visual.image_size
+    if compile_model:
         model = torch.compile(model)
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     loss_fn = ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True, rank=rank, world_size=world)
-    size = model.module.visual.image_size if not args.compile else model.module._orig_mod.visual.image_size
-    images = torch.randn(args.batch, 3, *size, device=device)
-    texts = torch.randint(1, 49408, (args.batch, 77), device=device)
+    images = torch.randn(batch, 3, *size, device=device)
+    texts = torch.randint(1, 49408, (batch, 77), device=device)
 
     def step() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -55,20 +44,38 @@ def main() -> None:
         return loss
 
     step().item()
-    first_step = time.time() - start
-    for _ in range(args.warmup - 1):
+    first = time.time() - float(os.environ.get("FSDPCLIP_LAUNCH_TIME", "nan"))
+    for _ in range(warmup - 1):
         step()
     torch.cuda.synchronize()
     began = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - began
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
-    if rank == 0:
+    return {"samples_per_s_per_gpu": batch * steps / elapsed,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30, "time_to_first_step_s": first}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, required=True, help="per GPU")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    result = ddp_rate(args.model, args.batch, args.warmup, args.steps, args.compile)
+    result["world_size"] = dist.get_world_size()
+    if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"samples_per_s_per_gpu": args.batch * args.steps / elapsed, "peak_memory_gib": peak,
-                       "time_to_first_step_s": first_step, "world_size": world}, f)
+            json.dump(result, f)
     dist.destroy_process_group()
 
 

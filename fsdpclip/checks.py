@@ -316,8 +316,8 @@ def _unit_rows(units: list[Unit], world_size: int) -> list[dict]:
     for unit in units:
         key = (unit.tower or "root", unit.cls, unit.numel)
         row = rows.setdefault(key, {"tower": unit.tower or "root", "class": unit.cls, "count": 0,
-                                    "parameters_each": unit.numel, "shard_mib_each": 0.0,
-                                    "first": unit.module or "(root)"})
+                                    "modules_each": len(unit.modules), "parameters_each": unit.numel,
+                                    "shard_mib_each": 0.0, "first": unit.modules[0] or "(root)"})
         row["count"] += 1
         row["shard_mib_each"] = round(unit.shard_numel(world_size) * 4 / 2 ** 20, 3)
     return list(rows.values())

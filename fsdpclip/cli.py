@@ -105,11 +105,11 @@ def _summary_tables(summary: dict) -> None:
     console.print(params)
 
     units = Table(title=f"FSDP units (world size {summary['world_size']})")
-    for column in ("tower", "class", "count", "parameters each", "fp32 shard each", "first"):
-        units.add_column(column, justify="right" if column in ("count", "parameters each", "fp32 shard each") else "left")
+    for column in ("tower", "class", "units", "blocks each", "parameters each", "fp32 shard each", "first"):
+        units.add_column(column, justify="left" if column in ("tower", "class", "first") else "right")
     for row in summary["fsdp_units"]:
-        units.add_row(row["tower"], row["class"], str(row["count"]), f"{row['parameters_each']:,}",
-                      f"{row['shard_mib_each']:,.2f} MiB", row["first"])
+        units.add_row(row["tower"], row["class"], str(row["count"]), str(row["modules_each"]),
+                      f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", row["first"])
     console.print(units)
 
     decay = Table(title="Weight decay groups (original parameter names)")

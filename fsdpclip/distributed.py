@@ -6,7 +6,6 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -67,30 +66,16 @@ def all_mean(values: list[float], device: torch.device) -> list[float]:
     return (tensor / dist.get_world_size()).tolist()
 
 
+def all_max(value: int, device: torch.device) -> int:
+    """The largest of one integer over all ranks (one collective)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def all_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum of each value over all ranks (one collective)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.tolist()
 
-
-class Consensus:
-    """Ranks agree on a per-rank integer (the largest wins) without stalling the device.
-
-    Each call starts an all-reduce on a gloo group and returns the result of the previous
-    call's, so every rank learns the same value at the same step, one step late.
-    """
-
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo")
-        self.pending: Optional[tuple] = None
-
-    def update(self, local: int) -> int:
-        agreed = 0
-        if self.pending is not None:
-            work, tensor = self.pending
-            work.wait()
-            agreed = int(tensor.item())
-        tensor = torch.tensor([local], dtype=torch.int64)
-        self.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True), tensor)
-        return agreed

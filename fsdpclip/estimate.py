@@ -32,7 +32,9 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.unsharded + self.activations
+        """The peak: gradients are freed each step, so they grow in backward as activations are
+        released; the peak is at the turn from forward to backward (or at the end of backward)."""
+        return self.parameters + self.optimizer + self.unsharded + max(self.activations, self.gradients)
 
     def as_gib(self) -> dict:
         out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "world_size"}

@@ -311,10 +311,10 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, t
     model.load_state_dict(state, strict=False)
 
 
-def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
-    """The full model on the CPU with its starting weights: OpenCLIP's init for `seed`, then local weights."""
+def initial_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The full model with its starting weights: OpenCLIP's init for `seed`, then local weights."""
     torch.manual_seed(seed)
-    model = build_model(spec, device="cpu")
+    model = build_model(spec, device=device)
     if spec.pretrained:
         load_weights(model, read_state_dict(spec.pretrained), spec.pretrained)
     if spec.image.pretrained:

@@ -13,19 +13,29 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.model import Tower, tower_of
+from fsdpclip.model import Tower, instances, tower_of
 from fsdpclip.spec import TOWERS, FsdpSpec
+
+
+# 'auto' unit size: per-unit overhead is fixed, so units of ~100M parameters amortise it
+# (ViT-B-32 and ViT-L-14 on 2×H200 ran fastest with such units, docs/performance.md), while
+# two gathered units in bf16 stay well under a GiB.
+AUTO_UNIT_PARAMETERS = 100_000_000
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One FSDP unit: a module sharded on its own, with the parameters it owns."""
+    """One FSDP unit: modules sharded together (one all-gather), with the parameters they own."""
 
-    module: str  # qualified name; "" is the root
+    modules: tuple[str, ...]  # qualified names; ("",) is the root
     cls: str
     tower: Optional[str]
     shapes: tuple[torch.Size, ...]
     trainable: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.modules == ("",)
 
     @property
     def numel(self) -> int:
@@ -42,28 +52,44 @@ def wrap_classes(fsdp: FsdpSpec, tower: Tower) -> list[str]:
     return list(tower.block_classes) if chosen is None else chosen
 
 
+def blocks_per_unit(model: nn.Module, first_block: str, unit_size) -> int:
+    """`unit_size`, with 'auto' resolved to about AUTO_UNIT_PARAMETERS per unit."""
+    if unit_size != "auto":
+        return unit_size
+    block = sum(p.numel() for p in model.get_submodule(first_block).parameters())
+    return max(1, round(AUTO_UNIT_PARAMETERS / max(1, block)))
+
+
 def plan_units(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> list[Unit]:
-    """Units in the order fully_shard must see them: innermost first, the root last."""
-    names: list[tuple[str, str]] = []  # (module name, tower)
+    """Units in the order fully_shard must see them: innermost first, the root last.
+
+    With more than one block per unit, consecutive outermost wrap-class modules of a tower
+    share one unit; with one, every wrap-class module (nested ones too) is its own unit.
+    """
+    groups: list[tuple[tuple[str, ...], str]] = []  # (module names, tower)
     for tower_name in TOWERS:
         classes = set(wrap_classes(fsdp, towers[tower_name]))
-        names += [(name, tower_name) for name, module in model.named_modules()
-                  if tower_of(name) == tower_name and type(module).__name__ in classes]
-    modules = [name for name, _ in names]
-    owned: dict[str, list[tuple[torch.Size, bool]]] = {name: [] for name in modules + [""]}
+        outer = instances(model.named_modules(), tower_name, classes)
+        size = blocks_per_unit(model, outer[0], fsdp.unit_size) if outer else 1
+        if size == 1:
+            groups += [((name,), tower_name) for name, module in model.named_modules()
+                       if tower_of(name) == tower_name and type(module).__name__ in classes]
+        else:
+            groups += [(tuple(outer[i:i + size]), tower_name) for i in range(0, len(outer), size)]
+    unit_of = {name: index for index, (names, _) in enumerate(groups) for name in names}
+    owned: list[list[tuple[torch.Size, bool]]] = [[] for _ in range(len(groups) + 1)]
     for pname, param in model.named_parameters():
-        owner = max((m for m in modules if pname.startswith(m + ".")), key=len, default="")
-        owned[owner].append((param.shape, param.requires_grad))
+        owner = max((m for m in unit_of if pname.startswith(m + ".")), key=len, default=None)
+        owned[unit_of[owner] if owner is not None else -1].append((param.shape, param.requires_grad))
 
-    def unit(name: str, tower: Optional[str]) -> Unit:
-        module = model.get_submodule(name) if name else model
-        shapes = tuple(s for s, _ in owned[name])
-        trainable = sum(math.prod(s) for s, grad in owned[name] if grad)
-        return Unit(name, type(module).__name__, tower, shapes, trainable)
+    def unit(names: tuple[str, ...], tower: Optional[str], parameters) -> Unit:
+        module = model.get_submodule(names[0]) if names[0] else model
+        trainable = sum(math.prod(s) for s, grad in parameters if grad)
+        return Unit(names, type(module).__name__, tower, tuple(s for s, _ in parameters), trainable)
 
-    units = [unit(name, tower) for name, tower in names]
-    units.sort(key=lambda u: -u.module.count("."))  # stable: registration order within a depth
-    return units + [unit("", None)]
+    units = [unit(names, tower, owned[i]) for i, (names, tower) in enumerate(groups)]
+    units.sort(key=lambda u: -u.modules[0].count("."))  # stable: registration order within a depth
+    return units + [unit(("",), None, owned[-1])]
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,8 +100,6 @@ def apply_activation_checkpointing(model: nn.Module, classes: dict[str, list[str
     """Recompute the activations of these classes (per tower) in backward; names are kept."""
     from torch.distributed._composable import checkpoint
 
-    from fsdpclip.model import instances
-
     chosen = [name for tower, names in classes.items() for name in instances(model.named_modules(), tower, names)]
     for name in chosen:
         checkpoint(model.get_submodule(name))
@@ -85,8 +109,9 @@ def apply_activation_checkpointing(model: nn.Module, classes: dict[str, list[str
 def apply_compile(model: nn.Module, units: list[Unit]) -> None:
     """torch.compile the forward of every unit below the root; FSDP's hooks stay eager around it."""
     for unit in units[:-1]:
-        module = model.get_submodule(unit.module)
-        module.forward = torch.compile(module.forward)
+        for name in unit.modules:
+            module = model.get_submodule(name)
+            module.forward = torch.compile(module.forward)
 
 
 def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh, device: torch.device) -> None:
@@ -98,12 +123,11 @@ def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh, device
     param_dtype, reduce_dtype = DTYPES[fsdp.param_dtype], DTYPES[fsdp.reduce_dtype]
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
     for unit in units:
-        module = model.get_submodule(unit.module) if unit.module else model
-        is_root = module is model
+        modules = [model.get_submodule(name) if name else model for name in unit.modules]
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                      output_dtype=torch.float32 if is_root else None)
-        fully_shard(module, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy,
-                    offload_policy=offload)
+                                      output_dtype=torch.float32 if unit.is_root else None)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                    reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy, offload_policy=offload)
     register_forward_methods(model)
 
 
@@ -132,11 +156,11 @@ def register_forward_methods(model: nn.Module) -> None:
 def materialize(model: nn.Module, device: torch.device, offload: bool, source: Optional[nn.Module]) -> None:
     """Give the sharded meta model real storage and the weights of `source` (a full model on rank 0).
 
-    Rank 0 streams each tensor to the others, which keep only their shards; buffers that are
-    not in the state dict (attention masks) are broadcast as they are.
+    Rank 0 broadcasts each tensor in turn; every rank copies out only its own rows (FSDP2 shards
+    dim 0 in chunks of ceil(n / world)), so the work per rank does not grow with the world size.
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     model.to_empty(device="cpu" if offload else device)
     if offload:
@@ -144,11 +168,17 @@ def materialize(model: nn.Module, device: torch.device, offload: bool, source: O
             for key, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[key] = buffer.to(device)
-    full = source.state_dict() if source is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    persistent = set(model.state_dict())
-    for name, buffer in model.named_buffers():
-        if name not in persistent:
-            if source is not None:
-                buffer.copy_(source.get_buffer(name))
-            dist.broadcast(buffer, src=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    originals = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            full = originals[name].to(device) if source is not None else \
+                torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            dist.broadcast(full, src=0)
+            if isinstance(tensor, DTensor):
+                shard = tensor.to_local()
+                rows = -(-full.shape[0] // world) if full.dim() else 1
+                start = min(rank * rows, full.shape[0] if full.dim() else 0)
+                shard.copy_(full.narrow(0, start, shard.shape[0]) if full.dim() else full)
+            else:
+                tensor.copy_(full)

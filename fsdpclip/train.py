@@ -7,8 +7,8 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
     2   the job file is not a valid spec
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
-    75  preempted (SIGTERM or SIGUSR1 on any rank): every rank finished its step and a
-        checkpoint was saved; start the job again in the same run directory to resume
+    75  preempted (SIGTERM or SIGUSR1 on any rank): the ranks agree on it within 10 steps,
+        save a checkpoint and stop; start the job again in the same run directory to resume
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from fsdpclip.checkpoint import Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state
 from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
-from fsdpclip.distributed import Consensus, Dist, all_mean, all_sum, init_distributed
+from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed
 from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
 from fsdpclip.metrics import (
     MetricsLog, Window, launch_time, peak_memory_gib, peak_tflops, training_flops_per_sample,
@@ -36,7 +36,7 @@ from fsdpclip.model import (
     apply_freeze, build_tokenizer, decay_groups, find_towers, frozen_names, image_shape, image_transform,
     initial_model, model_config, model_from_config, original_shapes, text_shape,
 )
-from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients
+from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients, local
 from fsdpclip.shard import apply_activation_checkpointing, apply_compile, apply_fsdp, materialize, plan_units
 from fsdpclip.spec import TOWERS, Job, LossSpec, SyntheticSpec
 
@@ -45,6 +45,10 @@ LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at
 EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_FILE = "exit.json"
+# Ranks agree on a stop signal every this many steps: one small blocking collective, whose cost
+# is negligible at this interval, and no extra process group (a gloo group connects every pair
+# of ranks, which does not scale).
+STOP_CHECK_STEPS = 10
 
 
 class Stop(Exception):
@@ -99,7 +103,7 @@ class Trainer:
         shapes = {n: s for n, s in original_shapes(model).items() if n in trainable}
         self.decay_groups = decay_groups(shapes, job.optimizer.decay_rules, job.optimizer.weight_decay)
         self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
-        source = initial_model(job.model, job.run.seed) if env.is_main else None
+        source = initial_model(job.model, job.run.seed, self._source_device(model)) if env.is_main else None
         apply_activation_checkpointing(model, {t: getattr(fsdp.activation_checkpointing, t) for t in TOWERS})
         units = plan_units(model, towers, fsdp)
         if fsdp.compile:
@@ -118,14 +122,22 @@ class Trainer:
         self.batches = self._batches()
         self.batch_iter: Iterator = iter(self.batches)
         self.zeroshot_sets: Optional[list[ZeroShotSet]] = None
-        self.step = self.samples_seen = self.skipped_steps = 0
+        self.step = self.samples_seen = 0
+        self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
-        self.consensus = Consensus()
         self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size, env.device)
         self.last_saved: Optional[int] = None
         target = self.checkpointer.resume_target()
         if target is not None:
             self._resume(target)
+
+    def _source_device(self, model: torch.nn.Module) -> torch.device:
+        """Where rank 0 builds the full model: its GPU when the fp32 weights take under a third of
+        the free memory (initialisation there is fast), else the CPU."""
+        if self.env.device.type != "cuda" or self.job.fsdp.cpu_offload:
+            return torch.device("cpu")
+        weights = 4 * sum(p.numel() for p in model.parameters())
+        return self.env.device if weights < torch.cuda.mem_get_info(self.env.device)[0] / 3 else torch.device("cpu")
 
     # ------------------------------------------------------------------ data
     def _batches(self):
@@ -162,28 +174,23 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the step itself on overflow
             self.scaler.update()
-        elif math.isfinite(grad_norm.item()):  # the norm is global: every rank decides alike
-            self.optimizer.step()
         else:
-            self._bad_step(grad_norm.item())
+            found_inf = (~torch.isfinite(grad_norm)).float()  # the norm is global: every rank agrees
+            if self.job.optimizer.on_nonfinite == "stop" and found_inf.item():
+                last = latest_checkpoint(self.job.run_dir)
+                raise Stop(EXIT_NONFINITE, f"gradient norm {grad_norm.item()} at step {self.step + 1}: stopped; "
+                                           f"the last good checkpoint is {last or 'none (none was saved yet)'}")
+            self.optimizer.step(found_inf=found_inf)  # a non-finite step is skipped on the device
+            self.skipped_steps += found_inf
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
+            local(self.model.logit_scale).clamp_(0, LOGIT_SCALE_MAX)
         self.step += 1
         self.samples_seen += self.job.batch.per_gpu * accum * self.env.world_size
         window.steps += 1
         window.samples += self.job.batch.per_gpu * accum
         return loss_sum, grad_norm
-
-    def _bad_step(self, norm: float) -> None:
-        if self.job.optimizer.on_nonfinite == "stop":
-            last = latest_checkpoint(self.job.run_dir)
-            raise Stop(EXIT_NONFINITE, f"gradient norm {norm} at step {self.step + 1}: stopped; the last good "
-                                       f"checkpoint is {last or 'none (no checkpoint was saved yet)'}")
-        self.skipped_steps += 1
-        log.warning("step %d: gradient norm %s is not finite; step skipped (%d so far)",
-                    self.step + 1, norm, self.skipped_steps)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
@@ -214,7 +221,8 @@ class Trainer:
                 every = job.checkpoint.every_steps
                 if every and self.step % every == 0 and not last:
                     self.save(asynchronous=job.checkpoint.async_save)
-                signum = self.consensus.update(self.signals.received if self.signals else 0)
+                signum = all_max(self.signals.received if self.signals else 0, env.device) \
+                    if self.step % STOP_CHECK_STEPS == 0 else 0
                 if signum and not last:
                     path = self.save()
                     raise Stop(EXIT_PREEMPTED, f"{signal.Signals(signum).name} received: stopped after step "
@@ -243,7 +251,7 @@ class Trainer:
         record = {"step": self.step, "samples_seen": self.samples_seen, "loss": loss,
                   "lr": self.optimizer.param_groups[0]["lr"], "logit_scale": logit_scale,
                   "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
-                  "skipped_steps": self.skipped_steps}
+                  "skipped_steps": int(self.skipped_steps.item())}
         record.update(window.rates(env.world_size, self.flops_per_sample, self.peak))
         record["peak_memory_gib"] = peak_memory_gib(env.device)
         if self.scaler is not None:
@@ -272,7 +280,7 @@ class Trainer:
         """Checkpoint this step (once), every rank taking part."""
         if self.last_saved == self.step:
             return self.checkpointer.root / checkpoint_name(self.step)
-        meta = {"samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+        meta = {"samples_seen": self.samples_seen, "skipped_steps": int(self.skipped_steps.item()),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "model": {"label": self.job.model.label, "open_clip_config": self.model_config}}
@@ -283,7 +291,8 @@ class Trainer:
     def _resume(self, checkpoint: Path) -> None:
         meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
         self.step, self.samples_seen = meta["step"], meta["samples_seen"]
-        self.skipped_steps, self.last_saved = meta["skipped_steps"], meta["step"]
+        self.skipped_steps.fill_(meta["skipped_steps"])
+        self.last_saved = meta["step"]
         self.scheduler.load_state_dict(meta["scheduler"])
         if self.scaler is not None and meta["scaler"] is not None:
             self.scaler.load_state_dict(meta["scaler"])

@@ -24,6 +24,30 @@ def digits_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, digits_dir):
+    """The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps on
+    the session's digits, checkpointed at the end: (run directory, launch output)."""
+    import sys
+
+    from ranks import run_group
+
+    tmp = tmp_path_factory.mktemp("demo")
+    overrides = {
+        "run.output_dir": str(tmp / "runs"),
+        "schedule": json.dumps({"warmup_steps": 10, "steps": 40}),
+        "data.urls": str(digits_dir / "train-{000000..000007}.tar"),
+        "eval": json.dumps({"zeroshot": [{"dataset": "digits", "path": str(digits_dir / "test")}]}),
+        "launch.collective_timeout_s": "60",
+    }
+    command = [sys.executable, "-m", "fsdpclip", "launch", str(REPO / "examples" / "tiny-cpu.json")]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={value}"]
+    proc = run_group(command, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return tmp / "runs" / "tiny-cpu", proc.stdout
+
+
 @pytest.fixture
 def tiny_job(tmp_path, digits_dir) -> dict:
     """A valid tiny job (2 CPU ranks) on the digits shards, as a dict to edit."""

@@ -16,7 +16,9 @@ from fsdpclip.checkpoint import complete_checkpoints, latest_checkpoint
 STEPS = 12
 
 
-def _job(tmp_path, digits_dir, name: str, **extra) -> dict:
+def _job(tmp_path, digits_dir, name: str, synthetic: bool = False, **extra) -> dict:
+    """A tiny 2-rank job on the digits shards (or, where the data position does not matter, on
+    the faster synthetic source)."""
     job = {
         "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 3},
         "model": {"config": str(TINY_CONFIG)},
@@ -30,6 +32,8 @@ def _job(tmp_path, digits_dir, name: str, **extra) -> dict:
         "logging": {"every_steps": 1},
         "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
     }
+    if synthetic:
+        job["data"] = {"source": "synthetic"}
     for key, value in extra.items():
         job[key] = {**job.get(key, {}), **value}
     return job
@@ -64,8 +68,8 @@ def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight):
     run_dir = tmp_path / "runs" / "split"
     report = json.loads((run_dir / "exit.json").read_text())
     assert report["code"] == 75, first.stdout[-4000:]
-    assert "SIGUSR1 received" in report["message"] and "step-00000006" in report["message"]
-    assert latest_checkpoint(run_dir).name == "step-00000006"
+    assert "SIGUSR1 received" in report["message"] and "step-00000010" in report["message"]
+    assert latest_checkpoint(run_dir).name == "step-00000010"  # the ranks agree every 10 steps
     shutil.copytree(run_dir, tmp_path / "copy")
     second = _launch(path)  # same run directory: resumes from `latest`
     assert second.returncode == 0, second.stdout[-4000:]
@@ -101,7 +105,7 @@ def test_one_rank_checkpoint_resumes_on_two(tmp_path, digits_dir):
 
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "crash"))
+    path = write_job(tmp_path, _job(tmp_path, digits_dir, "crash", synthetic=True))
     crashed = _with_fault(path, "crash-save:1:2")  # dies in its second save (step 8)
     assert crashed.returncode != 0
     run_dir = tmp_path / "runs" / "crash"
@@ -116,7 +120,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, digits_dir):
 
 
 def test_non_finite_step_is_skipped(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "skip", schedule={"steps": 6}))
+    path = write_job(tmp_path, _job(tmp_path, digits_dir, "skip", synthetic=True, schedule={"steps": 6}))
     proc = _with_fault(path, "nan:3")
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "skip" / "metrics.jsonl").read_text().splitlines()]
@@ -125,7 +129,7 @@ def test_non_finite_step_is_skipped(tmp_path, digits_dir):
 
 
 def test_non_finite_step_stops_with_last_checkpoint(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "stop", optimizer={"on_nonfinite": "stop"}))
+    path = write_job(tmp_path, _job(tmp_path, digits_dir, "stop", synthetic=True, optimizer={"on_nonfinite": "stop"}))
     proc = _with_fault(path, "nan:6")
     run_dir = tmp_path / "runs" / "stop"
     report = json.loads((run_dir / "exit.json").read_text())
@@ -134,19 +138,25 @@ def test_non_finite_step_stops_with_last_checkpoint(tmp_path, digits_dir):
     assert latest_checkpoint(run_dir).name == "step-00000004"
 
 
-@pytest.mark.parametrize("target", ["model.pt", "model.safetensors", "local-dir"])
-def test_export_loads_in_open_clip(tmp_path, target, cli):
-    import open_clip
-
+@pytest.fixture(scope="module")
+def trained_for_export(tmp_path_factory):
+    """A checkpointed 2-rank run and the encodings of its sharded model."""
     from test_train import _parity_job
 
-    job = _parity_job(tmp_path)
-    out = tmp_path / "trained.json"
-    proc = torchrun(["tests/workers/train_checks.py", "export", str(out), str(write_job(tmp_path, job))])
+    tmp = tmp_path_factory.mktemp("export")
+    out = tmp / "trained.json"
+    proc = torchrun(["tests/workers/train_checks.py", "export", str(out), str(write_job(tmp, _parity_job(tmp)))])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    trained = json.loads(out.read_text())
+    return tmp / "runs" / "parity", json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("target", ["model.pt", "model.safetensors", "local-dir"])
+def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export):
+    import open_clip
+
+    run_dir, trained = trained_for_export
     exported = tmp_path / target
-    result = cli("export", tmp_path / "runs" / "parity", exported)
+    result = cli("export", run_dir, exported)
     assert result.exit_code == 0, result.output
     if target == "local-dir":
         model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{exported}")

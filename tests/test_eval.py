@@ -9,26 +9,20 @@ import pytest
 import torch
 import webdataset as wds
 
-from conftest import TINY_CONFIG, squeezed, write_job
+from conftest import TINY_CONFIG, squeezed
 from ranks import run_group, torchrun
 
 TEMPLATES = ["a photo of the number {c}.", "the digit {c}.", "a handwritten {c}."]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, digits_dir):
-    """A tiny model trained 60 steps on the digits, checkpointed, and its export."""
-    tmp = tmp_path_factory.mktemp("trained")
-    job = {"run": {"name": "digits", "output_dir": str(tmp / "runs")}, "model": {"config": str(TINY_CONFIG)},
-           "fsdp": {"param_dtype": "fp32"}, "optimizer": {"lr": 2e-3}, "schedule": {"warmup_steps": 10, "steps": 60},
-           "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 1},
-           "batch": {"per_gpu": 32}, "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60}}
-    proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(write_job(tmp, job))], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    run_dir = tmp / "runs" / "digits"
-    proc = run_group([sys.executable, "-m", "fsdpclip", "export", str(run_dir), str(tmp / "tiny.pt")], timeout=120)
+def trained(demo_run, tmp_path_factory):
+    """The demo run (40 steps on the digits, checkpointed) and its export."""
+    run_dir, _ = demo_run
+    exported = tmp_path_factory.mktemp("exported") / "tiny.pt"
+    proc = run_group([sys.executable, "-m", "fsdpclip", "export", str(run_dir), str(exported)], timeout=120)
     assert proc.returncode == 0, proc.stdout
-    return run_dir, tmp / "tiny.pt"
+    return run_dir, exported
 
 
 def _reference(weights, dataloader, classnames):

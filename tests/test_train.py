@@ -50,13 +50,17 @@ def _no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or bool(re.search(r"bias$|logit_scale|ln_|norm|embed", name))
 
 
-def test_two_ranks_match_a_plain_loop(tmp_path):
+@pytest.mark.parametrize("fsdp", [{"unit_size": 1}, {"unit_size": "auto", "reshard_after_forward": False}],
+                         ids=["per-block", "auto-units"])
+def test_two_ranks_match_a_plain_loop(tmp_path, fsdp):
     from open_clip.loss import ClipLoss
     from open_clip_train.scheduler import cosine_lr
 
     from fsdpclip.data import SyntheticBatches
 
-    result, trained = _run_worker(tmp_path, "parity", _parity_job(tmp_path))
+    job = _parity_job(tmp_path)
+    job["fsdp"].update(fsdp)
+    result, trained = _run_worker(tmp_path, "parity", job)
 
     model = _plain_model()
     decay = [p for n, p in model.named_parameters() if not _no_decay(n, p)]

@@ -21,11 +21,23 @@ def test_vit_b_32_counts(cli, tmp_path):
     assert summary["parameters"] == {"parameters": 151_277_313, "trainable": 151_277_313, "frozen": 0}
     assert summary["towers"]["image"]["blocks"] == 12 and summary["towers"]["text"]["blocks"] == 12
     units = {(u["tower"], u["class"]): u for u in summary["fsdp_units"]}
-    assert units[("image", "ResidualAttentionBlock")]["count"] == 12
-    assert units[("image", "ResidualAttentionBlock")]["parameters_each"] == 7_087_872
+    # 'auto' units hold ~100M parameters: all 12 blocks (7,087,872 each) of a tower in one
+    assert units[("image", "ResidualAttentionBlock")]["count"] == 1
+    assert units[("image", "ResidualAttentionBlock")]["modules_each"] == 12
+    assert units[("image", "ResidualAttentionBlock")]["parameters_each"] == 12 * 7_087_872
     total = sum(u["count"] * u["parameters_each"] for u in summary["fsdp_units"])
     assert total == 151_277_313
     assert summary["batch"]["global"] == 256
+
+
+def test_blocks_grouped_into_larger_units(cli, tmp_path):
+    code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32", fsdp={"unit_size": 5})))
+    assert code == 0, out
+    image = [u for u in out["summary"]["fsdp_units"] if u["tower"] == "image"]
+    assert [(u["count"], u["modules_each"]) for u in image] == [(2, 5), (1, 2)]
+    assert image[0]["parameters_each"] == 5 * 7_087_872
+    total = sum(u["count"] * u["parameters_each"] for u in out["summary"]["fsdp_units"])
+    assert total == 151_277_313
 
 
 def test_freeze_ranges_counted(cli, tmp_path):

@@ -1,0 +1,117 @@
+"""Side by side in one torchrun process: the DDP reference and fsdpclip's trainer (under variants
+of its fsdp block) on device-resident synthetic data.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/sidebyside.py --model ViT-B-32 --batch 256 \\
+        --variants '{"default": {}, "per-block": {"unit_size": 1}}' --out rows.jsonl [--profile per-block]
+
+Each side: build, warm-up steps, N timed steps (device synchronised), samples/s/GPU, MFU
+(FLOPs per sample counted on the meta device, against --peak-tflops) and peak memory; rank 0
+appends one JSON line per side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_step import ddp_rate  # noqa: E402
+
+from fsdpclip.distributed import init_distributed  # noqa: E402
+from fsdpclip.metrics import Window, training_flops_per_sample  # noqa: E402
+from fsdpclip.model import build_model  # noqa: E402
+from fsdpclip.spec import ModelSpec, parse_job  # noqa: E402
+from fsdpclip.train import Trainer  # noqa: E402
+
+
+def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, env, run_root: str,
+                 profile: bool) -> dict:
+    job = parse_job({"run": {"name": "variant", "output_dir": run_root}, "model": {"name": model}, "fsdp": fsdp,
+                     "schedule": {"kind": "constant", "steps": 10 ** 6}, "data": {"source": "synthetic"},
+                     "batch": {"per_gpu": batch}, "checkpoint": {"resume": None, "at_end": False},
+                     "launch": {"gpus_per_node": env.world_size}})
+    torch.cuda.reset_peak_memory_stats(env.device)
+    built = time.perf_counter()
+    trainer = Trainer(job, env)
+    build_s = time.perf_counter() - built
+    window = Window()
+    for _ in range(warmup):
+        trainer.train_step(window)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(window)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - began
+    result = {"samples_per_s_per_gpu": batch * steps / elapsed, "build_s": build_s,
+              "peak_memory_gib": torch.cuda.max_memory_allocated(env.device) / 2 ** 30}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                trainer.train_step(window)
+            torch.cuda.synchronize()
+        if env.is_main:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--variants", required=True, help="JSON: name -> fsdp block")
+    parser.add_argument("--ddp", default="eager", help="comma list of DDP references: eager, compile, none")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", default="", help="variant name to profile")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak of one GPU, for MFU")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    env = init_distributed("cuda", timeout_s=180)
+    rows = []
+    for kind in [k for k in args.ddp.split(",") if k != "none"]:
+        rows.append({"variant": f"DDP {kind}", **ddp_rate(args.model, args.batch, args.warmup, args.steps,
+                                                           compile_model=kind == "compile")})
+        gc.collect()
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as run_root:
+        for name, fsdp in json.loads(args.variants).items():
+            try:
+                result = trainer_rate(args.model, args.batch, fsdp, args.warmup, args.steps, env, run_root,
+                                      profile=name == args.profile)
+            except Exception as exc:  # one broken variant must not hide the others
+                result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rows.append({"variant": name, "fsdp": fsdp, **result})
+    if env.is_main:
+        flops = training_flops_per_sample(build_model(ModelSpec(name=args.model)))
+        with open(args.out, "a") as f:
+            for row in rows:
+                rate = row.get("samples_per_s_per_gpu")
+                mfu = rate * flops / (args.peak_tflops * 1e12) if rate and args.peak_tflops else None
+                f.write(json.dumps({"model": args.model, "batch_per_gpu": args.batch, "gpus": env.world_size,
+                                    "flops_per_sample": flops, "mfu": mfu, **row}) + "\n")
+        base = rows[0].get("samples_per_s_per_gpu")
+        for row in rows:
+            rate = row.get("samples_per_s_per_gpu")
+            ratio = f"{rate / base:.2f}× DDP" if rate and base else ""
+            print(f"{args.model} bs{args.batch} {row['variant']:<28} "
+                  f"{rate or 0:8.1f} /s/GPU {row.get('peak_memory_gib', 0):6.1f} GiB {ratio} {row.get('error', '')}",
+                  flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

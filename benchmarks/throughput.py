@@ -1,0 +1,170 @@
+"""The throughput benchmark: fsdpclip beside a plain DDP step, per model and GPU count.
+
+    python benchmarks/throughput.py --gpus 1 2 --cases ViT-B-32:256 ViT-L-14:128 ViT-H-14:64 ViT-bigG-14:32 \\
+        --startup ViT-bigG-14:32 --out results/
+
+For every GPU count and model (per-GPU batch): one torchrun process runs the DDP reference
+(benchmarks/ddp_step.py: autocast bf16, fused AdamW) and fsdpclip's trainer side by side on
+device-resident synthetic data (benchmarks/sidebyside.py). --startup cases also go through
+`fsdpclip launch` to time launch → first step. MFU is against the bf16 matmul rate measured
+here first. Writes throughput.jsonl, throughput.md and throughput.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
+    """bf16 dense matmul rate of this GPU on random data (TFLOP/s)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    rate = 2 * n ** 3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+def run(command: list[str], log: Path, timeout: float) -> int:
+    env = {**os.environ, "FSDPCLIP_LAUNCH_TIME": repr(time.time())}
+    with open(log, "w") as out:
+        try:
+            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return -1
+
+
+def side_by_side(model: str, batch: int, gpus: int, peak: float, args, rows: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               str(HERE / "sidebyside.py"), "--model", model, "--batch", str(batch), "--variants", args.variants,
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--peak-tflops", str(peak),
+               "--out", str(rows)]
+    code = run(command, args.out / f"sidebyside-{model}-{gpus}gpu.log", args.timeout)
+    if code != 0:
+        print(f"{model} on {gpus} GPUs failed ({code}); see the log", flush=True)
+
+
+def startup(model: str, batch: int, gpus: int, args) -> dict:
+    """Launch → first step through `fsdpclip launch` (validation, rendezvous, build, first step)."""
+    name = f"startup-{model}-{gpus}"
+    job = {"run": {"name": name, "output_dir": str(args.out / "runs")}, "model": {"name": model},
+           "schedule": {"kind": "constant", "steps": 3}, "data": {"source": "synthetic"},
+           "batch": {"per_gpu": batch}, "checkpoint": {"at_end": False}, "logging": {"every_steps": 1},
+           "launch": {"gpus_per_node": gpus}}
+    spec = args.out / f"{name}.json"
+    spec.write_text(json.dumps(job))
+    began = time.time()
+    code = run([sys.executable, "-m", "fsdpclip", "launch", str(spec)], args.out / f"{name}.log", args.timeout)
+    if code != 0:
+        return {"model": model, "gpus": gpus, "error": f"exit {code}"}
+    first = json.loads((args.out / "runs" / name / "metrics.jsonl").read_text().splitlines()[0])
+    return {"model": model, "gpus": gpus, "time_to_first_step_s": first["time_to_first_step_s"],
+            "wall_s": time.time() - began}
+
+
+def markdown(rows: list[dict], starts: list[dict], peak: float) -> str:
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 matmul peak {peak:.0f} TFLOP/s; "
+             "samples/s per GPU, MFU, peak memory per GPU (`torch.cuda.max_memory_allocated`)", "",
+             "| model | batch/GPU | GPUs | side | samples/s/GPU | MFU | peak GiB | ÷ DDP | memory ÷ DDP |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
+                         f"{row['error']} | | | | |")
+            continue
+        ddp = next(r for r in rows if r["model"] == row["model"] and r["gpus"] == row["gpus"]
+                   and r["variant"] == "DDP eager")
+        lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
+                     f"{row['samples_per_s_per_gpu']:.1f} | {row['mfu']:.1%} | {row['peak_memory_gib']:.1f} | "
+                     f"{row['samples_per_s_per_gpu'] / ddp['samples_per_s_per_gpu']:.2f} | "
+                     f"{row['peak_memory_gib'] / ddp['peak_memory_gib']:.2f} |")
+    if starts:
+        lines += ["", "| model | GPUs | launch → first step (fsdpclip launch) |", "|---|---|---|"]
+        lines += [f"| {s['model']} | {s['gpus']} | {s.get('time_to_first_step_s', s.get('error')):.1f} s |"
+                  if "error" not in s else f"| {s['model']} | {s['gpus']} | {s['error']} |" for s in starts]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    sides = list(dict.fromkeys(r["variant"] for r in rows))
+    gpu_counts = sorted({r["gpus"] for r in rows})
+    figure, axes = plt.subplots(2, len(gpu_counts), figsize=(6 * len(gpu_counts), 8), squeeze=False)
+    for column, gpus in enumerate(gpu_counts):
+        for line, (key, label) in enumerate([("samples_per_s_per_gpu", "samples/s per GPU ÷ DDP"),
+                                             ("peak_memory_gib", "peak memory ÷ DDP")]):
+            axis = axes[line][column]
+            width = 0.8 / len(sides)
+            for i, side in enumerate(sides):
+                values = []
+                for model in models:
+                    mine = [r for r in rows if r["model"] == model and r["gpus"] == gpus and r["variant"] == side
+                            and key in r]
+                    ddp = [r for r in rows if r["model"] == model and r["gpus"] == gpus
+                           and r["variant"] == "DDP eager" and key in r]
+                    values.append(mine[0][key] / ddp[0][key] if mine and ddp else 0)
+                axis.bar([m + i * width for m in range(len(models))], values, width, label=side)
+            axis.axhline(1.0, color="black", linewidth=0.8)
+            axis.set_xticks([m + width * (len(sides) - 1) / 2 for m in range(len(models))], models, fontsize=8)
+            axis.set_title(f"{label}, {gpus} GPU{'s' * (gpus > 1)}")
+            axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", default=["ViT-B-32:256", "ViT-L-14:128", "ViT-H-14:64", "ViT-bigG-14:32"])
+    parser.add_argument("--variants", default='{"fsdpclip": {}}', help="JSON: name -> the spec's fsdp block")
+    parser.add_argument("--startup", nargs="*", default=[], help="cases also timed launch → first step")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    peak = matmul_peak_tflops()
+    rows_file = args.out / "throughput.jsonl"
+    for gpus in args.gpus:
+        for case in args.cases:
+            model, batch = case.split(":")
+            side_by_side(model, int(batch), gpus, peak, args, rows_file)
+    starts = []
+    for case in args.startup:
+        model, batch = case.split(":")
+        starts.append(startup(model, int(batch), max(args.gpus), args))
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
+    (args.out / "throughput.json").write_text(json.dumps({"matmul_peak_tflops": peak, "rows": rows,
+                                                          "startup": starts}, indent=2))
+    table = markdown(rows, starts, peak)
+    (args.out / "throughput.md").write_text(table)
+    plot(rows, args.out / "throughput.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

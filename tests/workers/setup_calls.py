@@ -1,0 +1,53 @@
+"""Counts the Python calls of each per-rank set-up stage at one world size, with a fake process group.
+
+    setup_calls.py WORLD_SIZE MODEL   → JSON {stage: calls, ..., "local_numel": n}
+
+Rank 1 of a fake group of WORLD_SIZE (no peers, collectives are no-ops) builds the model on the
+meta device, plans and applies FSDP2, materialises its shards and builds the optimizer.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import json
+import pstats
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def calls(fn):
+    profile = cProfile.Profile()
+    profile.enable()
+    result = fn()
+    profile.disable()
+    return result, pstats.Stats(profile).total_calls
+
+
+def main(world: int, model_name: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdpclip.model import build_model, decay_groups, find_towers, original_shapes
+    from fsdpclip.optim import build_optimizer
+    from fsdpclip.shard import apply_fsdp, materialize, plan_units
+    from fsdpclip.spec import FsdpSpec, ModelSpec, OptimizerSpec
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
+    fsdp = FsdpSpec(param_dtype="fp32")
+    counts = {}
+    mesh, counts["mesh"] = calls(lambda: init_device_mesh("cpu", (world,)))
+    model, counts["build"] = calls(lambda: build_model(ModelSpec(name=model_name), "meta"))
+    units, counts["plan"] = calls(lambda: plan_units(model, find_towers(model), fsdp))
+    _, counts["fully_shard"] = calls(lambda: apply_fsdp(model, units, fsdp, mesh, torch.device("cpu")))
+    _, counts["materialize"] = calls(lambda: materialize(model, torch.device("cpu"), False, None))
+    groups = decay_groups(original_shapes(model), OptimizerSpec().decay_rules, 0.2)
+    _, counts["optimizer"] = calls(lambda: build_optimizer(model, groups, OptimizerSpec()))
+    counts["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
+    print(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])
