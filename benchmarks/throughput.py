@@ -7,7 +7,9 @@ For every GPU count and model (per-GPU batch): one torchrun process runs the DDP
 (benchmarks/ddp_step.py: autocast bf16, fused AdamW) and fsdpclip's trainer side by side on
 device-resident synthetic data (benchmarks/sidebyside.py). --startup cases also go through
 `fsdpclip launch` to time launch → first step. MFU is against the bf16 matmul rate measured
-here first. Writes throughput.jsonl, throughput.md and throughput.png under --out.
+here first. Writes throughput.jsonl, throughput.json, throughput.md, throughput.png (÷ DDP bars)
+and scaling.png (samples/s per GPU against GPUs) under --out; --plot-only redraws the plots
+from a saved throughput.json without a GPU.
 """
 
 from __future__ import annotations
@@ -135,6 +137,31 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def scaling_plot(rows: list[dict], path: Path) -> None:
+    """samples/s per GPU against the number of GPUs, per model, fsdpclip beside DDP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    figure, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.6), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        for side, style in (("DDP eager", "o--"), ("fsdpclip", "s-")):
+            points = sorted((r["gpus"], r["samples_per_s_per_gpu"]) for r in rows
+                            if r["model"] == model and r["variant"] == side and "samples_per_s_per_gpu" in r)
+            if points:
+                axis.plot(*zip(*points), style, label=side)
+        axis.set_title(model)
+        axis.set_xlabel("GPUs (one host)")
+        axis.set_ylabel("samples/s per GPU")
+        axis.set_xticks(sorted({r["gpus"] for r in rows}))
+        axis.set_ylim(bottom=0)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
@@ -145,8 +172,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--plot-only", type=Path, default=None,
+                        help="redraw the plots of a saved throughput.json into --out (no GPU needed)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only is not None:
+        rows = json.loads(args.plot_only.read_text())["rows"]
+        plot(rows, args.out / "throughput.png")
+        scaling_plot(rows, args.out / "scaling.png")
+        return
     peak = matmul_peak_tflops()
     rows_file = args.out / "throughput.jsonl"
     for gpus in args.gpus:
@@ -163,6 +197,7 @@ def main() -> None:
     table = markdown(rows, starts, peak)
     (args.out / "throughput.md").write_text(table)
     plot(rows, args.out / "throughput.png")
+    scaling_plot(rows, args.out / "scaling.png")
     print(table)
 
 
