@@ -243,14 +243,17 @@ class SyntheticSpec(Section):
     samples: Optional[int] = Field(None, gt=0, description="Samples in one epoch (needed only with `schedule.epochs`).")
 
 
-def _data_tag(value: Any) -> str:
-    return value.get("source", "webdataset") if isinstance(value, dict) else getattr(value, "source", "webdataset")
+def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) -> Any:
+    """A block that is one of `members`, chosen by its `key` field (`default` when absent)."""
+
+    def tag(value: Any) -> str:
+        return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
+
+    return Annotated[Union[tuple(Annotated[m, Tag(t)] for t, m in members.items())], Discriminator(tag)]
 
 
-DataSpec = Annotated[
-    Union[Annotated[WebDatasetSpec, Tag("webdataset")], Annotated[SyntheticSpec, Tag("synthetic")]],
-    Discriminator(_data_tag),
-]
+DATA_SOURCES = {"webdataset": WebDatasetSpec, "synthetic": SyntheticSpec}
+DataSpec = tagged_union("source", "webdataset", DATA_SOURCES)
 
 
 # ------------------------------------------------------------------------- batch
@@ -276,14 +279,8 @@ class SigLipLossSpec(Section):
         "bidir", description="How text features travel between ranks.")
 
 
-def _kind_tag(value: Any) -> str:
-    return value.get("kind", "clip") if isinstance(value, dict) else getattr(value, "kind", "clip")
-
-
-LossSpec = Annotated[
-    Union[Annotated[ClipLossSpec, Tag("clip")], Annotated[SigLipLossSpec, Tag("siglip")]],
-    Discriminator(_kind_tag),
-]
+LOSS_KINDS = {"clip": ClipLossSpec, "siglip": SigLipLossSpec}
+LossSpec = tagged_union("kind", "clip", LOSS_KINDS)
 
 
 # -------------------------------------------------------------------------- eval
@@ -493,10 +490,7 @@ def _problem(error: dict) -> Problem:
     return Problem(_format_path(path), message, value=value, hint=hint)
 
 
-UNION_MEMBERS = {
-    "data": {"webdataset": WebDatasetSpec, "synthetic": SyntheticSpec},
-    "loss": {"clip": ClipLossSpec, "siglip": SigLipLossSpec},
-}
+UNION_MEMBERS = {"data": DATA_SOURCES, "loss": LOSS_KINDS}
 
 
 def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
