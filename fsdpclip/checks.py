@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory
+from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.model import (
-    SHARED_PARAMETERS, DecayGroup, ModelError, Tower, apply_freeze, build_model, count, decay_groups,
-    find_towers, frozen_names, instances, original_shapes, rule_matches, slice_problem,
+    SHARED_PARAMETERS, DecayGroup, ModelError, Tower, apply_freeze, build_tokenizer, count, decay_groups,
+    find_towers, frozen_names, instances, model_config, model_from_config, original_shapes, rule_matches,
+    slice_problem, text_shape,
 )
 from fsdpclip.problems import Problem, closest
-from fsdpclip.shard import Unit, plan_units, wrap_classes
+from fsdpclip.shard import Unit, checkpoint_classes, plan_units, wrap_classes
+from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.data import is_local, shard_urls
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
 
@@ -70,10 +72,12 @@ def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
     if job.logging.tensorboard:
         _check_importable("tensorboard", "logging.tensorboard", report)
     try:
-        model = build_model(job.model, device="meta")
+        cfg = model_config(job.model)
+        model = model_from_config(cfg, device="meta")
     except ModelError as exc:
-        _model_problem(job, str(exc), report)
+        _model_problem(job, exc, report)
         return report
+    text_ok = _check_text_input(job, cfg, model, report)
     towers = find_towers(model, job.model.block_classes)
     classes_ok = _check_classes(job, towers, report)
     _check_freeze(job, towers, report)
@@ -83,24 +87,47 @@ def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
     if job.loss.kind == "siglip" and getattr(model, "logit_bias", None) is None:
         report.error("loss.kind", "SigLIP needs a model with a learned logit bias (init_logit_bias in its config)",
                      value="siglip", hint="use a *-SigLIP model config, or kind 'clip'")
-    if classes_ok:
+    if classes_ok and text_ok:
         _summarise(job, model, towers, frozen, groups, steps, report)
     return report
 
 
 # ----------------------------------------------------------------------- the model
-def _model_problem(job: Job, message: str, report: Report) -> None:
+def _model_problem(job: Job, exc: ModelError, report: Report) -> None:
     import open_clip
 
-    if job.model.name is not None and message.startswith("unknown OpenCLIP model"):
+    if exc.location == "model.name" and exc.message.startswith("unknown OpenCLIP model"):
         near = closest(job.model.name, open_clip.list_models(), n=3, cutoff=0.5)
         report.error("model.name", "unknown OpenCLIP model", job.model.name,
                      f"closest: {near}" if near else "see open_clip.list_models()")
-    elif "transformers" in message:
-        report.error("model", message, hint="pip install transformers")
+    elif exc.location is not None:
+        report.error(exc.location, exc.message, exc.value, exc.hint)
     else:
-        report.error("model.config" if job.model.config else "model.name", message,
-                     job.model.config or job.model.name)
+        report.error("model.config" if job.model.config else "model.name" if job.model.name else "model",
+                     exc.message, job.model.config or job.model.name)
+
+
+def _check_text_input(job: Job, cfg: dict, model, report: Report) -> bool:
+    """A Hugging Face tower: its local tokenizer loads and fits the model; the context fits the model."""
+    if "hf_model_name" not in cfg["text_cfg"]:
+        return True
+    errors = len(report.errors)
+    location = "model.text.hf.path" if job.model.text.hf else "model.name" if job.model.name else "model.config"
+    context, vocab = text_shape(model)
+    limit = hf_max_tokens(model)
+    if limit is not None and context > limit:
+        report.error("model.text.context_length", f"{context} tokens, but the text tower takes at most {limit}",
+                     context)
+    try:
+        tokenizer = build_tokenizer(cfg).tokenizer
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        report.error(location, f"no usable tokenizer there: {str(exc).strip()[:200]}",
+                     cfg["text_cfg"]["hf_tokenizer_name"], hint="save the tokenizer (save_pretrained) beside config.json")
+        return False
+    if len(tokenizer) > vocab:
+        report.error(location, f"its tokenizer has {len(tokenizer):,} tokens, more than the model's vocab_size "
+                     f"{vocab:,}", cfg["text_cfg"]["hf_tokenizer_name"])
+    return len(report.errors) == errors
 
 
 def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
@@ -116,7 +143,7 @@ def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
             (f"fsdp.activation_checkpointing.{name}", getattr(job.fsdp.activation_checkpointing, name)),
         ]
         for location, classes in checks:
-            for i, cls in enumerate(classes or []):
+            for i, cls in enumerate(classes if isinstance(classes, list) else []):
                 if cls not in tower.classes:
                     ok = False
                     near = closest(cls, existing)
@@ -194,15 +221,23 @@ def _batch_hint(global_batch: int, per_gpu: int, world: int) -> str:
 
 # ------------------------------------------------------------------ files and data
 def _check_files(job: Job, report: Report) -> None:
+    timm_weights = job.model.image.timm.pretrained if job.model.image.timm else None
     paths = [("model.pretrained", job.model.pretrained),
              ("model.image.pretrained", job.model.image.pretrained),
-             ("model.text.pretrained", job.model.text.pretrained)]
+             ("model.text.pretrained", job.model.text.pretrained),
+             ("model.image.timm.pretrained", timm_weights if isinstance(timm_weights, str) else None)]
     resume = job.checkpoint.resume
     if resume not in (None, "latest"):
         paths.append(("checkpoint.resume", resume))
     for location, path in paths:
         if path is not None and not Path(path).exists():
             report.error(location, "file not found", path)
+    owned = [("model.text.hf.pretrained", job.model.text.hf, HF_WEIGHT_FILES),
+             ("model.image.timm.pretrained", job.model.image.timm, TIMM_WEIGHT_FILES)]
+    for location, tower, files in owned:  # weights that live in the tower's own directory
+        if tower is not None and tower.pretrained is True and tower.path and \
+                not any((Path(tower.path) / f).is_file() for f in files):
+            report.error(location, f"no weights in {tower.path}", True, hint=f"expected one of {', '.join(files)}")
 
 
 def _check_data(job: Job, report: Report) -> None:
@@ -302,9 +337,17 @@ def _summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], grou
     world, batch = report.world_size, job.batch
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": batch.per_gpu * batch.grad_accum * world, "steps": steps}
-    checkpointed = {m for t in TOWERS
-                    for m in instances(model.named_modules(), t, getattr(job.fsdp.activation_checkpointing, t))}
-    estimate = estimate_memory(job, units, activation_elements(model, towers, checkpointed), world)
+    checkpointed = {m for t in TOWERS for m in instances(model.named_modules(), t, checkpoint_classes(job.fsdp, towers[t]))}
+    try:
+        sizes, widths = traced_forward(model, [b for tower in towers.values() for b in tower.blocks])
+    except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
+        report.error("model", f"a forward pass on the meta device fails: {type(exc).__name__}: {str(exc)[:300]}")
+        return
+    if widths[0] != widths[1]:
+        report.error("model", f"the image tower gives {widths[0]}-d features, the text tower {widths[1]}-d",
+                     hint="both must project to embed_dim (model.image.timm.proj 'none' keeps the trunk's width)")
+        return
+    estimate = estimate_memory(job, units, activation_elements(model, towers, checkpointed, sizes), world)
     summary["memory_gib"] = estimate.as_gib()
     report.summary = summary
     _check_memory(job, estimate, report)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from fsdpclip.model import Tower, image_shape, text_shape
+from fsdpclip.model import Tower, fake_batch
 from fsdpclip.shard import Unit
 from fsdpclip.spec import Job
 
@@ -43,12 +43,9 @@ class MemoryEstimate:
         return out
 
 
-def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed: set[str]) -> float:
-    """Activation elements one sample keeps for backward, from a forward on the meta device.
-
-    A block keeps BLOCK_ACTIVATION_FACTOR times its output, a checkpointed block only its input,
-    and a block before the first trainable parameter of its tower nothing at all.
-    """
+def traced_forward(model: nn.Module, blocks: list[str]) -> tuple[dict[str, int], tuple[int, int]]:
+    """One forward on the meta device: the output elements per sample of each block, and the
+    widths of the image and text features."""
     sizes: dict[str, int] = {}
 
     def record(name):
@@ -57,15 +54,23 @@ def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed
             sizes[name] = first.numel() // 2
         return hook
 
-    blocks = [b for tower in towers.values() for b in tower.blocks]
     handles = [model.get_submodule(name).register_forward_hook(record(name)) for name in blocks]
     try:
-        with torch.device("meta"), torch.no_grad():
-            context, _ = text_shape(model)
-            model(torch.empty(2, *image_shape(model)), torch.zeros(2, context, dtype=torch.long))
+        with fake_batch(model) as (images, texts), torch.no_grad():
+            image_features, text_features = model(images, texts)[:2]
     finally:
         for handle in handles:
             handle.remove()
+    return sizes, (image_features.shape[-1], text_features.shape[-1])
+
+
+def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed: set[str],
+                        sizes: dict[str, int]) -> float:
+    """Activation elements one sample keeps for backward, from the block output sizes of `traced_forward`.
+
+    A block keeps BLOCK_ACTIVATION_FACTOR times its output, a checkpointed block only its input,
+    and a block before the first trainable parameter of its tower nothing at all.
+    """
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     elements = 0.0
     for tower in towers.values():

@@ -44,6 +44,12 @@ def resolve_paths(job: Job, base: Path) -> Job:
     model = data.model
     model.config, model.pretrained = absolute(model.config), absolute(model.pretrained)
     model.image.pretrained, model.text.pretrained = absolute(model.image.pretrained), absolute(model.text.pretrained)
+    if model.text.hf is not None:
+        model.text.hf.path = absolute(model.text.hf.path)
+    if model.image.timm is not None:
+        model.image.timm.path = absolute(model.image.timm.path)
+        if isinstance(model.image.timm.pretrained, str):
+            model.image.timm.pretrained = absolute(model.image.timm.pretrained)
     if data.data.source == "webdataset":
         urls = data.data.urls
         data.data.urls = absolute(urls) if isinstance(urls, str) else [absolute(u) for u in urls]

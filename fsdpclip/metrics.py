@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.model import image_shape, text_shape
+from fsdpclip.model import fake_batch
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
@@ -30,10 +30,7 @@ def training_flops_per_sample(model: nn.Module) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with torch.device("meta"):
-        context, _ = text_shape(model)
-        images, texts = torch.empty(2, *image_shape(model)), torch.zeros(2, context, dtype=torch.long)
-    with counter:
+    with fake_batch(model) as (images, texts), counter:
         outputs = model(images, texts)
         sum(o.float().sum() for o in outputs[:2]).backward()
     model.zero_grad(set_to_none=True)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
@@ -16,45 +18,48 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from fsdpclip.problems import ModelError
 from fsdpclip.spec import TOWERS, DecayRule, FreezeSpec, ModelSpec
+from fsdpclip.towers import compose, hf_encoder_state, timm_image_size, timm_trunk_state
 
 # Repeated blocks of the tower families OpenCLIP can build (its own, timm and Hugging Face).
 KNOWN_BLOCK_CLASSES = (
-    "ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck",
+    "ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck", "BasicBlock",
     "Block", "EvaBlock", "EvaBlockPostNorm", "ResPostBlock", "ConvNeXtBlock", "MbConvBlock", "MaxxVitBlock",
-    "T5Block", "MT5Block", "BertLayer", "RobertaLayer", "XLMRobertaLayer", "CLIPEncoderLayer",
+    "SwinTransformerBlock", "T5Block", "MT5Block", "BertLayer", "RobertaLayer", "XLMRobertaLayer", "CLIPEncoderLayer",
 )
 SHARED_PARAMETERS = ("logit_scale", "logit_bias")
 # Parameters outside the blocks that come before them (embeddings, stems); the rest are the head.
 EMBEDDING_RE = re.compile(
     r"(^|\.)(conv1|bn1|conv2|bn2|conv3|bn3|class_embedding|positional_embedding|ln_pre|token_embedding|"
-    r"patch_embed|cls_token|reg_token|pos_embed|embeddings|embed_tokens|shared|stem|cls_emb)(\.|$)")
-
-
-class ModelError(Exception):
-    """A model that cannot be built from the spec (message meant for the user)."""
+    r"patch_embed|cls_token|reg_token|pos_embed|norm_pre|embeddings|embed_tokens|shared|stem|cls_emb)(\.|$)")
 
 
 # ------------------------------------------------------------------------ building
 def model_config(spec: ModelSpec) -> dict:
-    """The OpenCLIP model config the spec asks for, with its tower overrides applied."""
+    """The OpenCLIP model config the spec asks for: its base config (name or file), the towers
+    it composes in, and its overrides. Never refers to anything that is not local."""
     import open_clip
 
     if spec.config is not None:
         try:
             raw = json.loads(Path(spec.config).read_text())
         except OSError as exc:
-            raise ModelError(f"cannot read model config: {exc.strerror}") from None
+            raise ModelError(f"cannot read model config: {exc.strerror}", "model.config", spec.config) from None
         except json.JSONDecodeError as exc:
-            raise ModelError(f"model config is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+            raise ModelError(f"model config is not valid JSON: {exc.msg} at line {exc.lineno}", "model.config",
+                             spec.config) from None
         cfg = raw.get("model_cfg", raw) if isinstance(raw, dict) else None
         missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(cfg, dict) or k not in cfg]
         if missing:
-            raise ModelError(f"model config lacks {', '.join(missing)}")
-    else:
+            raise ModelError(f"model config lacks {', '.join(missing)}", "model.config", spec.config)
+    elif spec.name is not None:
         cfg = open_clip.get_model_config(spec.name)
         if cfg is None:
-            raise ModelError(f"unknown OpenCLIP model '{spec.name}'")
+            raise ModelError(f"unknown OpenCLIP model '{spec.name}'", "model.name", spec.name)
+    else:
+        cfg = {"embed_dim": spec.embed_dim, "vision_cfg": {}, "text_cfg": {}}
+    cfg = compose(cfg, spec)
     vision, text = cfg["vision_cfg"], cfg["text_cfg"]
     if spec.quick_gelu:
         cfg["quick_gelu"] = True
@@ -99,14 +104,29 @@ def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Modu
     try:
         with torch.device(device):
             model = model_class(**cfg, nonscalar_logit_scale=True)
-    except (ImportError, RuntimeError) as exc:
+            fit_timm_input(model.visual, cfg["vision_cfg"].get("image_size"))
+    except (ImportError, RuntimeError, OSError) as exc:
         raise ModelError(str(exc)) from None
     except (TypeError, ValueError, AssertionError, KeyError) as exc:
         raise ModelError(f"model config does not build: {type(exc).__name__}: {exc}") from None
+    if "hf_model_name" in text_cfg:  # HFTextEncoder takes any length: use the tokenizer's
+        from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH
+
+        model.context_length = model.text.context_length = text_cfg.get("context_length", DEFAULT_CONTEXT_LENGTH)
     size = getattr(model.visual, "image_size", None)
     preprocess = merge_preprocess_dict(asdict(PreprocessCfg()), {"size": size} if size else {})
     open_clip.model.set_model_preprocess_cfg(model, preprocess)
     return model
+
+
+def fit_timm_input(visual: nn.Module, image_size) -> None:
+    """Resize a timm trunk built for another image size, as open_clip.create_model's force_image_size does."""
+    from open_clip.timm_model import TimmModel
+    from timm.layers import to_2tuple
+
+    if isinstance(visual, TimmModel) and image_size is not None and \
+            tuple(to_2tuple(image_size)) != tuple(to_2tuple(timm_image_size(visual.trunk))):
+        visual.set_input_size(image_size)
 
 
 def count(params: Iterable[torch.Tensor]) -> int:
@@ -123,10 +143,25 @@ def image_shape(model: nn.Module) -> tuple[int, int, int]:
 def text_shape(model: nn.Module) -> tuple[int, int]:
     """(context length, vocabulary size) of the token ids the model takes."""
     text = getattr(model, "text", model)
-    config = getattr(getattr(text, "transformer", None), "config", None)
-    context = getattr(text, "context_length", None) or getattr(config, "max_position_embeddings", 77)
-    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size")
-    return context, vocab
+    return text.context_length, text.vocab_size
+
+
+@contextmanager
+def fake_batch(model: nn.Module, samples: int = 2):
+    """(images, token ids) of `samples` for a forward of a meta-device model, in a FakeTensorMode:
+    Hugging Face towers look into their attention masks, which fake tensors let them skip as traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    context, _ = text_shape(model)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs a failing op's traceback; callers report
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield (torch.empty(samples, *image_shape(model), device="meta"),
+                   torch.zeros(samples, context, dtype=torch.long, device="meta"))
+    finally:
+        quiet.setLevel(level)
 
 
 def original_shapes(model: nn.Module) -> dict[str, torch.Size]:
@@ -153,17 +188,34 @@ class Tower:
     blocks: list[str] = field(default_factory=list)
     parameters: list[str] = field(default_factory=list)
     classes: set[str] = field(default_factory=set)
+    block_index: dict[str, int] = field(default_factory=dict)  # parameter -> its block
+
+    def add_parameters(self, names: Iterable[str]) -> None:
+        """Record the tower's parameters (in registration order) and the block each belongs to.
+
+        A parameter between two blocks (a stage's downsampling in ConvNeXt or Swin) goes with
+        the block after it, which it runs before."""
+        index = {block: i for i, block in enumerate(self.blocks)}
+        between: list[str] = []
+        for name in names:
+            self.parameters.append(name)
+            parts = name.split(".")
+            owner = next((index[p] for p in (".".join(parts[:n]) for n in range(1, len(parts))) if p in index), None)
+            if owner is None:
+                between.append(name)
+                continue
+            if self.block_index:  # blocks were seen before: the parameters since then lie between blocks
+                self.block_index.update((b, owner) for b in between)
+            between = []
+            self.block_index[name] = owner
 
     def block_of(self, parameter: str) -> Optional[int]:
         """Index of the block holding `parameter`, or None outside the blocks."""
-        for index, block in enumerate(self.blocks):
-            if parameter.startswith(block + "."):
-                return index
-        return None
+        return self.block_index.get(parameter)
 
     def part_of(self, parameter: str) -> str:
         """'block', 'embeddings' (before the blocks) or 'head' (after them)."""
-        if self.block_of(parameter) is not None:
+        if parameter in self.block_index:
             return "block"
         return "embeddings" if EMBEDDING_RE.search(parameter) else "head"
 
@@ -185,9 +237,9 @@ def find_towers(model: nn.Module, block_classes: Optional[dict[str, Optional[lis
             c for c in KNOWN_BLOCK_CLASSES if c in classes[tower_name])
         towers[tower_name] = Tower(tower_name, block_classes, instances(modules.items(), tower_name, block_classes),
                                    classes=classes[tower_name])
-    for name, _ in model.named_parameters():
-        if tower_of(name) is not None:
-            towers[tower_of(name)].parameters.append(name)
+    names = [name for name, _ in model.named_parameters()]
+    for tower in towers.values():
+        tower.add_parameters(n for n in names if tower_of(n) == tower.name)
     return towers
 
 
@@ -284,21 +336,26 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None) -> None:
-    """Load a whole-model state dict, or one tower's (keys relative to the tower), strictly."""
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None,
+                 module: Optional[str] = None) -> None:
+    """Load a whole-model state dict, one tower's (keys relative to the tower) or one submodule's
+    (keys relative to `module`, e.g. 'visual.trunk'), strictly."""
     from open_clip.model import resize_pos_embed
 
-    if tower == "image":
+    if module is not None:
+        state = {f"{module}.{k}": v for k, v in state.items()}
+    elif tower == "image":
         state = {"visual." + k: v for k, v in state.items()}
     elif tower == "text" and hasattr(model, "text"):
         state = {"text." + k: v for k, v in state.items()}
     for name in SHARED_PARAMETERS:  # OpenCLIP stores them 0-d; ours are 1-element
         if name in state and state[name].dim() == 0:
             state[name] = state[name].reshape(1)
-    if tower is None:
+    if tower is None and module is None:
         resize_pos_embed(state, model)
     own = model.state_dict()
-    expected = {k for k in own if tower is None or tower_of(k) == tower}
+    expected = {k for k in own if k.startswith(f"{module}.")} if module is not None else \
+        {k for k in own if tower is None or tower_of(k) == tower}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ModelError(f"{where} does not match the model: {len(missing)} missing keys "
@@ -321,6 +378,11 @@ def initial_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu"
         load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
     if spec.text.pretrained:
         load_weights(model, read_state_dict(spec.text.pretrained), spec.text.pretrained, tower="text")
+    if spec.image.timm is not None and spec.image.timm.pretrained:
+        state, file = timm_trunk_state(spec.image.timm, model.visual.trunk, read_state_dict)
+        load_weights(model, state, file, module="visual.trunk")
+    if spec.text.hf is not None and spec.text.hf.pretrained:
+        load_weights(model, hf_encoder_state(spec.text.hf), spec.text.hf.path, module="text.transformer")
     return model
 
 
@@ -332,7 +394,9 @@ def build_tokenizer(cfg: dict):
     context = text.get("context_length", open_clip.tokenizer.DEFAULT_CONTEXT_LENGTH)
     kwargs = text.get("tokenizer_kwargs") or {}
     if text.get("hf_tokenizer_name"):
-        return open_clip.HFTokenizer(text["hf_tokenizer_name"], context_length=context,
+        from open_clip.tokenizer import HFTokenizer
+
+        return HFTokenizer(text["hf_tokenizer_name"], context_length=context,
                                      tokenizer_mode=text.get("tokenizer_mode"), **kwargs)
     return open_clip.SimpleTokenizer(context_length=context, **kwargs)
 

@@ -39,6 +39,15 @@ class SpecError(Exception):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+class ModelError(Exception):
+    """A model that cannot be built from the spec (message meant for the user), with the JSON
+    location to blame where one is known."""
+
+    def __init__(self, message: str, location: Optional[str] = None, value: Any = None, hint: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.location, self.value, self.hint = message, location, value, hint
+
+
 def closest(word: str, candidates: Iterable[str], n: int = 1, cutoff: float = 0.6) -> Optional[str]:
     """The closest candidate to `word`, or None; several with n > 1, joined by ', '."""
     candidates = list(candidates)

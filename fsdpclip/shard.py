@@ -52,6 +52,12 @@ def wrap_classes(fsdp: FsdpSpec, tower: Tower) -> list[str]:
     return list(tower.block_classes) if chosen is None else chosen
 
 
+def checkpoint_classes(fsdp: FsdpSpec, tower: Tower) -> list[str]:
+    """The classes of `tower` whose activations are recomputed (true: its blocks)."""
+    chosen = getattr(fsdp.activation_checkpointing, tower.name)
+    return list(tower.block_classes) if chosen is True else (chosen or [])
+
+
 def blocks_per_unit(model: nn.Module, first_block: str, unit_size) -> int:
     """`unit_size`, with 'auto' resolved to about AUTO_UNIT_PARAMETERS per unit."""
     if unit_size != "auto":
@@ -124,11 +130,25 @@ def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh, device
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
     for unit in units:
         modules = [model.get_submodule(name) if name else model for name in unit.modules]
+        if not unit.is_root:
+            for module in modules:
+                cast_constants(module, param_dtype)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                       output_dtype=torch.float32 if unit.is_root else None)
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                     reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy, offload_policy=offload)
     register_forward_methods(model)
+
+
+def cast_constants(module: nn.Module, dtype: torch.dtype) -> None:
+    """Give a block's non-persistent floating buffers the compute dtype. FSDP's mixed precision casts
+    parameters only, and such constants meet them in the block's arithmetic (EVA's zero k_bias is
+    concatenated with the q/v biases, Swin adds its attention mask); in fp32 they fail a bf16
+    forward. Persistent buffers (BatchNorm statistics) keep their dtype."""
+    for sub in module.modules():
+        for key, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and key in sub._non_persistent_buffers_set:
+                sub._buffers[key] = buffer.to(dtype)
 
 
 def register_forward_methods(model: nn.Module) -> None:
@@ -172,7 +192,7 @@ def materialize(model: nn.Module, device: torch.device, offload: bool, source: O
     originals = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            full = originals[name].to(device) if source is not None else \
+            full = originals[name].to(device, tensor.dtype) if source is not None else \
                 torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             dist.broadcast(full, src=0)
             if isinstance(tensor, DTensor):

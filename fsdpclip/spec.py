@@ -48,29 +48,88 @@ class RunSpec(Section):
 
 
 # ------------------------------------------------------------------------- model
+class TimmTowerSpec(Section):
+    name: Optional[str] = Field(
+        None, description="timm architecture name, e.g. 'vit_base_patch16_224' (timm.list_models()); no hub ids.")
+    path: Optional[str] = Field(
+        None, description="Instead of `name`: a local directory in timm's format (config.json with 'architecture', "
+                          "'model_args' and 'pretrained_cfg'; its weights in model.safetensors or pytorch_model.bin).")
+    pretrained: Union[bool, str] = Field(
+        False, description="Initial trunk weights in timm's key layout: true loads the weights file in `path`; a "
+                           "string is a local weights file. The classifier is dropped. Default: random init.")
+    pool: str = Field("avg", description="Feature pooling of the trunk ('avg', 'token', '' or OpenCLIP's "
+                                         "'abs_attn'/'rot_attn').")
+    proj: Literal["linear", "mlp", "head", "none"] = Field(
+        "linear", description="Projection from the trunk's features to the joint embedding: OpenCLIP's 'linear' "
+                              "or 'mlp', 'head' (the trunk's classifier, resized to embed_dim) or 'none' (the "
+                              "trunk's features as they are).")
+    proj_bias: bool = Field(False, description="Give the projection a bias.")
+    drop_path: Optional[float] = Field(None, ge=0.0, lt=1.0, description="Stochastic depth rate of the trunk.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TimmTowerSpec":
+        if (self.name is None) == (self.path is None):
+            raise ValueError("give exactly one of `name` (a timm architecture) or `path` (a local timm directory)")
+        if self.pretrained is True and self.path is None:
+            raise ValueError("`pretrained: true` loads the weights in `path`; with `name`, give a local weights file")
+        return self
+
+    @field_validator("name")
+    @classmethod
+    def _no_hub(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and (":" in value or "/" in value):
+            raise ValueError("a timm architecture name, not a hub id or a path (a local directory goes in `path`; "
+                             "nothing is downloaded)")
+        return value
+
+
+class HfTowerSpec(Section):
+    path: str = Field(
+        description="Local directory of a Hugging Face text model (T5/mT5 encoder, BERT, RoBERTa, XLM-R): its "
+                    "config.json and tokenizer files (and weights when `pretrained`). Hub ids are never downloaded.")
+    pretrained: bool = Field(
+        False, description="Load the weights in `path` (save_pretrained's files); false: random init.")
+    pooler: Literal["mean_pooler", "max_pooler", "cls_pooler", "cls_last_hidden_state_pooler"] = Field(
+        "mean_pooler", description="How token features become one text feature (OpenCLIP's poolers).")
+    proj: Literal["mlp", "linear"] = Field(
+        "mlp", description="Projection from the model's width to the joint embedding.")
+
+
 class ImageTowerSpec(Section):
+    timm: Optional[TimmTowerSpec] = Field(
+        None, description="Replace the image tower with a timm model (with OpenCLIP's pooling and projection).")
     image_size: Optional[int] = Field(None, gt=0, description="Override the image size of the model config.")
     patch_dropout: Optional[float] = Field(
         None, ge=0.0, lt=1.0, description="Fraction of patches dropped during training (ViT towers).")
-    pretrained: Optional[str] = Field(None, description="Local weights file for the image tower only.")
+    pretrained: Optional[str] = Field(
+        None, description="Local weights file for the image tower only (OpenCLIP keys relative to the tower).")
     block_classes: Optional[list[str]] = Field(
         None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
                           "default: the known block classes found in the tower.")
 
 
 class TextTowerSpec(Section):
+    hf: Optional[HfTowerSpec] = Field(
+        None, description="Replace the text tower with a Hugging Face encoder from a local directory "
+                          "(needs `pip install 'fsdpclip[hf]'`).")
     context_length: Optional[int] = Field(None, gt=0, description="Override the text context length.")
-    pretrained: Optional[str] = Field(None, description="Local weights file for the text tower only.")
+    pretrained: Optional[str] = Field(
+        None, description="Local weights file for the text tower only (OpenCLIP keys relative to the tower).")
     block_classes: Optional[list[str]] = Field(
         None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
                           "default: the known block classes found in the tower.")
 
 
 class ModelSpec(Section):
-    name: Optional[str] = Field(None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()).")
+    name: Optional[str] = Field(
+        None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()); towers given in "
+                          "`image.timm` or `text.hf` replace its towers.")
     config: Optional[str] = Field(
         None, description="Path to a local OpenCLIP model-config JSON (embed_dim, vision_cfg, text_cfg); "
                           "instead of `name`.")
+    embed_dim: Optional[int] = Field(
+        None, gt=0, description="Width of the joint embedding; overrides the config's (needed when `image.timm` "
+                                "and `text.hf` replace both towers and neither `name` nor `config` is given).")
     pretrained: Optional[str] = Field(
         None, description="Local OpenCLIP checkpoint (.pt, .bin or .safetensors) for the whole model. No hub downloads.")
     quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
@@ -79,14 +138,28 @@ class ModelSpec(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
-        if (self.name is None) == (self.config is None):
+        if self.name is not None and self.config is not None:
             raise ValueError("give exactly one of `name` (an OpenCLIP architecture) or `config` (a model-config file)")
+        if self.name is None and self.config is None and not self.composed:
+            raise ValueError("give `name` (an OpenCLIP architecture), `config` (a model-config file), or both "
+                             "`image.timm` and `text.hf` with `embed_dim`")
+        if self.composed and self.embed_dim is None:
+            raise ValueError("`embed_dim` is needed when `image.timm` and `text.hf` make the whole model")
         return self
+
+    @property
+    def composed(self) -> bool:
+        """Both towers come from timm and Hugging Face, with no OpenCLIP config underneath."""
+        return self.name is None and self.config is None and self.image.timm is not None and self.text.hf is not None
 
     @property
     def label(self) -> str:
         """A short name for logs and eval output."""
-        return self.name or Path(self.config).stem
+        base = self.name or (Path(self.config).stem if self.config else None)
+        towers = [Path(self.image.timm.path).name if self.image.timm and self.image.timm.path else
+                  self.image.timm.name if self.image.timm else None,
+                  Path(self.text.hf.path).name if self.text.hf else None]
+        return "+".join(p for p in [base] + towers if p)
 
     @property
     def block_classes(self) -> dict[str, Optional[list[str]]]:
@@ -102,8 +175,10 @@ class WrapSpec(Section):
 
 
 class ActivationCheckpointSpec(Section):
-    image: list[str] = Field(default_factory=list, description="Image-tower module classes to activation-checkpoint.")
-    text: list[str] = Field(default_factory=list, description="Text-tower module classes to activation-checkpoint.")
+    image: Union[bool, list[str]] = Field(
+        False, description="Image-tower module classes to activation-checkpoint; true: its block classes.")
+    text: Union[bool, list[str]] = Field(
+        False, description="Text-tower module classes to activation-checkpoint; true: its block classes.")
 
 
 class GradScalerSpec(Section):
@@ -177,7 +252,7 @@ class DecayRule(Section):
         return value
 
 
-NO_DECAY_PATTERN = r"(^|\.)bias$|logit_(scale|bias)$|norm|(^|\.)ln_|embed|cls_token|reg_token"
+NO_DECAY_PATTERN = r"(^|\.)bias$|logit_(scale|bias)$|norm|(^|\.)ln_|embed|cls_token|reg_token|relative_\w*bias"
 DEFAULT_DECAY_RULES = [
     DecayRule(max_ndim=1, weight_decay=0.0),
     DecayRule(pattern=NO_DECAY_PATTERN, weight_decay=0.0),
@@ -198,7 +273,7 @@ class OptimizerSpec(Section):
         default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
         description="Ordered weight-decay rules over the original parameter names; the first match wins, "
                     "unmatched parameters get `weight_decay`. Default: no decay for tensors of fewer than 2 dims, "
-                    "biases, norms, logit_scale and embeddings.")
+                    "biases, norms, logit_scale, embeddings and relative position biases.")
 
     @field_validator("betas")
     @classmethod

@@ -37,7 +37,9 @@ from fsdpclip.model import (
     initial_model, model_config, model_from_config, original_shapes, text_shape,
 )
 from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients, local
-from fsdpclip.shard import apply_activation_checkpointing, apply_compile, apply_fsdp, materialize, plan_units
+from fsdpclip.shard import (
+    apply_activation_checkpointing, apply_compile, apply_fsdp, checkpoint_classes, materialize, plan_units,
+)
 from fsdpclip.spec import TOWERS, Job, LossSpec, SyntheticSpec
 
 log = logging.getLogger("fsdpclip")
@@ -104,7 +106,7 @@ class Trainer:
         self.decay_groups = decay_groups(shapes, job.optimizer.decay_rules, job.optimizer.weight_decay)
         self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
         source = initial_model(job.model, job.run.seed, self._source_device(model)) if env.is_main else None
-        apply_activation_checkpointing(model, {t: getattr(fsdp.activation_checkpointing, t) for t in TOWERS})
+        apply_activation_checkpointing(model, {t: checkpoint_classes(fsdp, towers[t]) for t in TOWERS})
         units = plan_units(model, towers, fsdp)
         if fsdp.compile:
             apply_compile(model, units)
