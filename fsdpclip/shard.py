@@ -17,10 +17,10 @@ from fsdpclip.model import Tower, instances, tower_of
 from fsdpclip.spec import TOWERS, FsdpSpec
 
 
-# 'auto' unit size: per-unit overhead is fixed, so units of ~100M parameters amortise it
-# (ViT-B-32 and ViT-L-14 on 2×H200 ran fastest with such units, docs/performance.md), while
-# two gathered units in bf16 stay well under a GiB.
-AUTO_UNIT_PARAMETERS = 100_000_000
+# 'auto' unit size: per-unit overhead is fixed, so large units amortise it. On 2×H200 the
+# fastest units were whole towers for ViT-B-32/ViT-L-14 and ~400M parameters for ViT-bigG-14
+# (docs/performance.md); two gathered units of that size in bf16 take ~2 GiB.
+AUTO_UNIT_PARAMETERS = 400_000_000
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ class FsdpSpec(Section):
     unit_size: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
         "auto", description="Consecutive blocks (outermost wrap-class modules) of a tower sharded together as one "
                             "FSDP unit: fewer, larger units cost less per-unit overhead and a little more memory. "
-                            "'auto': about 100M parameters per unit (measured fastest, docs/performance.md).")
+                            "'auto': about 400M parameters per unit (measured fastest, docs/performance.md).")
     reshard_after_forward: bool = Field(
         True, description="Free unsharded parameters after forward (less memory, one more all-gather in backward).")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
