@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdpclip.spec import CheckpointSpec
 
@@ -106,9 +106,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 class Checkpointer:
     """Saves and loads one run's checkpoints on every rank (rank 0 does the renaming)."""
 
-    def __init__(self, run_dir: Path, spec: CheckpointSpec, rank: int, world_size: int, device: torch.device):
+    def __init__(self, run_dir: Path, spec: CheckpointSpec, rank: int, world_size: int):
         self.root = Path(run_dir) / CHECKPOINTS
-        self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+        self.spec, self.rank, self.world_size = spec, rank, world_size
         self.pending: Optional[tuple] = None  # (future, partial dir, final dir, meta)
         self.async_group = None
         if rank == 0:

@@ -14,11 +14,11 @@ from typing import Optional
 from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.model import (
     SHARED_PARAMETERS, DecayGroup, ModelError, Tower, apply_freeze, build_tokenizer, count, decay_groups,
-    find_towers, frozen_names, instances, model_config, model_from_config, original_shapes, rule_matches,
+    find_towers, frozen_names, model_config, model_from_config, original_shapes, rule_matches,
     slice_problem, text_shape,
 )
 from fsdpclip.problems import Problem, closest
-from fsdpclip.shard import Unit, checkpoint_classes, plan_units, wrap_classes
+from fsdpclip.shard import Unit, checkpointed_modules, plan_units, wrap_classes
 from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.data import is_local, shard_urls
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
@@ -337,7 +337,7 @@ def _summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], grou
     world, batch = report.world_size, job.batch
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": batch.per_gpu * batch.grad_accum * world, "steps": steps}
-    checkpointed = {m for t in TOWERS for m in instances(model.named_modules(), t, checkpoint_classes(job.fsdp, towers[t]))}
+    checkpointed = set(checkpointed_modules(model, towers, job.fsdp))
     try:
         sizes, widths = traced_forward(model, [b for tower in towers.values() for b in tower.blocks])
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback

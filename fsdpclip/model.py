@@ -397,7 +397,7 @@ def build_tokenizer(cfg: dict):
         from open_clip.tokenizer import HFTokenizer
 
         return HFTokenizer(text["hf_tokenizer_name"], context_length=context,
-                                     tokenizer_mode=text.get("tokenizer_mode"), **kwargs)
+                           tokenizer_mode=text.get("tokenizer_mode"), **kwargs)
     return open_clip.SimpleTokenizer(context_length=context, **kwargs)
 
 

@@ -52,10 +52,15 @@ def wrap_classes(fsdp: FsdpSpec, tower: Tower) -> list[str]:
     return list(tower.block_classes) if chosen is None else chosen
 
 
-def checkpoint_classes(fsdp: FsdpSpec, tower: Tower) -> list[str]:
-    """The classes of `tower` whose activations are recomputed (true: its blocks)."""
-    chosen = getattr(fsdp.activation_checkpointing, tower.name)
-    return list(tower.block_classes) if chosen is True else (chosen or [])
+def checkpointed_modules(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> list[str]:
+    """Names of the modules whose activations are recomputed: the outermost instances of each
+    tower's configured classes (true: its block classes)."""
+    names = []
+    for tower in towers.values():
+        chosen = getattr(fsdp.activation_checkpointing, tower.name)
+        classes = list(tower.block_classes) if chosen is True else (chosen or [])
+        names += instances(model.named_modules(), tower.name, classes)
+    return names
 
 
 def blocks_per_unit(model: nn.Module, first_block: str, unit_size) -> int:
@@ -102,14 +107,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORWARD_METHODS = ("encode_image", "encode_text")
 
 
-def apply_activation_checkpointing(model: nn.Module, classes: dict[str, list[str]]) -> list[str]:
-    """Recompute the activations of these classes (per tower) in backward; names are kept."""
+def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
+    """Recompute the activations of these modules in backward; parameter names are kept."""
     from torch.distributed._composable import checkpoint
 
-    chosen = [name for tower, names in classes.items() for name in instances(model.named_modules(), tower, names)]
-    for name in chosen:
+    for name in names:
         checkpoint(model.get_submodule(name))
-    return chosen
 
 
 def apply_compile(model: nn.Module, units: list[Unit]) -> None:

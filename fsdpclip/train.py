@@ -38,9 +38,9 @@ from fsdpclip.model import (
 )
 from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients, local
 from fsdpclip.shard import (
-    apply_activation_checkpointing, apply_compile, apply_fsdp, checkpoint_classes, materialize, plan_units,
+    apply_activation_checkpointing, apply_compile, apply_fsdp, checkpointed_modules, materialize, plan_units,
 )
-from fsdpclip.spec import TOWERS, Job, LossSpec, SyntheticSpec
+from fsdpclip.spec import Job, LossSpec, SyntheticSpec
 
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
@@ -106,7 +106,7 @@ class Trainer:
         self.decay_groups = decay_groups(shapes, job.optimizer.decay_rules, job.optimizer.weight_decay)
         self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
         source = initial_model(job.model, job.run.seed, self._source_device(model)) if env.is_main else None
-        apply_activation_checkpointing(model, {t: checkpoint_classes(fsdp, towers[t]) for t in TOWERS})
+        apply_activation_checkpointing(model, checkpointed_modules(model, towers, fsdp))
         units = plan_units(model, towers, fsdp)
         if fsdp.compile:
             apply_compile(model, units)
@@ -127,7 +127,7 @@ class Trainer:
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
-        self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size, env.device)
+        self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
         self.last_saved: Optional[int] = None
         target = self.checkpointer.resume_target()
         if target is not None:

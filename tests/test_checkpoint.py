@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, squeezed, write_job
-from ranks import REPO, run_group, torchrun
+from ranks import run_group, torchrun
 from fsdpclip.checkpoint import complete_checkpoints, latest_checkpoint
 
 STEPS = 12

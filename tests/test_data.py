@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import json
+import sys
 
-import numpy as np
-import pytest
 import torch
 import webdataset as wds
 
 from conftest import TINY_CONFIG, write_job
-from ranks import torchrun, run_group
+from ranks import run_group
 from fsdpclip.data import ShardStream, WebDatasetBatches
 from fsdpclip.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 from fsdpclip.spec import WebDatasetSpec
@@ -85,7 +83,6 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
         "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
     }
     path = write_job(tmp_path, job)
-    import sys
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "uneven" / "metrics.jsonl").read_text().splitlines()]

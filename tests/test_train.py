@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, write_job
-from ranks import REPO, torchrun
+from ranks import torchrun
 
 SEED, PER_GPU, WORLD, STEPS = 7, 8, 2, 6
 
