@@ -28,7 +28,8 @@ from ddp_step import ddp_rate  # noqa: E402
 from fsdpclip.distributed import init_distributed  # noqa: E402
 from fsdpclip.metrics import Window, training_flops_per_sample  # noqa: E402
 from fsdpclip.model import build_model  # noqa: E402
-from fsdpclip.spec import ModelSpec, parse_job  # noqa: E402
+from fsdpclip.jobfile import parse_job  # noqa: E402
+from fsdpclip.spec import ModelSpec  # noqa: E402
 from fsdpclip.train import Trainer  # noqa: E402
 
 

@@ -12,7 +12,6 @@ next start.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -26,7 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fsdpclip.spec import CheckpointSpec
+from fsdpclip.rundir import JOB_FILE, write_atomically
+from fsdpclip.spec import CheckpointSpec, Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
 PARTIAL_SUFFIX = ".partial"
@@ -80,13 +80,16 @@ def read_meta(checkpoint: Path) -> dict:
     return json.loads((checkpoint / META).read_text())
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(path)
+def run_job(checkpoint: Path) -> Optional[Job]:
+    """The spec of the run that saved `checkpoint` (its run directory's job.json), if it can be read."""
+    from fsdpclip.problems import SpecError
+    from fsdpclip.jobfile import load_job
+
+    path = Path(checkpoint).parent.parent / JOB_FILE
+    try:
+        return load_job(path) if path.is_file() else None
+    except SpecError:
+        return None
 
 
 def rng_state(device: torch.device) -> dict:
@@ -161,11 +164,11 @@ class Checkpointer:
         """Rank 0: meta.json last, rename into place, point `latest` at it, drop old ones."""
         if self.rank != 0:
             return
-        _write_atomically(partial / META, json.dumps(meta, indent=2))
+        write_atomically(partial / META, json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        _write_atomically(self.root / LATEST, final.name + "\n")
+        write_atomically(self.root / LATEST, final.name + "\n")
         for old in complete_checkpoints(self.root.parent)[:-self.spec.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -229,7 +232,7 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
     safetensors = safetensors or out.suffix == ".safetensors"
     if out.suffix not in (".pt", ".bin", ".pth", ".safetensors"):
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomically(out / "open_clip_config.json", json.dumps(
+        write_atomically(out / "open_clip_config.json", json.dumps(
             {"model_cfg": config, "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
         out = out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin")
     out.parent.mkdir(parents=True, exist_ok=True)

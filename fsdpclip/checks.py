@@ -13,15 +13,17 @@ from typing import Optional
 
 from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.model import (
-    SHARED_PARAMETERS, DecayGroup, ModelError, Tower, apply_freeze, build_tokenizer, count, decay_groups,
-    find_towers, frozen_names, model_config, model_from_config, original_shapes, rule_matches,
-    slice_problem, text_shape,
+    SHARED_PARAMETERS, Tower, build_tokenizer, count, find_towers, model_config, model_from_config,
+    original_shapes, text_shape,
 )
-from fsdpclip.problems import Problem, closest
+from fsdpclip.problems import ModelError, Problem, closest
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units, wrap_classes
 from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
-from fsdpclip.data import is_local, shard_urls
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
+from fsdpclip.trainable import (
+    DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, trainable_decay_groups,
+)
+from fsdpclip.urls import is_local, shard_urls
 
 
 @dataclass
@@ -175,8 +177,8 @@ def _check_decay(job: Job, model, report: Report) -> list[DecayGroup]:
             report.error(f"optimizer.decay_rules[{i}]", "matches no parameter of the model",
                          rule.pattern if rule.pattern is not None else f"max_ndim={rule.max_ndim}",
                          hint=f"parameter names look like '{next(iter(shapes))}'")
-    trainable = {name: shapes[name] for name, p in model.named_parameters() if p.requires_grad}
-    groups = decay_groups(trainable, rules, job.optimizer.weight_decay)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    groups = trainable_decay_groups(model, job.optimizer)
     grouped = [name for g in groups for name in g.names]
     if sorted(grouped) != sorted(trainable):
         report.error("optimizer.decay_rules", "internal: optimizer groups do not partition the trainable parameters")
@@ -189,25 +191,20 @@ def _check_decay(job: Job, model, report: Report) -> list[DecayGroup]:
 def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
     """Batch arithmetic and the schedule's length; returns total optimizer steps when known."""
     batch, world = job.batch, report.world_size
-    global_batch = batch.per_gpu * batch.grad_accum * world
+    global_batch = job.samples_per_step(world)
     if batch.global_batch is not None and batch.global_batch != global_batch:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
                      hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
-    schedule, samples = job.schedule, job.data.samples
-    if schedule.steps is not None:
-        steps = schedule.steps
-    elif samples is None:
+    steps = job.total_steps(world)
+    if steps is None:
         report.error("schedule", "the length is unknown: set schedule.steps, or data.samples with schedule.epochs")
         return None
-    else:
-        per_epoch = samples // global_batch
-        if per_epoch == 0:
-            report.error("data.samples", f"fewer samples than one global batch ({global_batch})", samples)
-            return None
-        steps = per_epoch * (schedule.epochs or 1)
-    if schedule.warmup_steps > steps:
-        report.error("schedule.warmup_steps", f"longer than the whole run ({steps} steps)", schedule.warmup_steps)
+    if steps == 0:
+        report.error("data.samples", f"fewer samples than one global batch ({global_batch})", job.data.samples)
+        return None
+    if job.schedule.warmup_steps > steps:
+        report.error("schedule.warmup_steps", f"longer than the whole run ({steps} steps)", job.schedule.warmup_steps)
     return steps
 
 
@@ -336,7 +333,7 @@ def _summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], grou
                                 "parameters": count(params[n] for n in g.names)} for g in groups]
     world, batch = report.world_size, job.batch
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
-                        "global": batch.per_gpu * batch.grad_accum * world, "steps": steps}
+                        "global": job.samples_per_step(world), "steps": steps}
     checkpointed = set(checkpointed_modules(model, towers, job.fsdp))
     try:
         sizes, widths = traced_forward(model, [b for tower in towers.values() for b in tower.blocks])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -71,7 +70,7 @@ def validate(
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
     from fsdpclip.checks import check_job, world_size_of
-    from fsdpclip.spec import load_job
+    from fsdpclip.jobfile import load_job
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
         _fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
@@ -150,63 +149,43 @@ def launch(
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
-    import shutil
-
     from fsdpclip.checks import check_job
-    from fsdpclip.launch import exit_report, job_environment, render, resolve_paths, run_command, torchrun_command
-    from fsdpclip.spec import load_job
+    from fsdpclip.launch import LaunchError, LaunchFlags, render, resolve_paths, run_local
+    from fsdpclip.jobfile import load_job
 
-    if slurm and (node_rank is not None or master_addr is not None):
-        _stop("--slurm starts every node itself: --node-rank and --master-addr are for launches without Slurm")
-    if not slurm and (partition is not None or time_limit is not None):
-        _stop("--partition and --time are Slurm options: add --slurm")
-    if node_rank is not None and master_addr is None:
-        _stop("--node-rank needs --master-addr, the address of node 0")
-    if slurm and not dry_run and shutil.which("sbatch") is None:
-        _stop("--slurm needs Slurm's sbatch on the PATH (use --dry-run to only print the batch script)")
-    flags = {"launch.nodes": nodes, "launch.gpus_per_node": gpus_per_node, "launch.master_port": master_port,
-             "launch.slurm.partition": partition, "launch.slurm.time": time_limit}
-    overrides = [*overrides, *(f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None)]
+    flags = LaunchFlags(nodes, gpus_per_node, slurm, partition, time_limit, node_rank, master_addr, master_port,
+                        dry_run)
     try:
-        job = load_job(job_file, overrides)
+        flags.check()
+        job = load_job(job_file, [*overrides, *flags.overrides()])
+        report = check_job(job, job.launch.world_size)
+        if report.errors:
+            _fail(report.problems)
+        if report.warnings:
+            _problem_table(report.warnings, console)
+        flags.check_nodes(job)
     except SpecError as exc:
         _fail(exc.problems)
-    report = check_job(job, job.launch.world_size)
-    if report.errors:
-        _fail(report.problems)
-    if report.warnings:
-        _problem_table(report.warnings, console)
-    spec = job.launch
-    if not slurm and spec.nodes > 1 and node_rank is None:
-        _stop(f"{spec.nodes} nodes without Slurm: run `fsdpclip launch` on each node with --node-rank R "
-              "and --master-addr (node 0's address), or add --slurm")
-    if node_rank is not None and node_rank >= spec.nodes:
-        _stop(f"--node-rank {node_rank} is not below the number of nodes ({spec.nodes})")
+    except LaunchError as exc:
+        _stop(str(exc))
     job = resolve_paths(job, Path.cwd())
     if slurm:
         _submit(job, dry_run)
         return
-    job_path = job.run_dir / "job.json"
-    command = torchrun_command(job_path, spec.gpus_per_node, spec.nodes, node_rank or 0, master_addr,
-                               spec.master_port)
     console.print(f"[bold]run directory[/bold] {job.run_dir}")
-    console.print(render(command), highlight=False, soft_wrap=True)
+    console.print(render(flags.torchrun(job)), highlight=False, soft_wrap=True)
     if dry_run:
         return
-    job_path.parent.mkdir(parents=True, exist_ok=True)
-    job.save(job_path)
-    started = time.time()
-    code = run_command(command, job_environment(job))
-    report = exit_report(job.run_dir, started)
-    if report is not None and report["code"] != 0:  # torchrun reports any failure as 1: use the trainer's code
+    code, report = run_local(job, flags)
+    if report is not None and report["code"] != 0:
         err_console.print(f"[red]✗[/red] {report['message']}")
-        code = report["code"]
     raise typer.Exit(code)
 
 
 def _submit(job: Job, dry_run: bool) -> None:
     """Write RUN_DIR/job.json and RUN_DIR/launch.sbatch and submit it (or only print the script)."""
-    from fsdpclip.launch import BATCH_SCRIPT, LOG_DIR, SubmitError, sbatch_script, submit
+    from fsdpclip.launch import BATCH_SCRIPT, SubmitError, sbatch_script, submit
+    from fsdpclip.rundir import JOB_FILE, LOG_DIR
 
     script = sbatch_script(job)
     if dry_run:
@@ -214,7 +193,7 @@ def _submit(job: Job, dry_run: bool) -> None:
         return
     logs, script_path = job.run_dir / LOG_DIR, job.run_dir / BATCH_SCRIPT
     logs.mkdir(parents=True, exist_ok=True)
-    job.save(job.run_dir / "job.json")
+    job.save(job.run_dir / JOB_FILE)
     script_path.write_text(script)
     try:
         job_id = submit(script_path)
@@ -285,56 +264,35 @@ def eval_command(
     """Zero-shot accuracy of a checkpoint, in CLIP_benchmark's JSON format (torchrun: sharded)."""
     import os
 
-    import torch
     from pydantic import ValidationError
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from fsdpclip.checkpoint import CheckpointError
-    from fsdpclip.evaluate import (
-        DatasetError, checkpoint_source, clip_benchmark_record, load_eval_model, load_zeroshot_set, zeroshot_metrics,
-    )
-    from fsdpclip.model import ModelError, build_tokenizer, image_transform
+    from fsdpclip.evaluate import DatasetError, evaluate_checkpoint
+    from fsdpclip.problems import ModelError
     from fsdpclip.spec import ZeroShotSpec
+
+    bar = Progress(TextColumn("[bold]zero-shot {task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
+
+    def progress(name: str, total: Optional[int]):
+        task = bar.add_task(name, total=total)
+        return lambda done: bar.advance(task, done)
 
     try:
         spec = ZeroShotSpec(dataset=zeroshot.value, path=str(data), templates=templates, max_samples=max_samples,
                             classnames=None if classnames is None else str(classnames))
-        config, label, fill = checkpoint_source(checkpoint, model, None if model_config is None else str(model_config))
-    except ModelError as exc:
-        _stop(str(exc))
+        with bar:
+            record = evaluate_checkpoint(checkpoint, spec, model, None if model_config is None else str(model_config),
+                                         precision.value, batch_size, workers, progress)
     except ValidationError as exc:
         _stop("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-    workers = min(4, os.cpu_count() or 1) if workers is None else workers
-    env = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from fsdpclip.distributed import init_distributed
-
-        env = init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s=1800)
-    device = env.device if env else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    main = env is None or env.is_main
-    try:
-        model_ = load_eval_model(config, fill, device, env.mesh if env else None, precision.value)
-        zs = load_zeroshot_set(spec, image_transform(model_, train=False))
-        with Progress(TextColumn(f"[bold]zero-shot {zs.name}"), BarColumn(), MofNCompleteColumn(),
-                      TimeRemainingColumn(), console=console, disable=not main) as bar:
-            task = bar.add_task("", total=zs.size)
-            autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                                      enabled=precision == EvalPrecision.bf16 and env is None)
-            with autocast:
-                metrics = zeroshot_metrics(model_, build_tokenizer(config), zs, device, batch_size, workers,
-                                           progress=lambda n: bar.advance(task, n))
     except (ModelError, CheckpointError, DatasetError) as exc:
         _stop(str(exc))
-    finally:
-        if env is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-    if not main:
+    if record is None:  # not rank 0
         return
-    dataset = {"imagenet": "imagenet1k"}.get(zs.name, zs.name)
-    record = clip_benchmark_record(dataset, label, str(checkpoint), metrics)
-    table = Table(title=f"zero-shot {dataset}: {label} ({metrics['samples']} images)")
+    samples = record.pop("samples")
+    table = Table(title=f"zero-shot {record['dataset']}: {record['model']} ({samples} images)")
     for key in record["metrics"]:
         table.add_column(key, justify="right")
     table.add_row(*(f"{v:.4f}" for v in record["metrics"].values()))

@@ -11,28 +11,16 @@ import io
 import logging
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.shardlists import expand_urls
 from webdataset.tariterators import tar_file_expander, url_opener, group_by_keys
 
 from fsdpclip.spec import WebDatasetSpec
+from fsdpclip.urls import shard_urls
 
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://", "hf://", "ais://")
 log = logging.getLogger("fsdpclip.data")
-
-
-def shard_urls(urls: Union[str, list[str]]) -> list[str]:
-    """Brace- and '::'-expanded shard list."""
-    items = [urls] if isinstance(urls, str) else urls
-    return [url for item in items for url in expand_urls(item)]
-
-
-def is_local(url: str) -> bool:
-    """Whether a shard URL names a file on this machine (remote ones cannot be checked)."""
-    return not url.startswith(REMOTE_PREFIXES)
 
 
 # ------------------------------------------------------------------- webdataset

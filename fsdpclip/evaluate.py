@@ -1,8 +1,9 @@
 """Zero-shot classification, computed as CLIP_benchmark computes it.
 
-Class embeddings are the normalised mean of the normalised template embeddings; logits are
-100 × the normalised image features against them; acc1/acc5 are top-k accuracies (acc5 is NaN
-under 5 classes) and mean per-class recall is the balanced accuracy over the classes present.
+Class embeddings (OpenCLIP's `build_zero_shot_classifier`) are the normalised mean of the normalised
+template embeddings; logits are 100 × the normalised image features against them; acc1/acc5 are
+top-k accuracies (acc5 is NaN under 5 classes) and mean per-class recall is the balanced accuracy
+over the classes present.
 
 Every rank takes part: all embed the same prompts, each embeds its share of the images, and
 a rank whose share is exhausted keeps running (padding) forwards until all are done, so no
@@ -14,7 +15,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from fsdpclip.spec import ZeroShotSpec
+
+if TYPE_CHECKING:
+    from fsdpclip.spec import Job
 
 WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")
 
@@ -168,28 +172,18 @@ def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[
 
 # ----------------------------------------------------------------------- metrics
 @torch.no_grad()
-def class_embeddings(model: nn.Module, tokenizer: Callable, classnames: Sequence[str],
-                     templates: Sequence[Callable[[str], str]], device: torch.device, batch_size: int) -> torch.Tensor:
-    """[embed_dim, classes]: per class, the normalised mean of its normalised template embeddings."""
-    columns = []
-    for name in classnames:
-        prompts = [template(name) for template in templates]
-        embedded = torch.cat([model.encode_text(tokenizer(prompts[i:i + batch_size]).to(device)).float()
-                              for i in range(0, len(prompts), batch_size)])
-        columns.append(F.normalize(F.normalize(embedded, dim=-1).mean(dim=0), dim=-1))
-    return torch.stack(columns, dim=1)
-
-
-@torch.no_grad()
 def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, device: torch.device,
                      batch_size: int, workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
     """acc1, acc5 and mean per-class recall over the whole set, identical on every rank."""
+    from open_clip import build_zero_shot_classifier
+
     from fsdpclip.model import image_shape
 
     was_training = model.training
     model.eval()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    classifier = class_embeddings(model, tokenizer, zs.classnames, zs.templates, device, batch_size)
+    classifier = build_zero_shot_classifier(model, tokenizer, zs.classnames, zs.templates, device=device,
+                                            num_classes_per_batch=max(1, batch_size // len(zs.templates)))
     classes = len(zs.classnames)
     confusion = torch.zeros(classes, classes, dtype=torch.float64, device=device)
     top5 = torch.zeros((), dtype=torch.float64, device=device)
@@ -242,12 +236,24 @@ WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetens
                 "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin")
 
 
-def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optional[str]) -> tuple[dict, str, Callable]:
-    """(OpenCLIP config, model label, a function filling a full CPU model with the weights) for `path`:
-    a run or checkpoint directory of fsdpclip, an exported file, or an open_clip local-dir."""
-    from fsdpclip.checkpoint import CheckpointError, read_meta, read_model_state, resolve_checkpoint
-    from fsdpclip.model import ModelError, load_weights, model_config as spec_config, read_state_dict
+@dataclass
+class ModelSource:
+    """A model to evaluate: its OpenCLIP config, a label, how to fill a full CPU model with its weights,
+    and the sharding of the run that trained it (None: an exported file, sharded by default)."""
+
+    config: dict
+    label: str
+    fill: Callable[[nn.Module], None]
+    job: Optional["Job"] = None
+
+
+def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optional[str]) -> ModelSource:
+    """What `path` holds: a run or checkpoint directory of fsdpclip, an exported file, or an open_clip local-dir."""
+    from fsdpclip.checkpoint import CheckpointError, read_meta, read_model_state, resolve_checkpoint, run_job
+    from fsdpclip.model import model_config as spec_config
+    from fsdpclip.problems import ModelError
     from fsdpclip.spec import ModelSpec
+    from fsdpclip.weights import load_model_weights
 
     path = Path(path)
     try:
@@ -255,12 +261,13 @@ def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optio
     except CheckpointError:
         checkpoint = None
     if checkpoint is not None:
+        if model_name is not None or model_config is not None:
+            raise ModelError(f"{path} is an fsdpclip checkpoint, which names its own model: --model and "
+                             "--model-config are for exported weights files")
         meta = read_meta(checkpoint)
-
-        def fill(model: nn.Module) -> None:
-            model.load_state_dict(read_model_state(checkpoint, model))
-
-        return meta["model"]["open_clip_config"], meta["model"]["label"], fill
+        return ModelSource(meta["model"]["open_clip_config"], meta["model"]["label"],
+                           lambda model: model.load_state_dict(read_model_state(checkpoint, model)),
+                           run_job(checkpoint))
     if path.is_dir() and (path / "open_clip_config.json").is_file():
         weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
         if weights is None:
@@ -272,31 +279,62 @@ def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optio
     if (model_name is None) == (model_config is None):
         raise ModelError(f"{path} is an OpenCLIP weights file: give --model NAME or --model-config FILE")
     spec = ModelSpec(name=model_name, config=model_config)
-
-    def fill(model: nn.Module) -> None:
-        load_weights(model, read_state_dict(str(path)), str(path))
-
-    return spec_config(spec), spec.label, fill
+    return ModelSource(spec_config(spec), spec.label, lambda model: load_model_weights(model, str(path)))
 
 
-def load_eval_model(config: dict, fill: Callable, device: torch.device, mesh, precision: str) -> nn.Module:
-    """The model with its weights: plain on one process, sharded with FSDP2 over `mesh` otherwise.
-
-    Rank 0 reads the weights; the other ranks receive only their shards.
-    """
-    from fsdpclip.model import find_towers, model_from_config
-    from fsdpclip.shard import apply_fsdp, materialize, plan_units
-    from fsdpclip.spec import FsdpSpec
+def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: str) -> nn.Module:
+    """The model with its weights: plain on one process, sharded with FSDP2 over `mesh` otherwise (as the
+    run that trained it was sharded, without what only training needs). Rank 0 reads the weights; the
+    other ranks receive only their shards."""
+    from fsdpclip.model import model_from_config
+    from fsdpclip.parallelize import materialize, parallelize
+    from fsdpclip.spec import ActivationCheckpointSpec, FsdpSpec
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    source = None
+    weights = None
     if rank == 0:
-        source = model_from_config(config, device="cpu")
-        fill(source)
+        weights = model_from_config(source.config, device="cpu")
+        source.fill(weights)
     if mesh is None:
-        return source.to(device).eval()
-    model = model_from_config(config, device="meta")
-    fsdp = FsdpSpec(param_dtype=precision, reduce_dtype="fp32")
-    apply_fsdp(model, plan_units(model, find_towers(model), fsdp), fsdp, mesh, device)
-    materialize(model, device, offload=False, source=source)
+        return weights.to(device).eval()
+    model = model_from_config(source.config, device="meta")
+    trained = source.job.fsdp if source.job is not None else FsdpSpec()
+    fsdp = trained.model_copy(update={"param_dtype": precision, "reduce_dtype": "fp32", "compile": False,
+                                      "activation_checkpointing": ActivationCheckpointSpec()})
+    parallelize(model, fsdp, mesh, source.job.model.block_classes if source.job is not None else None)
+    materialize(model, device, fsdp.cpu_offload, weights)
     return model.eval()
+
+
+def evaluate_checkpoint(path: Path, spec: ZeroShotSpec, model_name: Optional[str], model_config: Optional[str],
+                        precision: str, batch_size: int, workers: Optional[int],
+                        progress: Callable[[str, Optional[int]], Callable[[int], None]]) -> Optional[dict]:
+    """Zero-shot metrics of a checkpoint as CLIP_benchmark records them, on one process or sharded over
+    the ranks torchrun started (every rank calls it; the record comes back on rank 0, None elsewhere).
+
+    `progress(set name, images or None)` is called once and returns a callback taking images done."""
+    import os
+
+    from fsdpclip.distributed import init_distributed
+    from fsdpclip.model import build_tokenizer, image_transform
+
+    source = checkpoint_source(path, model_name, model_config)
+    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    env = init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s=1800) if distributed else None
+    device = env.device if env else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = load_eval_model(source, device, env.mesh if env else None, precision)
+        zs = load_zeroshot_set(spec, image_transform(model, train=False))
+        advance = progress(zs.name, zs.size)
+        # One process: autocast gives bf16; sharded: FSDP's mixed precision does.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16" and env is None):
+            metrics = zeroshot_metrics(model, build_tokenizer(source.config), zs, device, batch_size, workers,
+                                       progress=advance)
+    finally:
+        if env is not None:
+            dist.destroy_process_group()
+    if env is not None and not env.is_main:
+        return None
+    dataset = {"imagenet": "imagenet1k"}.get(zs.name, zs.name)
+    return clip_benchmark_record(dataset, source.label, str(path), metrics) | {"samples": metrics["samples"]}

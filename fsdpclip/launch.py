@@ -9,28 +9,82 @@ building; `run_command` starts a process, streams its output and stops it cleanl
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.data import is_local
-from fsdpclip.metrics import LAUNCH_TIME_ENV
+from fsdpclip.rundir import JOB_FILE, LAUNCH_TIME_ENV, LOG_DIR, exit_report
 from fsdpclip.spec import Job
+from fsdpclip.urls import is_local
 
 TRAIN_MODULE = "fsdpclip.train"
 STOP_GRACE_S = 30
-LOG_DIR = "logs"
 BATCH_SCRIPT = "launch.sbatch"
 
 
-class SubmitError(Exception):
+class LaunchError(Exception):
+    """A launch that cannot go ahead as asked (message meant for the user)."""
+
+
+class SubmitError(LaunchError):
     """sbatch refused a batch script (its message)."""
+
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """What `fsdpclip launch` was asked on its command line, beside the spec."""
+
+    nodes: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    slurm: bool = False
+    partition: Optional[str] = None
+    time_limit: Optional[str] = None
+    node_rank: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    dry_run: bool = False
+
+    def check(self) -> None:
+        """Flag combinations that cannot work, before the spec is read."""
+        if self.slurm and (self.node_rank is not None or self.master_addr is not None):
+            raise LaunchError("--slurm starts every node itself: --node-rank and --master-addr are for launches "
+                              "without Slurm")
+        if not self.slurm and (self.partition is not None or self.time_limit is not None):
+            raise LaunchError("--partition and --time are Slurm options: add --slurm")
+        if self.node_rank is not None and self.master_addr is None:
+            raise LaunchError("--node-rank needs --master-addr, the address of node 0")
+        if self.slurm and not self.dry_run and shutil.which("sbatch") is None:
+            raise LaunchError("--slurm needs Slurm's sbatch on the PATH (use --dry-run to only print the batch script)")
+
+    def overrides(self) -> list[str]:
+        """The flags that set spec fields, as `--set` assignments."""
+        fields = {"launch.nodes": self.nodes, "launch.gpus_per_node": self.gpus_per_node,
+                  "launch.master_port": self.master_port, "launch.slurm.partition": self.partition,
+                  "launch.slurm.time": self.time_limit}
+        return [f"{key}={json.dumps(value)}" for key, value in fields.items() if value is not None]
+
+    def check_nodes(self, job: Job) -> None:
+        """A launch on several nodes needs Slurm or one launch per node with its rank."""
+        nodes = job.launch.nodes
+        if not self.slurm and nodes > 1 and self.node_rank is None:
+            raise LaunchError(f"{nodes} nodes without Slurm: run `fsdpclip launch` on each node with --node-rank R "
+                              "and --master-addr (node 0's address), or add --slurm")
+        if self.node_rank is not None and self.node_rank >= nodes:
+            raise LaunchError(f"--node-rank {self.node_rank} is not below the number of nodes ({nodes})")
+
+    def torchrun(self, job: Job) -> list[str]:
+        """The torchrun command for this node."""
+        return torchrun_command(job.run_dir / JOB_FILE, job.launch.gpus_per_node, job.launch.nodes,
+                                self.node_rank or 0, self.master_addr, job.launch.master_port)
 
 
 def resolve_paths(job: Job, base: Path) -> Job:
@@ -97,7 +151,7 @@ def sbatch_options(job: Job) -> list[str]:
 
 
 # The batch script after its options, exports and setup lines; {{name}} is filled in. The exit code
-# comes from exit.json as `exit_report` reads it for launches without Slurm.
+# comes from exit.json, as for launches without Slurm.
 SBATCH_BODY = r"""run_dir={{run_dir}}
 # The rendezvous is on the first node of the allocation, at the address Slurm reaches it by.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -169,7 +223,7 @@ def sbatch_script(job: Job, python: Optional[str] = None) -> str:
         "python": shlex.quote(python or ("python" if slurm.setup else sys.executable)),
         "nproc": str(launch.gpus_per_node),
         "train_module": TRAIN_MODULE,
-        "job_file": shlex.quote(str(job.run_dir / "job.json")),
+        "job_file": shlex.quote(str(job.run_dir / JOB_FILE)),
         "requeue": SBATCH_REQUEUE if slurm.requeue else "",
     }
     body = re.sub(r"\{\{(\w+)\}\}", lambda match: values[match.group(1)], SBATCH_BODY)
@@ -193,16 +247,17 @@ def job_environment(job: Job) -> dict[str, str]:
     return env
 
 
-def exit_report(run_dir: Path, since: float) -> Optional[dict]:
-    """What the trainer's rank 0 reported about how the run ended (if it did, after `since`)."""
-    import json
+def run_local(job: Job, flags: LaunchFlags) -> tuple[int, Optional[dict]]:
+    """Write RUN_DIR/job.json, run torchrun for this node and wait; (exit code, the trainer's exit report).
 
-    path = Path(run_dir) / "exit.json"
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return report if report.get("time", 0) >= since else None
+    torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one.
+    """
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    job.save(job.run_dir / JOB_FILE)
+    started = time.time()
+    code = run_command(flags.torchrun(job), job_environment(job))
+    report = exit_report(job.run_dir, started)
+    return (report["code"] if report is not None and report["code"] != 0 else code), report
 
 
 def run_command(command: list[str], env: dict[str, str]) -> int:

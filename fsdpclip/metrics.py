@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from fsdpclip.model import fake_batch
+from fsdpclip.rundir import LAUNCH_TIME_ENV
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
                "L40S": 362.1, "A10G": 70.0}
-LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
 
 
 def training_flops_per_sample(model: nn.Module) -> float:

@@ -1,4 +1,4 @@
-"""Build OpenCLIP models from the spec; find each tower's blocks; freeze ranges; weight-decay groups.
+"""Build OpenCLIP models from the spec, find each tower's blocks, and the inputs a model takes.
 
 Knows nothing of sharding: everything here works on the meta device as on real storage,
 and every name it returns is an original (unwrapped) parameter or module name.
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from fsdpclip.problems import ModelError
-from fsdpclip.spec import TOWERS, DecayRule, FreezeSpec, ModelSpec
-from fsdpclip.towers import compose, hf_encoder_state, timm_image_size, timm_trunk_state
+from fsdpclip.spec import TOWERS, ModelSpec
+from fsdpclip.towers import compose, register_hf_families, timm_image_size
 
 # Repeated blocks of the tower families OpenCLIP can build (its own, timm and Hugging Face).
 KNOWN_BLOCK_CLASSES = (
@@ -94,13 +94,13 @@ def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Modu
 
     cfg = copy.deepcopy(cfg)
     text_cfg = cfg["text_cfg"]
-    custom_text = cfg.pop("custom_text", False) or "hf_model_name" in text_cfg
-    if custom_text and "multimodal_cfg" in cfg:
-        model_class = open_clip.CoCa
-    elif custom_text:
-        model_class = open_clip.CustomTextCLIP
-    else:
-        model_class = open_clip.CLIP
+    if "multimodal_cfg" in cfg:
+        raise ModelError("CoCa models (a config with multimodal_cfg) are not supported: the contrastive losses "
+                         "cannot train their captioning decoder")
+    if "hf_model_name" in text_cfg:
+        register_hf_families()
+    model_class = open_clip.CustomTextCLIP if cfg.pop("custom_text", False) or "hf_model_name" in text_cfg \
+        else open_clip.CLIP
     try:
         with torch.device(device):
             model = model_class(**cfg, nonscalar_logit_scale=True)
@@ -254,138 +254,7 @@ def instances(modules: Iterable[tuple[str, nn.Module]], tower: str, class_names:
     return found
 
 
-# -------------------------------------------------------------------------- freeze
-def parse_slice(text: str) -> slice:
-    """'0:-1' -> slice(0, -1); the spec has already checked the syntax."""
-    parts = [p.strip() for p in text.split(":")]
-    return slice(*(int(p) if p else None for p in parts))
-
-
-def slice_problem(text: str, length: int) -> Optional[str]:
-    """Why a freeze slice does not fit `length` blocks, or None."""
-    chosen = parse_slice(text)
-    for bound in (chosen.start, chosen.stop):
-        if bound is not None and not -length <= bound <= length:
-            return f"index {bound} is out of range for {length} blocks"
-    if not range(length)[chosen]:
-        return f"selects none of the {length} blocks"
-    return None
-
-
-def frozen_names(towers: dict[str, Tower], freeze: FreezeSpec) -> set[str]:
-    """Original names of the parameters the freeze spec turns off."""
-    frozen: set[str] = set()
-    for tower in towers.values():
-        rule = getattr(freeze, tower.name)
-        blocks = set(range(len(tower.blocks))[parse_slice(rule.blocks)]) if rule.blocks else set()
-        for name in tower.parameters:
-            part = tower.part_of(name)
-            if (part == "block" and tower.block_of(name) in blocks) or (part == "embeddings" and rule.embeddings) \
-                    or (part == "head" and rule.head):
-                frozen.add(name)
-    if freeze.logit_scale:
-        frozen.update(SHARED_PARAMETERS)
-    return frozen
-
-
-def apply_freeze(model: nn.Module, frozen: set[str]) -> None:
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in frozen)
-
-
-# --------------------------------------------------------------------- weight decay
-def rule_matches(rule: DecayRule, name: str, ndim: int) -> bool:
-    return (rule.pattern is None or re.search(rule.pattern, name) is not None) and \
-        (rule.max_ndim is None or ndim <= rule.max_ndim)
-
-
-@dataclass
-class DecayGroup:
-    """Parameters sharing one weight decay; `rule` is the index of the rule that chose it (None: default)."""
-
-    weight_decay: float
-    rule: Optional[int]
-    names: list[str] = field(default_factory=list)
-
-
-def decay_groups(shapes: dict[str, torch.Size], rules: list[DecayRule], default_decay: float) -> list[DecayGroup]:
-    """Split parameters (original name -> shape) into groups by the first matching rule."""
-    groups: dict[Optional[int], DecayGroup] = {}
-    for name, shape in shapes.items():
-        index = next((i for i, rule in enumerate(rules) if rule_matches(rule, name, len(shape))), None)
-        decay = rules[index].weight_decay if index is not None else default_decay
-        groups.setdefault(index, DecayGroup(decay, index)).names.append(name)
-    return [groups[k] for k in sorted(groups, key=lambda k: (k is None, k if k is not None else 0))]
-
-
-# ------------------------------------------------------------------ weights and inputs
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows."""
-    if str(path).endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ModelError(f"{path} holds no state dict of tensors")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
-
-
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None,
-                 module: Optional[str] = None) -> None:
-    """Load a whole-model state dict, one tower's (keys relative to the tower) or one submodule's
-    (keys relative to `module`, e.g. 'visual.trunk'), strictly."""
-    from open_clip.model import resize_pos_embed
-
-    if module is not None:
-        state = {f"{module}.{k}": v for k, v in state.items()}
-    elif tower == "image":
-        state = {"visual." + k: v for k, v in state.items()}
-    elif tower == "text" and hasattr(model, "text"):
-        state = {"text." + k: v for k, v in state.items()}
-    for name in SHARED_PARAMETERS:  # OpenCLIP stores them 0-d; ours are 1-element
-        if name in state and state[name].dim() == 0:
-            state[name] = state[name].reshape(1)
-    if tower is None and module is None:
-        resize_pos_embed(state, model)
-    own = model.state_dict()
-    expected = {k for k in own if k.startswith(f"{module}.")} if module is not None else \
-        {k for k in own if tower is None or tower_of(k) == tower}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelError(f"{where} does not match the model: {len(missing)} missing keys "
-                         f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
-                         f"({', '.join(unexpected[:3])}{'...' if len(unexpected) > 3 else ''})")
-    wrong = [k for k, v in state.items() if v.shape != own[k].shape]
-    if wrong:
-        raise ModelError(f"{where} does not match the model: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
-                         f"the model {tuple(own[wrong[0]].shape)}")
-    model.load_state_dict(state, strict=False)
-
-
-def initial_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """The full model with its starting weights: OpenCLIP's init for `seed`, then local weights."""
-    torch.manual_seed(seed)
-    model = build_model(spec, device=device)
-    if spec.pretrained:
-        load_weights(model, read_state_dict(spec.pretrained), spec.pretrained)
-    if spec.image.pretrained:
-        load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
-    if spec.text.pretrained:
-        load_weights(model, read_state_dict(spec.text.pretrained), spec.text.pretrained, tower="text")
-    if spec.image.timm is not None and spec.image.timm.pretrained:
-        state, file = timm_trunk_state(spec.image.timm, model.visual.trunk, read_state_dict)
-        load_weights(model, state, file, module="visual.trunk")
-    if spec.text.hf is not None and spec.text.hf.pretrained:
-        load_weights(model, hf_encoder_state(spec.text.hf), spec.text.hf.path, module="text.transformer")
-    return model
-
-
+# -------------------------------------------------------------------------- inputs
 def build_tokenizer(cfg: dict):
     """The tokenizer OpenCLIP pairs with a model config (local files only)."""
     import open_clip

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpclip.model import DecayGroup
+from fsdpclip.trainable import DecayGroup
 from fsdpclip.spec import FsdpSpec, OptimizerSpec, ScheduleSpec
 
 

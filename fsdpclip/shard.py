@@ -1,7 +1,7 @@
-"""FSDP2 for a built model: which modules become units, and applying fully_shard to them.
+"""Which modules of a built model become FSDP units, and which recompute their activations.
 
-`plan_units` is pure (works on the meta device, used by `validate`); the apply functions
-take a model and return it changed, in the style of torchtitan's `apply_fsdp`.
+Pure planning on original module names: works on the meta device (`validate` uses it) and
+changes nothing; `fsdpclip.parallelize` applies the plan.
 """
 
 from __future__ import annotations
@@ -101,107 +101,3 @@ def plan_units(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> li
     units = [unit(names, tower, owned[i]) for i, (names, tower) in enumerate(groups)]
     units.sort(key=lambda u: -u.modules[0].count("."))  # stable: registration order within a depth
     return units + [unit(("",), None, owned[-1])]
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FORWARD_METHODS = ("encode_image", "encode_text")
-
-
-def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
-    """Recompute the activations of these modules in backward; parameter names are kept."""
-    from torch.distributed._composable import checkpoint
-
-    for name in names:
-        checkpoint(model.get_submodule(name))
-
-
-def apply_compile(model: nn.Module, units: list[Unit]) -> None:
-    """torch.compile the forward of every unit below the root; FSDP's hooks stay eager around it."""
-    for unit in units[:-1]:
-        for name in unit.modules:
-            module = model.get_submodule(name)
-            module.forward = torch.compile(module.forward)
-
-
-def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh, device: torch.device) -> None:
-    """fully_shard every unit, innermost first, then the root (whose outputs come back in fp32)."""
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
-    )
-
-    param_dtype, reduce_dtype = DTYPES[fsdp.param_dtype], DTYPES[fsdp.reduce_dtype]
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
-    for unit in units:
-        modules = [model.get_submodule(name) if name else model for name in unit.modules]
-        if not unit.is_root:
-            for module in modules:
-                cast_constants(module, param_dtype)
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                      output_dtype=torch.float32 if unit.is_root else None)
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                    reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy, offload_policy=offload)
-    register_forward_methods(model)
-
-
-def cast_constants(module: nn.Module, dtype: torch.dtype) -> None:
-    """Give a block's non-persistent floating buffers the compute dtype. FSDP's mixed precision casts
-    parameters only, and such constants meet them in the block's arithmetic (EVA's zero k_bias is
-    concatenated with the q/v biases, Swin adds its attention mask); in fp32 they fail a bf16
-    forward. Persistent buffers (BatchNorm statistics) keep their dtype."""
-    for sub in module.modules():
-        for key, buffer in sub._buffers.items():
-            if buffer is not None and buffer.is_floating_point() and key in sub._non_persistent_buffers_set:
-                sub._buffers[key] = buffer.to(dtype)
-
-
-def register_forward_methods(model: nn.Module) -> None:
-    """Make `encode_image`/`encode_text` callable on their own (FSDP gathers the root around them).
-
-    OpenCLIP's forward calls them too; inside the root's forward they must run plainly, or the
-    nested call would reshard the root before forward reads `logit_scale`.
-    """
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    depth = [0]
-    model.register_forward_pre_hook(lambda module, args: depth.__setitem__(0, depth[0] + 1))
-    model.register_forward_hook(lambda module, args, out: depth.__setitem__(0, depth[0] - 1), always_call=True)
-    for name in FORWARD_METHODS:
-        plain = getattr(model, name)
-        register_fsdp_forward_method(model, name)
-        hooked = getattr(model, name)
-
-        def method(*args, _plain=plain, _hooked=hooked, **kwargs):
-            return (_plain if depth[0] else _hooked)(*args, **kwargs)
-
-        setattr(model, name, method)
-
-
-def materialize(model: nn.Module, device: torch.device, offload: bool, source: Optional[nn.Module]) -> None:
-    """Give the sharded meta model real storage and the weights of `source` (a full model on rank 0).
-
-    Rank 0 broadcasts each tensor in turn; every rank copies out only its own rows (FSDP2 shards
-    dim 0 in chunks of ceil(n / world)), so the work per rank does not grow with the world size.
-    """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    model.to_empty(device="cpu" if offload else device)
-    if offload:
-        for module in model.modules():
-            for key, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[key] = buffer.to(device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    originals = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
-    with torch.no_grad():
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            full = originals[name].to(device, tensor.dtype) if source is not None else \
-                torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            dist.broadcast(full, src=0)
-            if isinstance(tensor, DTensor):
-                shard = tensor.to_local()
-                rows = -(-full.shape[0] // world) if full.dim() else 1
-                start = min(rank * rows, full.shape[0] if full.dim() else 0)
-                shard.copy_(full.narrow(0, start, shard.shape[0]) if full.dim() else full)
-            else:
-                tensor.copy_(full)

@@ -1,15 +1,12 @@
 """The job spec: one JSON document that describes a whole training job.
 
-Pure data: pydantic models with `extra="forbid"` everywhere, no torch. Structural
-problems come back as `Problem`s with JSON locations; meaning (does the model
-exist, do the regexes match) is checked later by `fsdpclip.checks`.
+Pure data: pydantic models with `extra="forbid"` everywhere, no torch. `fsdpclip.jobfile`
+reads a file into a `Job` (structural problems as `Problem`s with JSON locations); meaning
+(does the model exist, do the regexes match) is checked by `fsdpclip.checks`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -20,13 +17,12 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from fsdpclip.problems import Problem, SpecError, closest
+from fsdpclip.rundir import write_atomically
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")
@@ -458,6 +454,19 @@ class Job(Section):
         """Where this run's job.json, metrics and checkpoints live: <output_dir>/<name>."""
         return Path(self.run.output_dir) / self.run.name
 
+    def samples_per_step(self, world_size: int) -> int:
+        """The global batch: samples of one optimizer step over all ranks."""
+        return self.batch.per_gpu * self.batch.grad_accum * world_size
+
+    def total_steps(self, world_size: int) -> Optional[int]:
+        """Optimizer steps of the whole run: `schedule.steps`, or whole steps in `schedule.epochs`
+        epochs of `data.samples` (None when neither gives the length)."""
+        if self.schedule.steps is not None:
+            return self.schedule.steps
+        if self.data.samples is None:
+            return None
+        return (self.data.samples // self.samples_per_step(world_size)) * (self.schedule.epochs or 1)
+
     def to_json(self) -> str:
         """The resolved spec as indented JSON (every default spelled out)."""
         return self.model_dump_json(indent=2, by_alias=True, exclude={"schema_ref"}) + "\n"
@@ -465,10 +474,7 @@ class Job(Section):
     def save(self, path: Path) -> None:
         """Write the resolved spec atomically (readers never see half a file, and launches on
         several nodes sharing the run directory do not trip over each other)."""
-        path = Path(path)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        partial.write_text(self.to_json())
-        partial.replace(path)
+        write_atomically(Path(path), self.to_json())
 
 
 def json_schema() -> dict:
@@ -477,130 +483,3 @@ def json_schema() -> dict:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "fsdpclip job spec"
     return schema
-
-
-# ------------------------------------------------------------------------ loading
-def read_job_dict(path: Path) -> dict:
-    """Read a job file as a dict; a missing file or bad JSON is a SpecError."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SpecError([Problem("(file)", f"cannot read job file: {exc.strerror}", value=str(path))]) from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError([Problem("(file)", f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                                 value=str(path))]) from None
-    if not isinstance(raw, dict):
-        raise SpecError([Problem("(file)", "a job spec must be a JSON object", value=type(raw).__name__)])
-    return raw
-
-
-def apply_overrides(raw: dict, assignments: list[str]) -> dict:
-    """Apply `a.b=value` overrides (value parsed as JSON, else taken as a string)."""
-    raw = copy.deepcopy(raw)
-    problems = []
-    for assignment in assignments:
-        key, sep, text = assignment.partition("=")
-        if not sep or not key.strip():
-            problems.append(Problem("--set", "expected KEY=VALUE with a dotted key, e.g. batch.per_gpu=64",
-                                    value=assignment))
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        node = raw
-        *parents, leaf = key.strip().split(".")
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                problems.append(Problem(key, f"cannot set a key inside '{part}', which is not an object",
-                                        value=child))
-                break
-            node = child
-        else:
-            node[leaf] = value
-    if problems:
-        raise SpecError(problems)
-    return raw
-
-
-def parse_job(raw: dict) -> Job:
-    """Validate a raw dict into a Job; every structural problem at once as a SpecError."""
-    try:
-        return Job.model_validate(raw)
-    except ValidationError as exc:
-        raise SpecError([_problem(error) for error in exc.errors()]) from None
-
-
-def load_job(path: Path, overrides: Optional[list[str]] = None) -> Job:
-    """Read, override and validate a job file."""
-    return parse_job(apply_overrides(read_job_dict(path), overrides or []))
-
-
-def _problem(error: dict) -> Problem:
-    """Turn one pydantic error into a Problem with a JSON location and a hint."""
-    path, model = _json_path(error["loc"])
-    kind, message, value = error["type"], error["msg"], error.get("input")
-    hint = None
-    if kind == "extra_forbidden":
-        known = list(model.model_fields) if model is not None else []
-        aliases = [f.alias for f in model.model_fields.values() if f.alias] if model is not None else []
-        message = "unknown key"
-        value = path[-1] if path else value
-        match = closest(str(value), known + aliases)
-        hint = f"did you mean '{match}'?" if match else (f"known keys: {', '.join(known)}" if known else None)
-    elif kind == "missing":
-        message, value = "required key is missing", None
-    elif kind == "union_tag_invalid":
-        message = f"unknown {'data source' if path == ['data'] else 'kind'} '{error['ctx']['tag']}'"
-        hint = f"one of {error['ctx']['expected_tags']}"
-    elif kind == "value_error":
-        message = message.removeprefix("Value error, ")
-        value = None if isinstance(value, dict) else value
-    elif kind == "literal_error":
-        hint = message.replace("Input should be", "expected")
-        message = "value not allowed"
-    return Problem(_format_path(path), message, value=value, hint=hint)
-
-
-UNION_MEMBERS = {"data": DATA_SOURCES, "loss": LOSS_KINDS}
-
-
-def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
-    """Drop union tags from a pydantic location; return it with the model owning its last key."""
-    model: Optional[type[BaseModel]] = Job
-    path: list = []
-    members: Optional[dict] = None
-    for part in loc:
-        if members is not None:
-            model, members = members.get(part), None
-            if model is not None:
-                continue
-        path.append(part)
-        if model is None or isinstance(part, int) or part not in model.model_fields:
-            continue
-        if model is Job and part in UNION_MEMBERS:
-            members, model = UNION_MEMBERS[part], None
-        else:
-            model = _model_in(model.model_fields[part].annotation)
-    return path, model
-
-
-def _model_in(annotation: Any) -> Optional[type[BaseModel]]:
-    """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _format_path(path: list) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(root)"

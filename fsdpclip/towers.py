@@ -112,6 +112,7 @@ def check_hf_dir(path: str, location: str, from_spec: bool) -> None:
                          hint=HF_INSTALL) from None
     from open_clip.hf_model import arch_dict
 
+    register_hf_families()
     try:
         model_type = json.loads(config.read_text()).get("model_type")
     except (json.JSONDecodeError, AttributeError):
@@ -122,13 +123,11 @@ def check_hf_dir(path: str, location: str, from_spec: bool) -> None:
 
 
 def register_hf_families() -> None:
-    """Let OpenCLIP's HFTextEncoder build T5 as it builds mT5 (same layout; OpenCLIP lists only mT5)."""
+    """Let OpenCLIP's HFTextEncoder build T5 as it builds mT5 (same layout; OpenCLIP lists only mT5).
+    Called before a Hugging Face tower is checked or built; doing it again changes nothing."""
     from open_clip.hf_model import arch_dict
 
     arch_dict.setdefault("t5", arch_dict["mt5"])
-
-
-register_hf_families()
 
 
 def hf_max_tokens(model: nn.Module) -> Optional[int]:

@@ -13,7 +13,6 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -32,21 +31,19 @@ from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
 from fsdpclip.metrics import (
     MetricsLog, Window, launch_time, peak_memory_gib, peak_tflops, training_flops_per_sample,
 )
-from fsdpclip.model import (
-    apply_freeze, build_tokenizer, decay_groups, find_towers, frozen_names, image_shape, image_transform,
-    initial_model, model_config, model_from_config, original_shapes, text_shape,
-)
+from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_transform, model_config, \
+    model_from_config, text_shape
 from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients, local
-from fsdpclip.shard import (
-    apply_activation_checkpointing, apply_compile, apply_fsdp, checkpointed_modules, materialize, plan_units,
-)
+from fsdpclip.parallelize import materialize, parallelize
+from fsdpclip.rundir import write_exit_report
 from fsdpclip.spec import Job, LossSpec, SyntheticSpec
+from fsdpclip.trainable import apply_freeze, frozen_names, trainable_decay_groups
+from fsdpclip.weights import initial_model
 
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
 EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-EXIT_FILE = "exit.json"
 # Ranks agree on a stop signal every this many steps: one small blocking collective, whose cost
 # is negligible at this interval, and no extra process group (a gloo group connects every pair
 # of ranks, which does not scale).
@@ -73,14 +70,6 @@ class StopSignals:
         self.received = signum
 
 
-def total_steps(job: Job, world_size: int) -> int:
-    """Optimizer steps of the whole run (the spec's steps, or epochs of data.samples)."""
-    if job.schedule.steps is not None:
-        return job.schedule.steps
-    global_batch = job.batch.per_gpu * job.batch.grad_accum * world_size
-    return (job.data.samples // global_batch) * (job.schedule.epochs or 1)
-
-
 def build_loss(spec: LossSpec, rank: int, world_size: int) -> torch.nn.Module:
     """OpenCLIP's CLIP or SigLIP loss over the global batch."""
     from open_clip.loss import ClipLoss, SigLipLoss
@@ -96,29 +85,13 @@ class Trainer:
 
     def __init__(self, job: Job, env: Dist, signals: Optional[StopSignals] = None):
         self.job, self.env, self.signals = job, env, signals
-        fsdp = job.fsdp
         self.model_config = model_config(job.model)
-        model = model_from_config(self.model_config, device="meta")
-        towers = find_towers(model, job.model.block_classes)
-        apply_freeze(model, frozen_names(towers, job.freeze))
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        shapes = {n: s for n, s in original_shapes(model).items() if n in trainable}
-        self.decay_groups = decay_groups(shapes, job.optimizer.decay_rules, job.optimizer.weight_decay)
-        self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
-        source = initial_model(job.model, job.run.seed, self._source_device(model)) if env.is_main else None
-        apply_activation_checkpointing(model, checkpointed_modules(model, towers, fsdp))
-        units = plan_units(model, towers, fsdp)
-        if fsdp.compile:
-            apply_compile(model, units)
-        apply_fsdp(model, units, fsdp, env.mesh, env.device)
-        materialize(model, env.device, fsdp.cpu_offload, source)
-        del source
+        self.model = self._build_model()
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
-        self.model = model
-        self.total_steps = total_steps(job, env.world_size)
-        self.optimizer = build_optimizer(model, self.decay_groups, job.optimizer)
+        self.total_steps = job.total_steps(env.world_size)
+        self.optimizer = build_optimizer(self.model, self.decay_groups, job.optimizer)
         self.scheduler = build_scheduler(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
-        self.scaler = build_grad_scaler(fsdp, env.device)
+        self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.tokenizer = build_tokenizer(self.model_config)
         self.batches = self._batches()
@@ -132,6 +105,19 @@ class Trainer:
         target = self.checkpointer.resume_target()
         if target is not None:
             self._resume(target)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The sharded model with its initial weights: built on the meta device on every rank, frozen,
+        decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0."""
+        job, env = self.job, self.env
+        model = model_from_config(self.model_config, device="meta")
+        apply_freeze(model, frozen_names(find_towers(model, job.model.block_classes), job.freeze))
+        self.decay_groups = trainable_decay_groups(model, job.optimizer)
+        self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
+        source = initial_model(job.model, job.run.seed, self._source_device(model)) if env.is_main else None
+        parallelize(model, job.fsdp, env.mesh, job.model.block_classes)
+        materialize(model, env.device, job.fsdp.cpu_offload, source)
+        return model
 
     def _source_device(self, model: torch.nn.Module) -> torch.device:
         """Where rank 0 builds the full model: its GPU when the fp32 weights take under a third of
@@ -312,9 +298,7 @@ class Trainer:
 
     def _report_exit(self, code: int, message: str) -> None:
         if self.env.is_main:
-            report = {"code": code, "message": message, "step": self.step,
-                      "checkpoint": str(latest_checkpoint(self.job.run_dir) or ""), "time": time.time()}
-            (self.job.run_dir / EXIT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+            write_exit_report(self.job.run_dir, code, message, self.step, str(latest_checkpoint(self.job.run_dir) or ""))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -322,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     from fsdpclip.problems import SpecError
-    from fsdpclip.spec import load_job
+    from fsdpclip.jobfile import load_job
 
     parser = argparse.ArgumentParser(prog="fsdpclip.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,7 +18,7 @@ from conftest import REPO, TINY_CONFIG, write_job
 from ranks import run_group
 from fsdpclip.checkpoint import latest_checkpoint
 from fsdpclip.launch import render, resolve_paths, sbatch_script, torchrun_command
-from fsdpclip.spec import load_job
+from fsdpclip.jobfile import load_job
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("FSDPCLIP_UPDATE_GOLDEN") == "1"

@@ -72,8 +72,8 @@ def test_t5_and_timm_towers_train_only_their_last_blocks(tmp_path):
     in bf16, activation-checkpointed; all but the last block of each tower and their embeddings frozen."""
     from safetensors.torch import load_file
 
-    from fsdpclip.model import initial_model
-    from fsdpclip.spec import parse_job
+    from fsdpclip.weights import initial_model
+    from fsdpclip.jobfile import parse_job
 
     hf, timm_dir = _hf_dir(tmp_path), _timm_dir(tmp_path)
     model = {"embed_dim": 48, "text": {"hf": {"path": hf, "pretrained": True}, "context_length": 12},

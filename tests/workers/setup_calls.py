@@ -29,9 +29,11 @@ def calls(fn):
 def main(world: int, model_name: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdpclip.model import build_model, decay_groups, find_towers, original_shapes
+    from fsdpclip.model import build_model, find_towers, original_shapes
     from fsdpclip.optim import build_optimizer
-    from fsdpclip.shard import apply_fsdp, materialize, plan_units
+    from fsdpclip.parallelize import apply_fsdp, materialize
+    from fsdpclip.shard import plan_units
+    from fsdpclip.trainable import decay_groups
     from fsdpclip.spec import FsdpSpec, ModelSpec, OptimizerSpec
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
@@ -40,7 +42,7 @@ def main(world: int, model_name: str) -> None:
     mesh, counts["mesh"] = calls(lambda: init_device_mesh("cpu", (world,)))
     model, counts["build"] = calls(lambda: build_model(ModelSpec(name=model_name), "meta"))
     units, counts["plan"] = calls(lambda: plan_units(model, find_towers(model), fsdp))
-    _, counts["fully_shard"] = calls(lambda: apply_fsdp(model, units, fsdp, mesh, torch.device("cpu")))
+    _, counts["fully_shard"] = calls(lambda: apply_fsdp(model, units, fsdp, mesh))
     _, counts["materialize"] = calls(lambda: materialize(model, torch.device("cpu"), False, None))
     groups = decay_groups(original_shapes(model), OptimizerSpec().decay_rules, 0.2)
     _, counts["optimizer"] = calls(lambda: build_optimizer(model, groups, OptimizerSpec()))

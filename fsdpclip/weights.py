@@ -1,0 +1,89 @@
+"""Weights: the initial model of a run (OpenCLIP's init for a seed, then local weights) and loading
+OpenCLIP-style checkpoints into a model or into one of its towers."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdpclip.model import build_model, tower_of
+from fsdpclip.problems import ModelError
+from fsdpclip.spec import ModelSpec
+from fsdpclip.towers import hf_encoder_state, timm_trunk_state
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelError(f"{path} holds no state dict of tensors")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None,
+                 module: Optional[str] = None) -> None:
+    """Load one tower's state dict (keys relative to the tower) or one submodule's (keys relative
+    to `module`, e.g. 'visual.trunk'), strictly. OpenCLIP has no loader for parts of a model."""
+    prefix = f"{module}." if module is not None else {"image": "visual.", "text": "text."}[tower]
+    if tower == "text" and not hasattr(model, "text"):  # OpenCLIP's own text tower sits on the root
+        prefix = ""
+    state = {prefix + k: v for k, v in state.items()}
+    own = model.state_dict()
+    expected = {k for k in own if k.startswith(prefix)} if module is not None else \
+        {k for k in own if tower_of(k) == tower}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelError(f"{where} does not match the model: {len(missing)} missing keys "
+                         f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
+                         f"({', '.join(unexpected[:3])}{'...' if len(unexpected) > 3 else ''})")
+    wrong = [k for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        raise ModelError(f"{where} does not match the model: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                         f"the model {tuple(own[wrong[0]].shape)}")
+    model.load_state_dict(state, strict=False)
+
+
+def load_model_weights(model: nn.Module, path: str) -> None:
+    """A whole-model OpenCLIP checkpoint, loaded strictly by OpenCLIP's own `load_checkpoint` (its key
+    conversions, position-embedding resizes, 0-d/1-element logit scale and a missing logit bias)."""
+    import pickle
+
+    import open_clip
+
+    try:
+        open_clip.load_checkpoint(model, path, strict=True)
+    except (RuntimeError, AssertionError) as exc:  # missing, unexpected or mis-shaped keys; resizes that cannot be
+        detail = " ".join(str(exc).split())
+        raise ModelError(f"{path} does not match the model: {detail[:400]}{'...' if len(detail) > 400 else ''}") \
+            from None
+    except (OSError, ValueError, KeyError, StopIteration, pickle.UnpicklingError) as exc:
+        raise ModelError(f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
+
+
+def initial_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The full model with its starting weights: OpenCLIP's init for `seed`, then local weights."""
+    torch.manual_seed(seed)
+    model = build_model(spec, device=device)
+    if spec.pretrained:
+        load_model_weights(model, spec.pretrained)
+    if spec.image.pretrained:
+        load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
+    if spec.text.pretrained:
+        load_weights(model, read_state_dict(spec.text.pretrained), spec.text.pretrained, tower="text")
+    if spec.image.timm is not None and spec.image.timm.pretrained:
+        state, file = timm_trunk_state(spec.image.timm, model.visual.trunk, read_state_dict)
+        load_weights(model, state, file, module="visual.trunk")
+    if spec.text.hf is not None and spec.text.hf.pretrained:
+        load_weights(model, hf_encoder_state(spec.text.hf), spec.text.hf.path, module="text.transformer")
+    return model
