@@ -174,13 +174,22 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def resume_target(self) -> Optional[Path]:
-        """What the spec says to resume from: the run's latest, a given checkpoint, or nothing."""
-        resume = self.spec.resume
-        if resume is None:
-            return None
-        if resume == "latest":
-            return latest_checkpoint(self.root.parent)
-        return resolve_checkpoint(Path(resume))
+        """What the spec says to resume from: the run's latest, a given checkpoint, or nothing.
+
+        Rank 0 decides and every rank follows: ranks looking on their own could see different
+        checkpoints on a shared filesystem whose caches lag."""
+        resume, chosen = self.spec.resume, [(None, None)]  # (checkpoint, why none can be used)
+        if self.rank == 0 and resume is not None:
+            try:
+                chosen[0] = (latest_checkpoint(self.root.parent) if resume == "latest"
+                             else resolve_checkpoint(Path(resume)), None)
+            except CheckpointError as exc:
+                chosen[0] = (None, str(exc))
+        dist.broadcast_object_list(chosen, src=0)
+        checkpoint, error = chosen[0]
+        if error is not None:
+            raise CheckpointError(error)
+        return checkpoint
 
     def load(self, checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Optional[dict]]:
         """Load model and optimizer (resharded to this world size); (meta, this rank's state or None).

@@ -13,7 +13,7 @@ from typing import Optional
 
 from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.model import (
-    SHARED_PARAMETERS, Tower, build_tokenizer, count, find_towers, model_config, model_from_config,
+    SHARED_PARAMETERS, Tower, build_tokenizer, count, find_towers, image_shape, model_config, model_from_config,
     original_shapes, text_shape,
 )
 from fsdpclip.problems import ModelError, Problem, closest
@@ -344,7 +344,10 @@ def _summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], grou
         report.error("model", f"the image tower gives {widths[0]}-d features, the text tower {widths[1]}-d",
                      hint="both must project to embed_dim (model.image.timm.proj 'none' keeps the trunk's width)")
         return
-    estimate = estimate_memory(job, units, activation_elements(model, towers, checkpointed, sizes), world)
+    channels, height, width = image_shape(model)
+    input_bytes = channels * height * width * 4 + text_shape(model)[0] * 8  # fp32 pixels, int64 tokens
+    estimate = estimate_memory(job, units, activation_elements(model, towers, checkpointed, sizes), world,
+                               input_bytes, widths[0])
     summary["memory_gib"] = estimate.as_gib()
     report.summary = summary
     _check_memory(job, estimate, report)

@@ -120,10 +120,10 @@ def _summary_tables(summary: dict) -> None:
 
     memory = summary["memory_gib"]
     mem = Table(title="Estimated memory per GPU (GiB)")
-    for key in ("parameters", "gradients", "optimizer", "unsharded", "activations", "total", "host"):
+    columns = ("parameters", "gradients", "optimizer", "unsharded", "activations", "inputs", "total", "host")
+    for key in columns:
         mem.add_column(key, justify="right")
-    mem.add_row(*(f"{memory[k]:.2f}" for k in ("parameters", "gradients", "optimizer", "unsharded", "activations",
-                                               "total", "host")))
+    mem.add_row(*(f"{memory[k]:.2f}" for k in columns))
     console.print(mem)
     batch = summary["batch"]
     steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"

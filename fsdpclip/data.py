@@ -144,14 +144,19 @@ class WebDatasetBatches:
             self.stream.skip = dict(self.position.emitted)
             loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
                                 prefetch_factor=4 if self.workers else None)
-            produced = False
-            for batch in loader:
-                produced = True
-                position = self.position
-                position.emitted[batch["worker"]] = batch["position"]
-                position.next_worker = (batch["worker"] + 1) % max(1, self.workers)
-                position.broken += batch["broken"]
-                yield batch["images"], batch["texts"]
+            produced, batches = False, iter(loader)
+            try:
+                for batch in batches:
+                    produced = True
+                    position = self.position
+                    position.emitted[batch["worker"]] = batch["position"]
+                    position.next_worker = (batch["worker"] + 1) % max(1, self.workers)
+                    position.broken += batch["broken"]
+                    yield batch["images"], batch["texts"]
+            finally:  # also when the consumer closes this generator: the workers stop now, not at exit
+                shutdown = getattr(batches, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
             if not produced and not self.position.emitted:
                 raise RuntimeError(f"rank {self.stream.rank} got no complete batch from its shards in epoch "
                                    f"{self.position.epoch}: too few samples for batch {self.stream.batch_size}")

@@ -27,14 +27,15 @@ class MemoryEstimate:
     gradients: float  # fp32 gradient shards (trainable only)
     optimizer: float  # AdamW moments (trainable only)
     unsharded: float  # gathered parameters and gradients of the units in flight
-    activations: float  # kept for backward, a rough figure
+    activations: float  # kept for backward (a rough figure), and the contrastive logits
+    inputs: float  # the step's micro batches on the device, and the features cached for accumulation
     host: float  # sharded state held in CPU memory when offloaded
 
     @property
     def total(self) -> float:
         """The peak: gradients are freed each step, so they grow in backward as activations are
         released; the peak is at the turn from forward to backward (or at the end of backward)."""
-        return self.parameters + self.optimizer + self.unsharded + max(self.activations, self.gradients)
+        return self.parameters + self.optimizer + self.unsharded + self.inputs + max(self.activations, self.gradients)
 
     def as_gib(self) -> dict:
         out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "world_size"}
@@ -84,9 +85,15 @@ def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed
     return elements
 
 
-def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, world_size: int) -> MemoryEstimate:
-    """Peak memory of one GPU for `job` at `world_size` (activation part from `activation_elements`)."""
-    fsdp, micro = job.fsdp, job.batch.per_gpu
+def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, world_size: int,
+                    input_bytes_per_sample: float = 0.0, feature_width: int = 0) -> MemoryEstimate:
+    """Peak memory of one GPU for `job` at `world_size` (activation part from `activation_elements`).
+
+    Gradient accumulation (OpenCLIP's accum_freq) keeps activations at one micro batch's, but holds
+    all the step's micro batches on the device, caches their image and text features, and each micro
+    batch's logits span the whole global batch.
+    """
+    fsdp, micro, accum = job.fsdp, job.batch.per_gpu, job.batch.grad_accum
     param_bytes, reduce_bytes = DTYPE_BYTES[fsdp.param_dtype], DTYPE_BYTES[fsdp.reduce_dtype]
     params = sum(u.shard_numel(world_size) for u in units) * 4
     trainable_fraction = [u.trainable / u.numel if u.numel else 0.0 for u in units]
@@ -96,9 +103,10 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     largest = max((u.numel for u in blocks), default=0)
     gathered_blocks = sum(u.numel for u in blocks) if not fsdp.reshard_after_forward else 2 * largest
     unsharded = (root.numel + gathered_blocks) * param_bytes + max(largest, root.numel) * (param_bytes + reduce_bytes)
-    logits = 3 * micro * micro * world_size * 4
+    logits = 3 * micro * micro * accum * world_size * 4
     activations = activations_per_sample * micro * param_bytes + logits
+    inputs = micro * accum * input_bytes_per_sample + (2 * micro * accum * feature_width * 4 if accum > 1 else 0)
     host = 0.0
     if fsdp.cpu_offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    return MemoryEstimate(world_size, params, grads, optimizer, unsharded, activations, host)
+    return MemoryEstimate(world_size, params, grads, optimizer, unsharded, activations, inputs, host)

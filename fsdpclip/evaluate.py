@@ -60,13 +60,13 @@ class ZeroShotSet:
         if self.images is not None:
             share = torch.utils.data.Subset(self.images, range(rank, len(self.images), world_size))
             return iter(DataLoader(share, batch_size=batch_size, num_workers=workers))
-        stream = _ClassShards(self.shards[rank::world_size], self.transform, batch_size,
-                              None if self.max_samples is None else -(-self.max_samples // world_size))
+        stream = _ClassShards(self.shards[rank::world_size], self.transform, batch_size, self.max_samples)
         return iter(DataLoader(stream, batch_size=None, num_workers=min(workers, len(stream.shards))))
 
 
 class _ClassShards(IterableDataset):
-    """Batches of (image, label) from CLIP_benchmark classification shards (.webp/.png/.jpg + .cls)."""
+    """Batches of (image, label) from CLIP_benchmark classification shards (.webp/.png/.jpg + .cls);
+    at most `limit` images per worker (no worker needs more; `_shares` makes the total exact)."""
 
     def __init__(self, shards: list[str], transform: Callable, batch_size: int, limit: Optional[int]):
         self.shards, self.transform, self.batch_size, self.limit = shards, transform, batch_size, limit
@@ -171,6 +171,28 @@ def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[
 
 
 # ----------------------------------------------------------------------- metrics
+def _shares(batches: Iterator, limit: Optional[int], rank: int, world: int, device: torch.device) -> Iterator:
+    """This rank's batches with the images all ranks take in that round, ending on every rank at once:
+    when all ranks' batches are done or `limit` images are taken. Each round the ranks take images
+    in rank order up to the limit, so the count is exact for any number of ranks and data workers;
+    a rank with nothing to take gets (None, None) and runs a padding forward."""
+    taken = 0
+    while True:
+        batch = next(batches, None)
+        size = 0 if batch is None else len(batch[1])
+        sizes = [size]
+        if world > 1:
+            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+            dist.all_gather(gathered, torch.tensor([size], dtype=torch.int64, device=device))
+            sizes = torch.cat(gathered).tolist()
+        left = sum(sizes) if limit is None else min(sum(sizes), limit - taken)
+        if left <= 0:
+            return
+        share = max(0, min(size, left - sum(sizes[:rank])))
+        taken += left
+        yield ((batch[0][:share], batch[1][:share]) if share else (None, None)), left
+
+
 @torch.no_grad()
 def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, device: torch.device,
                      batch_size: int, workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
@@ -178,6 +200,7 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
     from open_clip import build_zero_shot_classifier
 
     from fsdpclip.model import image_shape
+    from fsdpclip.parallelize import reshard
 
     was_training = model.training
     model.eval()
@@ -187,18 +210,11 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
     classes = len(zs.classnames)
     confusion = torch.zeros(classes, classes, dtype=torch.float64, device=device)
     top5 = torch.zeros((), dtype=torch.float64, device=device)
-    batches = zs.batches(rank, world, batch_size, workers)
     padding = (torch.zeros(1, *image_shape(model)), torch.tensor([-1]))
-    while True:
-        batch = next(batches, None)
-        if world > 1:
-            left = torch.tensor([batch is not None], dtype=torch.int32, device=device)
-            dist.all_reduce(left, op=dist.ReduceOp.MAX)
-            if not left.item():
-                break
-        elif batch is None:
-            break
-        images, labels = batch if batch is not None else padding
+    shares = _shares(zs.batches(rank, world, batch_size, workers), zs.max_samples, rank, world, device)
+    for (images, labels), taken in shares:
+        if images is None:
+            images, labels = padding
         if int(labels.max()) >= classes:
             raise DatasetError(f"{zs.name}: label {int(labels.max())} but only {classes} class names")
         features = F.normalize(model.encode_image(images.to(device)).float(), dim=-1)
@@ -210,10 +226,11 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
                              accumulate=True)
         top5 += (logits.topk(min(5, classes), dim=-1).indices == labels[:, None]).any(dim=-1)[keep].sum()
         if progress is not None:
-            progress(int(keep.sum()) * world)
+            progress(taken)
     if world > 1:
         dist.all_reduce(confusion)
         dist.all_reduce(top5)
+    reshard(model)
     model.train(was_training)
     total = confusion.sum()
     if total == 0:

@@ -22,9 +22,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 class ShardedAdamW(torch.optim.AdamW):
     """AdamW that steps each rank's local shards with the fused kernel.
 
-    Its state is AdamW's own (DTensors), so checkpoints and resharding are unchanged; the step
-    skips DTensor dispatch (one fused kernel per group) and, given `found_inf`, skips itself on
-    the device when the gradients are not finite, without a host sync.
+    Kept instead of torch's AdamW on DTensors for a measured reason: DTensor dispatch per parameter
+    made the optimizer a large part of a host-bound step (docs/performance.md, change 1). Its state
+    is AdamW's own (DTensors), so checkpoints and resharding are unchanged.
+
+    A step is skipped on the device, without a host sync, when `found_inf` is non-zero: given by
+    the trainer for a non-finite gradient norm, or by `GradScaler.step` on fp16 overflow (the
+    scaler hands it over as the `found_inf`/`grad_scale` attributes, since AdamW's fused kernel
+    declares `_step_supports_amp_scaling`). Skipped, the weights, moments and step counts are untouched.
     """
 
     def __init__(self, params, **kwargs):
@@ -34,8 +39,10 @@ class ShardedAdamW(torch.optim.AdamW):
     def step(self, closure=None, found_inf: Optional[torch.Tensor] = None):
         if closure is not None:
             raise ValueError("ShardedAdamW does not take a closure")
+        found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -44,20 +51,28 @@ class ShardedAdamW(torch.optim.AdamW):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=local(param).device)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                params.append(local(param))
-                grads.append(local(param.grad))
-                exp_avgs.append(local(state["exp_avg"]))
-                exp_avg_sqs.append(local(state["exp_avg_sq"]))
-                steps.append(state["step"])
-            if not params:
-                continue
-            torch._foreach_add_(steps, 1)
-            beta1, beta2 = group["betas"]
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
-                                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                                maximize=False, grad_scale=None, found_inf=found_inf)
-            if found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf] * len(steps))
+                tensors = (local(param), local(param.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                           state["step"])
+                lists = by_device.setdefault(tensors[0].device, [[], [], [], [], []])
+                for bucket, tensor in zip(lists, tensors):
+                    bucket.append(tensor)
+            for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in by_device.items():
+                self._fused_step(group, device, params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, grad_scale)
+
+    @staticmethod
+    def _fused_step(group: dict, device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps,
+                    found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
+        """One fused AdamW kernel over the tensors of one group on one device."""
+        # 0 or 1 exactly: the kernel skips only on 1, and ShardedGradScaler's flag is summed over ranks
+        found_inf = (found_inf.to(device).reshape(()) > 0).float() if found_inf is not None else None
+        grad_scale = grad_scale.to(device, torch.float32) if grad_scale is not None else None
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
+                            beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                            maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 def build_optimizer(model: nn.Module, groups: list[DecayGroup], spec: OptimizerSpec) -> ShardedAdamW:
@@ -97,22 +112,52 @@ def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler(device=device.type, init_scale=fsdp.grad_scaler.init_scale,
-                             growth_interval=fsdp.grad_scaler.growth_interval)
+    class LocalShardGradScaler(ShardedGradScaler):
+        """torch's ShardedGradScaler (overflow found on any rank skips the step on every rank, the scale
+        agrees), unscaling each rank's local shards and the replicated gradients as plain tensors: the
+        same check and division without DTensor dispatch, which fails on a mix of the two."""
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            grouped: dict[tuple, list[torch.Tensor]] = {}
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        grad = local(param.grad)
+                        grouped.setdefault((grad.device, grad.dtype), []).append(grad)
+            found = {}
+            for (grad_device, _), grads in grouped.items():
+                found.setdefault(grad_device, found_inf.to(grad_device))
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[grad_device], inv_scale.to(grad_device))
+            return found or {found_inf.device: found_inf}
+
+    return LocalShardGradScaler(device=device.type, init_scale=fsdp.grad_scaler.init_scale,
+                                growth_interval=fsdp.grad_scaler.growth_interval)
 
 
 def clip_gradients(model: nn.Module, max_norm: Optional[float]) -> torch.Tensor:
-    """The global gradient norm (over all shards), clipping to `max_norm` when set; no host sync.
+    """The global gradient norm, clipping to `max_norm` when set; no host sync.
 
-    Works on each rank's local shards: one foreach norm, one all-reduce of a scalar.
+    FSDP's gradients are DTensor shards: the norm is torch's `get_total_norm` over each rank's local
+    shards, squared and summed over the ranks (one all-reduce), plus the replicated gradients (the
+    temperature and bias, the same on every rank: counted once). Clipping scales the local shards
+    with one foreach kernel, as `clip_grads_with_norm_` would scale the DTensors through per-tensor
+    dispatch (the cost docs/performance.md change 1 removed).
     """
+    from torch.nn.utils import get_total_norm
+
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    shards = [local(g) for g in grads]
-    squares = torch.stack(torch._foreach_norm(shards)).float().square().sum() if shards else \
-        torch.zeros((), device=next(model.parameters()).device)
-    if any(isinstance(g, DTensor) for g in grads):
+    shards = [local(g) for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    device = (shards or whole)[0].device if grads else next(model.parameters()).device
+    squares = get_total_norm(shards).to(device, torch.float32).square() if shards else torch.zeros((), device=device)
+    if shards:
         dist.all_reduce(squares)
+    if whole:
+        squares = squares + get_total_norm(whole).to(device, torch.float32).square()
     norm = squares.sqrt()
-    if max_norm is not None and shards:
-        torch._foreach_mul_(shards, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(shards[0].dtype))
+    if max_norm is not None and grads:
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for group in (shards, whole):  # the same coefficient torch's clip_grads_with_norm_ takes
+            if group:
+                torch._foreach_mul_(group, coefficient.to(group[0].device, group[0].dtype))
     return norm

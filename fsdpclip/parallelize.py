@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpclip.model import find_towers
+from fsdpclip.model import SHARED_PARAMETERS, find_towers
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units
 from fsdpclip.spec import FsdpSpec
 
@@ -53,7 +53,13 @@ def apply_compile(model: nn.Module, units: list[Unit]) -> None:
 
 
 def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh: DeviceMesh) -> None:
-    """fully_shard every unit, innermost first, then the root (whose outputs come back in fp32)."""
+    """fully_shard every unit, innermost first, then the root (whose outputs come back in fp32).
+
+    The learned temperature and bias stay out of the root unit: replicated fp32 parameters on
+    every rank (FSDP's mixed precision would compute exp(logit_scale) in bf16, ~1% steps; OpenCLIP
+    under autocast keeps them fp32), their gradients averaged by `average_replicated_gradients`.
+    They are taken off the root while it is sharded (what torch >= 2.7 calls ignored_params).
+    """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
     )
@@ -67,9 +73,46 @@ def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh: Device
                 cast_constants(module, param_dtype)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                       output_dtype=torch.float32 if unit.is_root else None)
+        kept = {name: model._parameters.pop(name) for name in SHARED_PARAMETERS
+                if unit.is_root and model._parameters.get(name) is not None}
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                     reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy, offload_policy=offload)
+        for name, parameter in kept.items():
+            model.register_parameter(name, parameter)
     register_forward_methods(model)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters a forward without backward left behind (evaluation: FSDP reshards
+    after backward, and units kept gathered after forward stay so); the module holds its shards again,
+    as the optimizer and checkpoints know them. A model without FSDP is left as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters every rank holds whole (the temperature and bias), not FSDP's DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+
+
+def average_replicated_gradients(model: nn.Module) -> None:
+    """Average the gradients of the replicated parameters over all ranks, as FSDP's reduce-scatter
+    averages the others (one small all-reduce per step)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(part.view_as(grad))
 
 
 def cast_constants(module: nn.Module, dtype: torch.dtype) -> None:
@@ -115,11 +158,14 @@ def materialize(model: nn.Module, device: torch.device, offload: bool, source: O
     from torch.distributed.tensor import DTensor
 
     model.to_empty(device="cpu" if offload else device)
-    if offload:
+    if offload:  # only FSDP's shards live on the host; buffers and replicated parameters stay on the device
         for module in model.modules():
             for key, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[key] = buffer.to(device)
+            for key, param in module._parameters.items():
+                if param is not None and not isinstance(param, DTensor):
+                    module._parameters[key] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
     rank, world = dist.get_rank(), dist.get_world_size()
     originals = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
     with torch.no_grad():

@@ -33,10 +33,11 @@ from fsdpclip.metrics import (
 )
 from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_transform, model_config, \
     model_from_config, text_shape
-from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients, local
-from fsdpclip.parallelize import materialize, parallelize
+from fsdpclip.loss import backward_micro_batches, build_loss
+from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients
+from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize
 from fsdpclip.rundir import write_exit_report
-from fsdpclip.spec import Job, LossSpec, SyntheticSpec
+from fsdpclip.spec import Job, SyntheticSpec
 from fsdpclip.trainable import apply_freeze, frozen_names, trainable_decay_groups
 from fsdpclip.weights import initial_model
 
@@ -68,16 +69,6 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-
-
-def build_loss(spec: LossSpec, rank: int, world_size: int) -> torch.nn.Module:
-    """OpenCLIP's CLIP or SigLIP loss over the global batch."""
-    from open_clip.loss import ClipLoss, SigLipLoss
-
-    if spec.kind == "siglip":
-        return SigLipLoss(rank=rank, world_size=world_size, dist_impl=spec.exchange)
-    return ClipLoss(local_loss=spec.local_loss, gather_with_grad=spec.gather_with_grad, cache_labels=True,
-                    rank=rank, world_size=world_size)
 
 
 class Trainer:
@@ -114,18 +105,10 @@ class Trainer:
         apply_freeze(model, frozen_names(find_towers(model, job.model.block_classes), job.freeze))
         self.decay_groups = trainable_decay_groups(model, job.optimizer)
         self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
-        source = initial_model(job.model, job.run.seed, self._source_device(model)) if env.is_main else None
+        source = initial_model(job.model, job.run.seed) if env.is_main else None
         parallelize(model, job.fsdp, env.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
-
-    def _source_device(self, model: torch.nn.Module) -> torch.device:
-        """Where rank 0 builds the full model: its GPU when the fp32 weights take under a third of
-        the free memory (initialisation there is fast), else the CPU."""
-        if self.env.device.type != "cuda" or self.job.fsdp.cpu_offload:
-            return torch.device("cpu")
-        weights = 4 * sum(p.numel() for p in model.parameters())
-        return self.env.device if weights < torch.cuda.mem_get_info(self.env.device)[0] / 3 else torch.device("cpu")
 
     # ------------------------------------------------------------------ data
     def _batches(self):
@@ -146,21 +129,23 @@ class Trainer:
         window.data_wait += time.perf_counter() - start
         return images, texts
 
+    def close(self) -> None:
+        """Stop the data workers (before the process exits, so none outlives it)."""
+        self.batch_iter.close()
+
     # ------------------------------------------------------------------ step
     def train_step(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro batches; (mean local loss, grad norm), on device."""
+        """One optimizer step over grad_accum micro batches; (the step's local loss, grad norm), on device."""
         accum = self.job.batch.grad_accum
-        loss_sum = torch.zeros((), device=self.env.device)
-        for _ in range(accum):
-            images, texts = self._next_batch(window)
-            loss = self.loss_fn(*self.model(images, texts)) / accum
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            loss_sum += loss.detach()
+        batches = [self._next_batch(window) for _ in range(accum)]
+        loss = backward_micro_batches(self.model, self.loss_fn, batches,
+                                      self.scaler.scale if self.scaler is not None else lambda x: x)
+        average_replicated_gradients(self.model)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.model, self.job.optimizer.grad_clip_norm)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips the step itself on overflow
+            self.scaler.step(self.optimizer)  # on overflow the optimizer skips itself (found_inf), the scale halves
             self.scaler.update()
         else:
             found_inf = (~torch.isfinite(grad_norm)).float()  # the norm is global: every rank agrees
@@ -173,12 +158,12 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            local(self.model.logit_scale).clamp_(0, LOGIT_SCALE_MAX)
+            self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
         self.step += 1
-        self.samples_seen += self.job.batch.per_gpu * accum * self.env.world_size
+        self.samples_seen += self.job.samples_per_step(self.env.world_size)
         window.steps += 1
         window.samples += self.job.batch.per_gpu * accum
-        return loss_sum, grad_norm
+        return loss, grad_norm
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
@@ -235,7 +220,7 @@ class Trainer:
         broken = self.batches.position.broken if isinstance(self.batches, WebDatasetBatches) else 0
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
         broken_total, = all_sum([broken], env.device)
-        logit_scale = self.model.logit_scale.full_tensor().exp().item()
+        logit_scale = self.model.logit_scale.exp().item()
         record = {"step": self.step, "samples_seen": self.samples_seen, "loss": loss,
                   "lr": self.optimizer.param_groups[0]["lr"], "logit_scale": logit_scale,
                   "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
@@ -322,9 +307,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
     job.run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = None
     try:
-        return Trainer(job, env, signals).fit()
+        trainer = Trainer(job, env, signals)
+        return trainer.fit()
     finally:
+        if trainer is not None:
+            trainer.close()
         dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@ OpenCLIP-style checkpoints into a model or into one of its towers."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -71,10 +72,22 @@ def load_model_weights(model: nn.Module, path: str) -> None:
         raise ModelError(f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
 
 
-def initial_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """The full model with its starting weights: OpenCLIP's init for `seed`, then local weights."""
-    torch.manual_seed(seed)
-    model = build_model(spec, device=device)
+def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The full model with its starting weights, on the CPU: OpenCLIP's init for `seed`, then local weights.
+
+    Always the CPU's generator, so a seed gives the same weights on every machine (a GPU's
+    generator draws other numbers, and whether a model fits a GPU must not change it); with
+    every core this process may use, which gives the same numbers as one thread, only faster
+    (torchrun leaves each rank one thread, and the other ranks wait for this one).
+    """
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(threads, cores))
+    try:
+        torch.manual_seed(seed)
+        model = build_model(spec, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
     if spec.pretrained:
         load_model_weights(model, spec.pretrained)
     if spec.image.pretrained:

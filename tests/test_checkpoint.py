@@ -39,6 +39,22 @@ def _job(tmp_path, digits_dir, name: str, synthetic: bool = False, **extra) -> d
     return job
 
 
+def _plain_job(tmp_path, **extra) -> dict:
+    """A tiny 2-rank fp32 job on synthetic data that ends with a checkpoint."""
+    job = {
+        "run": {"name": "parity", "output_dir": str(tmp_path / "runs"), "seed": 7},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.2, "grad_clip_norm": 1.0},
+        "schedule": {"kind": "cosine", "warmup_steps": 2, "steps": 6},
+        "data": {"source": "synthetic"},
+        "batch": {"per_gpu": 8},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
+    }
+    job.update(extra)
+    return job
+
+
 def _launch(path, *extra: str):
     return run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), *extra], timeout=300)
 
@@ -63,7 +79,7 @@ def straight(tmp_path_factory, digits_dir):
 
 
 def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "split"))
+    path = write_job(tmp_path, _job(tmp_path, digits_dir, "split", checkpoint={"keep": 3}))
     first = _with_fault(path, "signal:1:5")  # SIGUSR1 on rank 1 only
     run_dir = tmp_path / "runs" / "split"
     report = json.loads((run_dir / "exit.json").read_text())
@@ -71,9 +87,10 @@ def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight):
     assert "SIGUSR1 received" in report["message"] and "step-00000010" in report["message"]
     assert latest_checkpoint(run_dir).name == "step-00000010"  # the ranks agree every 10 steps
     shutil.copytree(run_dir, tmp_path / "copy")
-    second = _launch(path)  # same run directory: resumes from `latest`
+    # Same run directory: resumes from `latest`, which rank 0 chooses for all: rank 1 sees a stale one.
+    second = _with_fault(path, "stale-latest:1:8")
     assert second.returncode == 0, second.stdout[-4000:]
-    assert "resumed from" in second.stdout
+    assert "resumed from" in second.stdout and "step-00000010" in second.stdout
     got, want = _losses(run_dir), _losses(straight)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
@@ -141,11 +158,9 @@ def test_non_finite_step_stops_with_last_checkpoint(tmp_path, digits_dir):
 @pytest.fixture(scope="module")
 def trained_for_export(tmp_path_factory):
     """A checkpointed 2-rank run and the encodings of its sharded model."""
-    from test_train import _parity_job
-
     tmp = tmp_path_factory.mktemp("export")
     out = tmp / "trained.json"
-    proc = torchrun(["tests/workers/train_checks.py", "export", str(out), str(write_job(tmp, _parity_job(tmp)))])
+    proc = torchrun(["tests/workers/train_checks.py", "export", str(out), str(write_job(tmp, _plain_job(tmp)))])
     assert proc.returncode == 0, proc.stdout[-4000:]
     return tmp / "runs" / "parity", json.loads(out.read_text())
 
@@ -171,6 +186,31 @@ def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export):
         assert torch.allclose(model.encode_image(images), torch.tensor(trained["encode_image"]), atol=1e-5)
         texts = torch.randint(1, 1000, (3, 16))
         assert torch.allclose(model.encode_text(texts), torch.tensor(trained["encode_text"]), atol=1e-5)
+    if target == "model.pt":
+        _starts_from(exported, model.state_dict(), tmp_path)
+
+
+def _starts_from(exported, weights: dict, tmp_path) -> None:
+    """A new run's initial model from `model.pretrained` (the whole exported file) is those weights; from
+    `model.image.pretrained` / `model.text.pretrained` (keys relative to the tower) only that tower's."""
+    from fsdpclip.spec import ModelSpec
+    from fsdpclip.weights import initial_model
+
+    def state(**spec) -> dict:
+        return {k: v.reshape(weights[k].shape) for k, v in
+                initial_model(ModelSpec(config=str(TINY_CONFIG), **spec), seed=1).state_dict().items()}
+
+    assert all(torch.equal(v, weights[k]) for k, v in state(pretrained=str(exported)).items())
+    fresh = state()
+    image = {k.removeprefix("visual."): v for k, v in weights.items() if k.startswith("visual.")}
+    text = {k: v for k, v in weights.items() if not k.startswith("visual.") and not k.startswith("logit_")}
+    torch.save(image, tmp_path / "image.pt")
+    torch.save(text, tmp_path / "text.pt")
+    for tower, part in (("image", state(image={"pretrained": str(tmp_path / "image.pt")})),
+                        ("text", state(text={"pretrained": str(tmp_path / "text.pt")}))):
+        for key, value in part.items():
+            loaded = key.startswith("visual.") == (tower == "image") and not key.startswith("logit_")
+            assert torch.equal(value, weights[key] if loaded else fresh[key]), (tower, key)
 
 
 def test_export_rejects_what_is_not_a_checkpoint(tmp_path, cli):
@@ -181,9 +221,7 @@ def test_export_rejects_what_is_not_a_checkpoint(tmp_path, cli):
 
 def test_launch_exits_with_the_trainers_code_on_divergence(tmp_path):
     """A real divergence (absurd LR) stops the run; `fsdpclip launch` returns the documented 65."""
-    from test_train import _parity_job
-
-    job = _parity_job(tmp_path, optimizer={"lr": 1e12, "on_nonfinite": "stop"},
+    job = _plain_job(tmp_path, optimizer={"lr": 1e12, "on_nonfinite": "stop"},
                       schedule={"kind": "constant", "steps": 20})
     proc = _launch(write_job(tmp_path, job))
     assert proc.returncode == 65, proc.stdout[-4000:]
@@ -192,9 +230,7 @@ def test_launch_exits_with_the_trainers_code_on_divergence(tmp_path):
 
 
 def test_asynchronous_saves_complete_and_resume(tmp_path):
-    from test_train import _parity_job
-
-    job = _parity_job(tmp_path, checkpoint={"every_steps": 2, "keep": 2, "async_save": True},
+    job = _plain_job(tmp_path, checkpoint={"every_steps": 2, "keep": 2, "async_save": True},
                       schedule={"kind": "constant", "steps": 6})
     path = write_job(tmp_path, job)
     assert _launch(path).returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -53,6 +54,22 @@ def test_broken_samples_are_skipped_and_counted(tmp_path):
     assert batches.position.broken == 2
 
 
+def test_image_and_text_keys(tmp_path):
+    """data.image_key (';'-separated, first found) and data.text_key choose the sample's members."""
+    images, labels = load_sklearn_digits()
+    with wds.TarWriter(str(tmp_path / "k-000.tar")) as sink:
+        for i in range(6):
+            sink.write({"__key__": f"{i:04d}", "png": to_jpeg(images[i]), "caption": f"digit {labels[i]}"})
+    urls = str(tmp_path / "k-000.tar")
+    taken = _stream(urls, batch=6, shuffle_buffer=0, image_key="webp;png", text_key="caption")
+    batch_images, batch_texts = next(iter(taken))
+    assert batch_images.shape == (6, 3, 32, 32) and taken.position.broken == 0
+    default = _stream(urls, batch=1, shuffle_buffer=0)  # jpg/txt: every sample lacks them
+    stream = default.stream
+    stream.epoch = 0
+    assert list(stream) == []
+
+
 def test_position_continues_exactly(tmp_path):
     urls = write_shards(tmp_path, [9, 12, 7, 11])
     full = _stream(urls, batch=4, workers=2, shuffle_buffer=5)
@@ -61,8 +78,11 @@ def test_position_continues_exactly(tmp_path):
     first = _stream(urls, batch=4, workers=2, shuffle_buffer=5)
     iterator = iter(first)
     head = [next(iterator)[0] for _ in range(5)]
+    saved = io.BytesIO()  # as a checkpoint keeps it: torch.save of the state dict, loaded into a new stream
+    torch.save(first.state_dict(), saved)
+    saved.seek(0)
     resumed = _stream(urls, batch=4, workers=2, shuffle_buffer=5)
-    resumed.position = first.position
+    resumed.load_state_dict(torch.load(saved, weights_only=False))
     iterator = iter(resumed)
     tail = [next(iterator)[0] for _ in range(7)]
     for got, want in zip(head + tail, reference):
@@ -70,7 +90,9 @@ def test_position_continues_exactly(tmp_path):
 
 
 def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
-    """Ranks with 3 vs 60 samples per epoch both run every step; the broken sample is counted."""
+    """Shards of 3, 60, 5 and 40 samples over 2 ranks: every rank runs every step, each running through
+    its shards at least once and going on into the next epoch; the broken sample is skipped and counted
+    each time a rank reads it, and the logged total is the sum of the ranks' counts."""
     urls = write_shards(tmp_path, [3, 60, 5, 40], broken={70: "image"})
     job = {
         "run": {"name": "uneven", "output_dir": str(tmp_path / "runs")},
@@ -86,6 +108,9 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "uneven" / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["step"] == (108 // 8) * 3
-    assert records[-1]["broken_samples"] >= 1  # a running total over all ranks
-    assert (tmp_path / "runs" / "uneven" / "job.json").exists()
+    steps = (108 // 8) * 3
+    assert records[-1]["step"] == steps
+    final = tmp_path / "runs" / "uneven" / "checkpoints" / f"step-{steps:08d}"
+    positions = [torch.load(final / f"rank-{rank:05d}.pt", weights_only=False)["data"] for rank in (0, 1)]
+    assert all(p["epoch"] >= 1 and p["emitted"] for p in positions), positions  # both went on past their shards
+    assert records[-1]["broken_samples"] == sum(p["broken"] for p in positions) >= 1

@@ -78,6 +78,10 @@ def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
     exported = _ours(cli, tmp_path, weights, "--model-config", TINY_CONFIG, "--zeroshot", "digits",
                      "--data", digits_dir / "test")
     assert exported["metrics"] == record["metrics"]
+    # The trainer's own evaluation of the same weights (2 sharded ranks, eval.batch_per_gpu 37) agrees.
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["zeroshot/digits"]
+    for key, value in record["metrics"].items():
+        assert logged[key] == pytest.approx(value, abs=1e-6), key
 
 
 def test_two_ranks_agree_with_one(trained, digits_dir, tmp_path, cli):
@@ -92,15 +96,16 @@ def test_two_ranks_agree_with_one(trained, digits_dir, tmp_path, cli):
         assert two["metrics"][key] == pytest.approx(value, abs=1e-6)
 
 
-def test_clip_benchmark_webdataset_layout(trained, digits_dir, tmp_path, cli):
-    """CLIP_benchmark's wds layout (test/nshards.txt, .cls labels, classnames.txt, templates.txt)."""
+@pytest.fixture(scope="module")
+def wds_digits(digits_dir, tmp_path_factory):
+    """The held-out digits in CLIP_benchmark's wds layout (test/nshards.txt, .cls labels, classnames.txt,
+    templates): (root, shards)."""
     from PIL import Image
     from torchvision.datasets import ImageFolder
 
     from fsdpclip.digits import CLASSNAMES
 
-    run_dir, weights = trained
-    root = tmp_path / "wds"
+    root = tmp_path_factory.mktemp("wds")
     (root / "test").mkdir(parents=True)
     images = ImageFolder(str(digits_dir / "test"))
     shards = 3
@@ -112,6 +117,15 @@ def test_clip_benchmark_webdataset_layout(trained, digits_dir, tmp_path, cli):
     (root / "test" / "nshards.txt").write_text(f"{shards}\n")
     (root / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
     (root / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
+    return root, shards
+
+
+def test_clip_benchmark_webdataset_layout(trained, wds_digits, tmp_path, cli):
+    """CLIP_benchmark's wds layout (test/nshards.txt, .cls labels, classnames.txt, templates.txt)."""
+    from fsdpclip.digits import CLASSNAMES
+
+    run_dir, weights = trained
+    root, shards = wds_digits
     record = _ours(cli, tmp_path, run_dir, "--zeroshot", "folder", "--data", root)
 
     def loader(preprocess):  # as clip_benchmark.datasets.builder.build_wds_dataset reads it
@@ -123,6 +137,22 @@ def test_clip_benchmark_webdataset_layout(trained, digits_dir, tmp_path, cli):
         return torch.utils.data.DataLoader(dataset.batched(40), batch_size=None)
 
     _assert_same(record, _reference(weights, loader, list(CLASSNAMES)))
+
+
+def test_max_samples_is_exact(trained, wds_digits, digits_dir, cli):
+    """--max-samples N evaluates N images whatever the data workers and ranks (CLIP_benchmark's wds
+    layout, whose shards are read by workers, and the folder layout)."""
+    run_dir, _ = trained
+    root, _ = wds_digits
+    for data in (root, digits_dir / "test"):
+        kind = "folder" if data == root else "digits"
+        for workers in ("1", "2", "4"):
+            result = cli("eval", run_dir, "--zeroshot", kind, "--data", data, "--max-samples", "5", "--workers", workers,
+                         "--batch-size", "2")
+            assert result.exit_code == 0 and "(5 images)" in result.stdout, (data, workers, result.output[-2000:])
+    proc = torchrun(["-m", "fsdpclip", "eval", str(run_dir), "--zeroshot", "folder", "--data", str(root),
+                     "--max-samples", "7", "--workers", "2", "--batch-size", "2"])
+    assert proc.returncode == 0 and "(7 images)" in proc.stdout, proc.stdout[-3000:]
 
 
 def _webp(image) -> bytes:

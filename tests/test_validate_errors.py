@@ -83,6 +83,11 @@ CASES = [
      "file not found", None),
     ("unknown-key-in-union-member", lambda j: _set(j, "data.shuffle", 10), "data.shuffle", "unknown key",
      "shuffle_buffer"),
+    ("fp16-on-cpu", lambda j: _set(j, "fsdp.param_dtype", "fp16"), "fsdp.param_dtype", "not supported on CPU", "bf16"),
+    ("eval-names-twice", lambda j: _set(j, "eval", {"zeroshot": [{"dataset": "folder", "path": "/x", "classnames": "/c"},
+                                                                 {"dataset": "folder", "path": "/y/x", "classnames": "/c",
+                                                                  "name": "x"}]}),
+     "eval.zeroshot[1]", "a second set named 'x'", "give each set a `name`"),
 ]
 
 

@@ -79,6 +79,19 @@ def test_activation_checkpointing_lowers_the_estimate(cli, tmp_path):
     assert ckpt[1]["summary"]["memory_gib"]["activations"] < plain / 2
 
 
+def test_accumulation_in_the_estimate(cli, tmp_path):
+    """grad_accum 4 × 32 against 128 × 1: activations of one 32-sample micro batch, but all 128 samples'
+    inputs held on the device (224² fp32 pixels and 77 int64 tokens each), their 512-d image and text
+    features cached, and every micro batch's logits against the whole batch."""
+    path = write_job(tmp_path, _vit_job("ViT-B-32"))
+    whole = cli.validate_json(path, "--set", "batch.per_gpu=128")[1]["summary"]["memory_gib"]
+    accumulated = cli.validate_json(path, "--set", "batch.grad_accum=4")[1]["summary"]["memory_gib"]
+    per_sample = (3 * 224 * 224 * 4 + 77 * 8) / 2 ** 30
+    assert whole["inputs"] == pytest.approx(128 * per_sample, abs=1e-3)
+    assert accumulated["inputs"] == pytest.approx(128 * (per_sample + 2 * 512 * 4 / 2 ** 30), abs=1e-3)
+    assert accumulated["activations"] < whole["activations"] / 3
+
+
 def test_memory_limit_warns(cli, tmp_path):
     job = _vit_job("ViT-L-14", launch={"gpu_memory_gib": 1})
     code, out = cli.validate_json(write_job(tmp_path, job))

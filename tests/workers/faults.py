@@ -3,6 +3,7 @@
     faults.py JOB signal:RANK:STEP       RANK sends itself SIGUSR1 after STEP
     faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
     faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
+    faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def main(job: str, fault: str) -> int:
             return write(self, partial, state)
 
         checkpoint.Checkpointer._write_rank_state = write_rank_state
+    elif kind == "stale-latest":
+        target, step = int(args[0]), int(args[1])
+        if rank == target:
+            checkpoint.latest_checkpoint = lambda run_dir: checkpoint.Path(run_dir) / checkpoint.CHECKPOINTS / \
+                checkpoint.checkpoint_name(step)
     return train.main([job])
 
 

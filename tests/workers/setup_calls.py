@@ -30,7 +30,7 @@ def main(world: int, model_name: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdpclip.model import build_model, find_towers, original_shapes
-    from fsdpclip.optim import build_optimizer
+    from fsdpclip.optim import build_optimizer, local
     from fsdpclip.parallelize import apply_fsdp, materialize
     from fsdpclip.shard import plan_units
     from fsdpclip.trainable import decay_groups
@@ -46,7 +46,7 @@ def main(world: int, model_name: str) -> None:
     _, counts["materialize"] = calls(lambda: materialize(model, torch.device("cpu"), False, None))
     groups = decay_groups(original_shapes(model), OptimizerSpec().decay_rules, 0.2)
     _, counts["optimizer"] = calls(lambda: build_optimizer(model, groups, OptimizerSpec()))
-    counts["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
+    counts["local_numel"] = sum(local(p).numel() for p in model.parameters())
     print(json.dumps(counts))
     dist.destroy_process_group()
 

@@ -1,0 +1,63 @@
+"""The optimizer, the loss scaler and the initial weights, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIG
+from fsdpclip.optim import ShardedAdamW
+from fsdpclip.spec import ModelSpec
+
+
+def _adam_state(optimizer, param) -> list[torch.Tensor]:
+    state = optimizer.state[param]
+    return [state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")]
+
+
+@pytest.mark.parametrize("flag", [1.0, 2.0], ids=["one-rank", "summed-over-two-ranks"])
+def test_overflow_skips_the_step_under_a_grad_scaler(flag):
+    """An inf gradient under the fp16 loss scaler: the weights and AdamW's moments and step count stay
+    as they were, as torch's own fused AdamW keeps them (the scaler hands the flag to the optimizer;
+    ShardedGradScaler's flag is a sum over ranks, 2 here)."""
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = ShardedAdamW([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for grad in (torch.full((4,), 0.5), torch.tensor([float("inf"), 1.0, 1.0, 1.0])):
+        before, state = param.detach().clone(), optimizer.state.get(param) and _adam_state(optimizer, param)
+        scaler.scale((param * grad).sum()).backward()
+        scaler.unscale_(optimizer)
+        if not torch.isfinite(grad).all():
+            for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                found.fill_(flag)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert torch.equal(param.detach(), before), "an overflow step changed the weights"
+    assert all(torch.equal(a, b) for a, b in zip(_adam_state(optimizer, param), state)), "it changed AdamW's state"
+    assert scaler.get_scale() == 512.0
+
+
+def test_initial_weights_do_not_depend_on_threads(monkeypatch):
+    """The initial model is OpenCLIP's own init for the seed, bit for bit, whatever threads build it
+    (rank 0 builds it with all the cores it may use)."""
+    import json
+    import os
+
+    import open_clip
+
+    from fsdpclip.weights import initial_model
+
+    spec = ModelSpec(config=str(TINY_CONFIG))
+    many = initial_model(spec, seed=5).state_dict()
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    try:
+        torch.set_num_threads(1)
+        one = initial_model(spec, seed=5).state_dict()
+    finally:
+        torch.set_num_threads(threads)
+    torch.manual_seed(5)
+    reference = open_clip.CLIP(**json.loads(TINY_CONFIG.read_text())).state_dict()
+    for key, value in reference.items():
+        assert torch.equal(one[key].reshape(value.shape), value) and torch.equal(many[key], one[key]), key

@@ -1,0 +1,165 @@
+"""Spec options that shape the model or the logs, against OpenCLIP's own meaning of them, and the
+option table of docs/options.md, which must name every field of the spec and a test for it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_CONFIG
+from fsdpclip.spec import DATA_SOURCES, LOSS_KINDS, Job, ModelSpec
+
+OPTIONS = REPO / "docs" / "options.md"
+
+
+def _model_in(annotation):
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def spec_fields(model=Job, prefix: str = "") -> set[str]:
+    """Every leaf field of the spec as a dotted path (`[]` for the members of a list of blocks)."""
+    unions = {"data": DATA_SOURCES, "loss": LOSS_KINDS}
+    fields = set()
+    for name, field in model.model_fields.items():
+        path = prefix + (field.alias or name)
+        if path in unions:
+            for member in unions[path].values():
+                fields |= spec_fields(member, path + ".")
+            continue
+        inner = _model_in(field.annotation)
+        if inner is None:
+            fields.add(path)
+        else:
+            is_list = "list" in str(field.annotation)
+            fields |= spec_fields(inner, path + ("[]." if is_list else "."))
+    return fields
+
+
+def table_rows() -> dict[str, str]:
+    """docs/options.md's rows: field -> the tests that verify it."""
+    rows = {}
+    for line in OPTIONS.read_text().splitlines():
+        match = re.match(r"^\| `([^`]+)` \|.*\| (.*) \|$", line)
+        if match:
+            assert match.group(1) not in rows, f"{match.group(1)} has two rows"
+            rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def test_every_field_has_a_row_and_every_row_a_test():
+    rows = table_rows()
+    fields = spec_fields()
+    assert sorted(fields - set(rows)) == [], "fields without a row in docs/options.md"
+    assert sorted(set(rows) - fields) == [], "rows for fields the spec does not have"
+    for field, verified_by in rows.items():
+        tests = re.findall(r"`(tests/[\w/]+\.py)::(\w+)", verified_by)
+        assert tests, f"{field}: names no test"
+        for file, name in tests:
+            assert re.search(rf"^def {name}\(", (REPO / file).read_text(), re.M), f"{field}: {file}::{name} not found"
+
+
+def _meta_pair(spec: ModelSpec, **forced):
+    """fsdpclip's model for `spec` and OpenCLIP's create_model with the same options, both on meta."""
+    import open_clip
+
+    from fsdpclip.model import build_model
+
+    ours = build_model(spec, "meta")
+    with torch.device("meta"):
+        theirs = open_clip.create_model(spec.name, device="meta", **forced)
+    return ours, theirs
+
+
+def _shapes(model) -> dict:
+    return {k: tuple(v.shape) if k not in ("logit_scale", "logit_bias") else () for k, v in model.state_dict().items()}
+
+
+def test_model_options_mean_what_open_clip_means():
+    """quick_gelu, image.image_size, image.patch_dropout, text.context_length and embed_dim build the model
+    OpenCLIP's create_model builds with its force_* options and model arguments."""
+    spec = ModelSpec(name="ViT-B-32", quick_gelu=True, embed_dim=256, image={"image_size": 160, "patch_dropout": 0.5},
+                     text={"context_length": 32})
+    ours, theirs = _meta_pair(spec, force_quick_gelu=True, force_image_size=160, force_patch_dropout=0.5,
+                              force_context_length=32, embed_dim=256)
+    assert _shapes(ours) == _shapes(theirs)
+    assert type(ours.visual.transformer.resblocks[0].mlp.gelu) is type(theirs.visual.transformer.resblocks[0].mlp.gelu)
+    assert type(ours.visual.transformer.resblocks[0].mlp.gelu).__name__ == "QuickGELU"
+    assert ours.visual.patch_dropout.prob == theirs.visual.patch_dropout.prob == 0.5
+    assert ours.context_length == theirs.context_length == 32
+    assert ours.visual.preprocess_cfg["size"] == theirs.visual.preprocess_cfg["size"] == (160, 160)
+    plain, _ = _meta_pair(ModelSpec(name="ViT-B-32"))
+    assert _shapes(plain) != _shapes(ours)  # the options changed something
+
+
+@pytest.mark.parametrize("proj", ["linear", "mlp", "head", "none"])
+def test_timm_options_build_open_clips_timm_tower(proj):
+    """image.timm pool, proj, proj_bias and drop_path give OpenCLIP's own TimmModel with those arguments."""
+    from open_clip.timm_model import TimmModel
+
+    from fsdpclip.model import build_model
+
+    spec = ModelSpec(embed_dim=64 if proj != "none" else 192,
+                     image={"timm": {"name": "vit_tiny_patch16_224", "pool": "token", "proj": proj, "proj_bias": True,
+                                     "drop_path": 0.1}}, name="ViT-B-32")
+    ours = build_model(spec, "meta").visual
+    with torch.device("meta"):
+        theirs = TimmModel("vit_tiny_patch16_224", spec.embed_dim, image_size=224, pool="token",
+                           proj=None if proj == "head" else proj, proj_bias=True, drop_path=0.1)
+    assert _shapes(ours) == _shapes(theirs)
+    assert ours.trunk.global_pool == "token"
+    assert ours.trunk.blocks[-1].drop_path1.drop_prob == pytest.approx(0.1)
+    if proj == "linear":
+        assert ours.head.proj.bias is not None
+
+
+@pytest.mark.parametrize("pooler, proj", [("mean_pooler", "mlp"), ("cls_pooler", "linear"), ("max_pooler", "mlp")])
+def test_hf_options_build_open_clips_text_tower(pooler, proj):
+    """model.text.hf pooler and proj give OpenCLIP's own HFTextEncoder with those arguments."""
+    from open_clip.hf_model import HFTextEncoder
+
+    from fsdpclip.model import build_model
+    from fsdpclip.towers import register_hf_families
+
+    hf = str(REPO / "tests" / "assets" / "t5-tiny")
+    spec = ModelSpec(config=str(TINY_CONFIG), text={"hf": {"path": hf, "pooler": pooler, "proj": proj},
+                                                    "context_length": 16})
+    ours = build_model(spec, "meta").text
+    register_hf_families()
+    with torch.device("meta"):
+        theirs = HFTextEncoder(hf, output_dim=64, pooler_type=pooler, proj_type=proj, pretrained=False)
+    assert _shapes(ours) == _shapes(theirs)
+    assert type(ours.pooler) is type(theirs.pooler)
+
+
+def test_tensorboard_and_peak_tflops(tmp_path):
+    """logging.tensorboard writes the scalars of metrics.jsonl as TensorBoard events; logging.peak_tflops is
+    the peak MFU is taken against."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fsdpclip.metrics import MetricsLog, Window, peak_tflops
+
+    assert peak_tflops(torch.device("cpu"), 123.0) == 123.0 and peak_tflops(torch.device("cpu"), None) is None
+    window = Window()
+    window.samples, window.steps = 1000, 1
+    rates = window.rates(world_size=2, flops_per_sample=1e9, peak=10.0)
+    assert rates["mfu"] == pytest.approx(rates["samples_per_s_per_gpu"] * 1e9 / 10e12)
+    log = MetricsLog(tmp_path, total_steps=2, tensorboard=True, enabled=True)
+    log.write({"step": 1, "loss": 2.5, "lr": 1e-3})
+    log.write({"step": 2, "loss": 2.0, "lr": 5e-4, "zeroshot/digits": {"acc1": 0.5}})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == [2.5, 2.0]
+    assert [e.step for e in events.Scalars("zeroshot/digits/acc1")] == [2]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
