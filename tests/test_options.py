@@ -4,7 +4,6 @@ option table of docs/options.md, which must name every field of the spec and a t
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
