@@ -248,7 +248,9 @@ class DecayRule(Section):
         return value
 
 
-NO_DECAY_PATTERN = r"(^|\.)bias$|logit_(scale|bias)$|norm|(^|\.)ln_|embed|cls_token|reg_token|relative_\w*bias"
+# open_clip_train's own rule: no decay where `p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or
+# 'logit_scale' in n` (embeddings are decayed, as there).
+NO_DECAY_PATTERN = r"bn|ln|bias|logit_scale"
 DEFAULT_DECAY_RULES = [
     DecayRule(max_ndim=1, weight_decay=0.0),
     DecayRule(pattern=NO_DECAY_PATTERN, weight_decay=0.0),
@@ -268,8 +270,8 @@ class OptimizerSpec(Section):
     decay_rules: list[DecayRule] = Field(
         default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
         description="Ordered weight-decay rules over the original parameter names; the first match wins, "
-                    "unmatched parameters get `weight_decay`. Default: no decay for tensors of fewer than 2 dims, "
-                    "biases, norms, logit_scale, embeddings and relative position biases.")
+                    "unmatched parameters get `weight_decay`. Default: open_clip_train's, no decay for tensors of "
+                    "fewer than 2 dims and names containing 'bn', 'ln', 'bias' or 'logit_scale'.")
 
     @field_validator("betas")
     @classmethod

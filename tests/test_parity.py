@@ -29,16 +29,18 @@ SEED, WORLD, PER_GPU, STEPS = 7, 2, 8, 6
 # some tensor by over 0.13 (`test_tolerances_can_fail`).
 FP32 = {"loss": 1e-5, "norm": 2e-5, "weights": 1e-2}
 # bf16/fp16: step 1 starts from the same weights, so its loss and gradient norm agree closely (a bf16
-# temperature alone moves step 1's loss by 2.6e-3); after that, one rounding flip grows into noise: a
-# 1e-7 change of one initial tensor moves the reference's 6-step losses by 3e-3, its gradient norms by
-# 2% and its weights by 0.2 of their movement, so later steps are held to the noise and the weights
-# not compared; dtype-specific behaviour has direct tests (the temperature's dtype, the overflow step).
-LOW = {"first_loss": 2e-5, "first_norm": 1e-4, "loss": 1e-2, "norm": 1e-1}
+# temperature alone moves step 1's loss by 2.6e-3; a bf16 instead of an fp32 reduction moves its norm
+# by ~1e-3); after that, one rounding flip grows into noise: a 1e-7 change of one initial tensor moves
+# the reference's 6-step losses by up to 3e-3 and its weights by 0.2 of their movement, and the
+# trainer's bf16 reduction (gloo's order of sums) lands up to 1e-2 away, so later steps are held to
+# that noise and the weights are not compared; dtype-specific behaviour has direct tests (the
+# temperature's dtype, the overflow step).
+LOW = {"first_loss": 2e-5, "first_norm": 1e-4, "loss": 3e-2, "norm": 1e-1}
 
 
 def _no_decay(name: str, param: torch.Tensor) -> bool:
-    """The default decay rules, written out independently: < 2 dims, biases, norms, temperature, embeddings."""
-    return param.ndim < 2 or bool(re.search(r"bias$|logit_(scale|bias)|ln_|norm|embed", name))
+    """open_clip_train's own exclusion from weight decay (its main.py), which the default rules follow."""
+    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
 def default_decay(wd: float):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import write_job
 
@@ -54,11 +55,18 @@ def test_freeze_ranges_counted(cli, tmp_path):
 
 
 def test_default_decay_rules_on_open_clip_names(cli, tmp_path):
+    """The default rules leave out of weight decay what open_clip_train's main.py leaves out."""
+    import open_clip
+
     code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32")))
-    groups = {g["rule"]: g for g in out["summary"]["decay_groups"]}
-    # Embeddings (token 49408×512, text positional 77×512, image positional 50×768) get no decay by default.
-    assert groups["decay_rules[1]"]["parameters"] == 49408 * 512 + 77 * 512 + 50 * 768
-    assert sum(g["parameters"] for g in groups.values()) == 151_277_313
+    with torch.device("meta"):
+        model = open_clip.create_model("ViT-B-32", device="meta")
+    exclude = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n  # noqa: E731
+    excluded = sum(p.numel() for n, p in model.named_parameters() if exclude(n, p))
+    groups = out["summary"]["decay_groups"]
+    assert sum(g["parameters"] for g in groups if g["weight_decay"] == 0) == excluded
+    assert sum(g["parameters"] for g in groups) == 151_277_313
+    assert [g["weight_decay"] for g in groups if g["rule"] == "default"] == [0.2]
 
 
 def test_memory_estimate_shrinks_with_world_size(cli, tmp_path):
