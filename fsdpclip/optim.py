@@ -42,20 +42,25 @@ class ShardedAdamW(torch.optim.AdamW):
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         grad_scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
-            by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
+            by_device: dict[torch.device, tuple[list, list, list, list, list]] = {}  # several with CPU offload
             for param in group["params"]:
-                if param.grad is None:
+                grad = param.grad
+                if grad is None:
                     continue
                 state = self.state[param]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=local(param).device)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                tensors = (local(param), local(param.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                           state["step"])
-                lists = by_device.setdefault(tensors[0].device, [[], [], [], [], []])
-                for bucket, tensor in zip(lists, tensors):
-                    bucket.append(tensor)
+                shard = local(param)
+                lists = by_device.get(shard.device)
+                if lists is None:
+                    lists = by_device[shard.device] = ([], [], [], [], [])
+                lists[0].append(shard)
+                lists[1].append(local(grad))
+                lists[2].append(local(state["exp_avg"]))
+                lists[3].append(local(state["exp_avg_sq"]))
+                lists[4].append(state["step"])
             for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in by_device.items():
                 self._fused_step(group, device, params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, grad_scale)
 
@@ -134,7 +139,7 @@ def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
                                 growth_interval=fsdp.grad_scaler.growth_interval)
 
 
-def clip_gradients(model: nn.Module, max_norm: Optional[float]) -> torch.Tensor:
+def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
     """The global gradient norm, clipping to `max_norm` when set; no host sync.
 
     FSDP's gradients are DTensor shards: the norm is torch's `get_total_norm` over each rank's local
@@ -145,10 +150,10 @@ def clip_gradients(model: nn.Module, max_norm: Optional[float]) -> torch.Tensor:
     """
     from torch.nn.utils import get_total_norm
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None]
     shards = [local(g) for g in grads if isinstance(g, DTensor)]
     whole = [g for g in grads if not isinstance(g, DTensor)]
-    device = (shards or whole)[0].device if grads else next(model.parameters()).device
+    device = (shards or whole)[0].device if grads else local(parameters[0]).device
     squares = get_total_norm(shards).to(device, torch.float32).square() if shards else torch.zeros((), device=device)
     if shards:
         dist.all_reduce(squares)

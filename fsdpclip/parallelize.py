@@ -100,12 +100,12 @@ def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if not isinstance(p, DTensor)]
 
 
-def average_replicated_gradients(model: nn.Module) -> None:
-    """Average the gradients of the replicated parameters over all ranks, as FSDP's reduce-scatter
-    averages the others (one small all-reduce per step)."""
+def average_replicated_gradients(replicated: list[nn.Parameter]) -> None:
+    """Average the gradients of the replicated parameters (`replicated_parameters`) over all ranks, as
+    FSDP's reduce-scatter averages the others (one small all-reduce per step)."""
     import torch.distributed as dist
 
-    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    grads = [p.grad for p in replicated if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -35,7 +35,7 @@ from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_tran
     model_from_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
 from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients
-from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize
+from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize, replicated_parameters
 from fsdpclip.rundir import write_exit_report
 from fsdpclip.spec import Job, SyntheticSpec
 from fsdpclip.trainable import apply_freeze, frozen_names, trainable_decay_groups
@@ -81,6 +81,9 @@ class Trainer:
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.total_steps = job.total_steps(env.world_size)
         self.optimizer = build_optimizer(self.model, self.decay_groups, job.optimizer)
+        # The trained parameters, and those every rank holds whole, listed once (not walked each step).
+        self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
         self.scheduler = build_scheduler(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
@@ -140,10 +143,10 @@ class Trainer:
         batches = [self._next_batch(window) for _ in range(accum)]
         loss = backward_micro_batches(self.model, self.loss_fn, batches,
                                       self.scaler.scale if self.scaler is not None else lambda x: x)
-        average_replicated_gradients(self.model)
+        average_replicated_gradients(self.replicated)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_gradients(self.model, self.job.optimizer.grad_clip_norm)
+        grad_norm = clip_gradients(self.trained, self.job.optimizer.grad_clip_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # on overflow the optimizer skips itself (found_inf), the scale halves
             self.scaler.update()
