@@ -12,6 +12,7 @@ next start.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import time
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -29,6 +31,7 @@ from fsdpclip.rundir import JOB_FILE, write_atomically
 from fsdpclip.spec import CheckpointSpec, Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
+log = logging.getLogger("fsdpclip.checkpoint")
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -78,6 +81,71 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def read_meta(checkpoint: Path) -> dict:
     return json.loads((checkpoint / META).read_text())
+
+
+def checkpoint_problem(checkpoint: Path) -> Optional[str]:
+    """Why a checkpoint directory cannot be loaded, or None: its meta.json and its DCP metadata must be
+    readable, and every data file that metadata names present and as long as the data it holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (checkpoint / META).is_file():
+        return f"it has no {META} (a save that did not finish)"
+    try:
+        meta = read_meta(checkpoint)
+        if not isinstance(meta, dict) or not {"step", "world_size", "model"} <= set(meta):
+            return f"its {META} lacks step, world_size or model"
+    except (OSError, ValueError) as exc:
+        return f"its {META} cannot be read: {exc}"
+    try:
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except Exception as exc:  # a missing or damaged .metadata file, in whichever form DCP reports it
+        return f"its DCP metadata cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size < size:
+            return f"{name} is truncated ({path.stat().st_size:,} of {size:,} bytes)"
+    return None
+
+
+def usable_checkpoints(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The run's checkpoints that can be loaded, newest first, and those that cannot, with why."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL_SUFFIX)] \
+        if root.is_dir() else []
+    usable, skipped = [], []
+    for checkpoint in sorted(found, key=lambda p: p.name, reverse=True):
+        problem = checkpoint_problem(checkpoint)
+        (skipped.append((checkpoint, problem)) if problem else usable.append(checkpoint))
+    return usable, skipped
+
+
+def resume_candidates(run_dir: Path, resume: Optional[str]) -> tuple[list[Path], list[str]]:
+    """The checkpoints to try in turn for `checkpoint.resume`, and a warning for each one passed over.
+
+    'latest': every loadable checkpoint of the run, newest first (none: a fresh start, unless
+    checkpoints exist that cannot be loaded: then CheckpointError, never a silent restart that would
+    replace them); a path: that checkpoint alone, which must be loadable; None: nothing.
+    """
+    if resume is None:
+        return [], []
+    if resume != "latest":
+        checkpoint = resolve_checkpoint(Path(resume))
+        problem = checkpoint_problem(checkpoint)
+        if problem:
+            raise CheckpointError(f"cannot resume from {checkpoint}: {problem}")
+        return [checkpoint], []
+    usable, skipped = usable_checkpoints(run_dir)
+    warnings = [f"skipping {path}: {why}" for path, why in skipped]
+    if not usable and skipped:
+        raise CheckpointError(f"{len(skipped)} checkpoint(s) in {Path(run_dir) / CHECKPOINTS} and none can be "
+                              f"loaded ({'; '.join(w.removeprefix('skipping ') for w in warnings[:3])}): set "
+                              "checkpoint.resume to null to start over (they will be replaced), or to one of them")
+    return usable, warnings
 
 
 def run_job(checkpoint: Path) -> Optional[Job]:
@@ -173,33 +241,38 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ loading
-    def resume_target(self) -> Optional[Path]:
-        """What the spec says to resume from: the run's latest, a given checkpoint, or nothing.
+    def resume_candidates(self) -> list[Path]:
+        """What the spec says to resume from, newest first (`resume_candidates`); logs what is skipped.
 
         Rank 0 decides and every rank follows: ranks looking on their own could see different
         checkpoints on a shared filesystem whose caches lag."""
-        resume, chosen = self.spec.resume, [(None, None)]  # (checkpoint, why none can be used)
-        if self.rank == 0 and resume is not None:
+        chosen = [([], [], None)]  # (candidates, warnings, why none can be used)
+        if self.rank == 0:
             try:
-                chosen[0] = (latest_checkpoint(self.root.parent) if resume == "latest"
-                             else resolve_checkpoint(Path(resume)), None)
+                chosen[0] = (*resume_candidates(self.root.parent, self.spec.resume), None)
             except CheckpointError as exc:
-                chosen[0] = (None, str(exc))
+                chosen[0] = ([], [], str(exc))
         dist.broadcast_object_list(chosen, src=0)
-        checkpoint, error = chosen[0]
+        candidates, warnings, error = chosen[0]
         if error is not None:
             raise CheckpointError(error)
-        return checkpoint
+        for warning in warnings if self.rank == 0 else []:
+            log.warning("%s", warning)
+        return candidates
 
     def load(self, checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Optional[dict]]:
         """Load model and optimizer (resharded to this world size); (meta, this rank's state or None).
 
-        Rank-local state comes back only when the world size is the one that saved it.
+        Rank-local state comes back only when the world size is the one that saved it. A checkpoint
+        DCP cannot read is a CheckpointError on every rank (DCP reports it to all).
         """
         meta = read_meta(checkpoint)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        try:
+            dcp.load(state, checkpoint_id=str(checkpoint))
+        except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            raise CheckpointError(f"{checkpoint} cannot be read: {_first_failure(exc)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_file = checkpoint / f"rank-{self.rank:05d}.pt"
         same_world = meta["world_size"] == self.world_size and rank_file.is_file()
@@ -213,14 +286,27 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tens
 
     `model` (usually on the meta device) gives the keys, shapes and dtypes.
     """
+    problem = checkpoint_problem(checkpoint)
+    if problem:
+        raise CheckpointError(f"{checkpoint} cannot be read: {problem}")
     state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise CheckpointError(f"{checkpoint} cannot be read: {_first_failure(exc)}") from None
     except Exception as exc:  # DCP reports a mismatch in many forms
         raise CheckpointError(f"{checkpoint} does not match the model: {str(exc).strip()[:300]}") from None
     return state
+
+
+def _first_failure(exc: BaseException) -> str:
+    """The first rank's error out of a CheckpointException, on one line."""
+    failures = getattr(exc, "failures", None) or {}
+    first = next(iter(failures.values()), exc)
+    error = first[0] if isinstance(first, tuple) else first
+    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
 def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False) -> Path:
@@ -229,28 +315,34 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
     `out` is a file (`.pt`, `.bin`, `.safetensors`) or a directory laid out for open_clip's
     `local-dir:` (open_clip_config.json beside the weights). `model` is the unwrapped model on
     the meta device: its full state is allocated once on the CPU, filled from the checkpoint
-    and written from the same tensors. Returns the weights file written.
+    and written from the same tensors. Returns the weights file written. The destination is made
+    (and so checked) before anything is read; OSError when it cannot be.
     """
     from fsdpclip.model import SHARED_PARAMETERS
 
-    state = read_model_state(checkpoint, model)
-    for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
-        if name in state:
-            state[name] = state[name].reshape(())
     out = Path(out)
     safetensors = safetensors or out.suffix == ".safetensors"
-    if out.suffix not in (".pt", ".bin", ".pth", ".safetensors"):
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomically(out / "open_clip_config.json", json.dumps(
-            {"model_cfg": config, "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
-        out = out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    if safetensors:
-        from safetensors.torch import save_file
+    folder = out.suffix not in (".pt", ".bin", ".pth", ".safetensors")
+    (out if folder else out.parent).mkdir(parents=True, exist_ok=True)
+    weights = out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin") if folder else out
+    partial = weights.with_name(weights.name + PARTIAL_SUFFIX)
+    partial.touch()
+    try:
+        state = read_model_state(checkpoint, model)
+        for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
+            if name in state:
+                state[name] = state[name].reshape(())
+        if folder:
+            write_atomically(out / "open_clip_config.json", json.dumps(
+                {"model_cfg": config, "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
+        if safetensors:
+            from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(partial))
-    else:
-        torch.save({"state_dict": state}, partial)
-    partial.replace(out)
-    return out
+            save_file({k: v.contiguous() for k, v in state.items()}, str(partial))
+        else:
+            torch.save({"state_dict": state}, partial)
+        partial.replace(weights)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return weights

@@ -7,46 +7,19 @@ every mistake at once. Nothing here allocates real model storage or touches a GP
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.estimate import GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
-from fsdpclip.model import (
-    SHARED_PARAMETERS, Tower, build_tokenizer, count, find_towers, image_shape, model_config, model_from_config,
-    original_shapes, text_shape,
-)
-from fsdpclip.problems import ModelError, Problem, closest
-from fsdpclip.shard import Unit, checkpointed_modules, plan_units, wrap_classes
-from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
+from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
+    text_shape
+from fsdpclip.problems import ModelError, Report, closest
+from fsdpclip.shard import wrap_classes
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
-from fsdpclip.trainable import (
-    DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, trainable_decay_groups,
-)
+from fsdpclip.summary import summarise
+from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
+from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
+    trainable_decay_groups
 from fsdpclip.urls import is_local, shard_urls
-
-
-@dataclass
-class Report:
-    """Problems found, and what was learned about the job on the way."""
-
-    world_size: int
-    problems: list[Problem] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "warning"]
-
-    def error(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
-        self.problems.append(Problem(location, message, value, hint))
-
-    def warn(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
-        self.problems.append(Problem(location, message, value, hint, severity="warning"))
 
 
 def world_size_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
@@ -66,11 +39,13 @@ def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
     _check_precision(job, report)
     _check_eval(job, report)
     steps = _check_batch_and_schedule(job, report)
+    usable_run_dir = _check_output_dir(job, report)
     if check_paths:
         _check_files(job, report)
         _check_data(job, report)
         _check_eval_paths(job, report)
-    _check_output_dir(job, report)
+        if usable_run_dir:
+            _check_resume(job, report)
     if job.logging.tensorboard:
         _check_importable("tensorboard", "logging.tensorboard", report)
     try:
@@ -90,7 +65,7 @@ def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
         report.error("loss.kind", "SigLIP needs a model with a learned logit bias (init_logit_bias in its config)",
                      value="siglip", hint="use a *-SigLIP model config, or kind 'clip'")
     if classes_ok and text_ok:
-        _summarise(job, model, towers, frozen, groups, steps, report)
+        summarise(job, model, towers, frozen, groups, steps, report)
     return report
 
 
@@ -278,14 +253,51 @@ def _check_eval_paths(job: Job, report: Report) -> None:
             report.error(f"{where}.templates", "not 'openai', 'simple' or an existing file", zs.templates)
 
 
-def _check_output_dir(job: Job, report: Report) -> None:
+def _check_resume(job: Job, report: Report) -> None:
+    """What resuming the run directory's checkpoint would mean: errors for what a checkpoint fixes
+    (its model, frozen ranges, loss kind, decay groups), a warning for each other change (applied from
+    its step), and for each checkpoint that cannot be loaded."""
+    from fsdpclip.checkpoint import CheckpointError, read_meta, resume_candidates
+    from fsdpclip.launch import resolve_paths
+    from fsdpclip.resume import is_fixed, spec_changes
+
+    resolved = resolve_paths(job, Path.cwd())
+    try:
+        candidates, skipped = resume_candidates(resolved.run_dir, resolved.checkpoint.resume)
+    except CheckpointError as exc:
+        report.error("checkpoint.resume", str(exc), resolved.checkpoint.resume)
+        return
+    for warning in skipped:
+        report.warn("checkpoint.resume", warning)
+    if not candidates:
+        return
+    checkpoint, meta = candidates[0], read_meta(candidates[0])
+    for change in spec_changes(meta["job"], resolved) if "job" in meta else []:
+        if is_fixed(change):
+            report.error(change.field, f"differs from {checkpoint}, which was trained with {change.before!r}",
+                         change.after, hint="resume it with the checkpoint's own value, or start a new run "
+                                            "(another run.name, or checkpoint.resume null)")
+        else:
+            report.warn(change.field, f"changed since {checkpoint.name} ({change}): applied from step {meta['step']}",
+                        change.after)
+
+
+def _check_output_dir(job: Job, report: Report) -> bool:
+    """The run directory exists or can be made; whether it can be used."""
     existing = job.run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+    except OSError as exc:  # a name too long for the filesystem, a path through a file, ...
+        report.error("run.output_dir", f"cannot hold a run directory: {exc.strerror or exc}", job.run.output_dir)
+        return False
     if not existing.is_dir():
         report.error("run.output_dir", "not a directory", str(existing))
-    elif not os.access(existing, os.W_OK | os.X_OK):
+        return False
+    if not os.access(existing, os.W_OK | os.X_OK):
         report.error("run.output_dir", "cannot create the run directory: no write permission", str(existing))
+        return False
+    return True
 
 
 def _check_precision(job: Job, report: Report) -> None:
@@ -309,65 +321,3 @@ def _check_importable(module: str, location: str, report: Report) -> None:
 
     if importlib.util.find_spec(module) is None:
         report.error(location, f"needs the '{module}' package", hint=f"pip install {module}")
-
-
-# ---------------------------------------------------------------------- summary
-def _summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],
-               steps: Optional[int], report: Report) -> None:
-    params = dict(model.named_parameters())
-    summary: dict = {"model": job.model.label, "class": type(model).__name__, "world_size": report.world_size}
-    tower_rows = {}
-    for name in TOWERS + ("shared",):
-        names = towers[name].parameters if name in towers else [n for n in SHARED_PARAMETERS if n in params]
-        total = count(params[n] for n in names)
-        trainable = count(params[n] for n in names if n not in frozen)
-        tower_rows[name] = {"parameters": total, "trainable": trainable, "frozen": total - trainable,
-                            "blocks": len(towers[name].blocks) if name in towers else 0,
-                            "block_classes": list(towers[name].block_classes) if name in towers else []}
-    summary["towers"] = tower_rows
-    summary["parameters"] = {k: sum(r[k] for r in tower_rows.values()) for k in ("parameters", "trainable", "frozen")}
-    units = plan_units(model, towers, job.fsdp)
-    summary["fsdp_units"] = _unit_rows(units, report.world_size)
-    summary["decay_groups"] = [{"rule": "default" if g.rule is None else f"decay_rules[{g.rule}]",
-                                "weight_decay": g.weight_decay, "tensors": len(g.names),
-                                "parameters": count(params[n] for n in g.names)} for g in groups]
-    world, batch = report.world_size, job.batch
-    summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
-                        "global": job.samples_per_step(world), "steps": steps}
-    checkpointed = set(checkpointed_modules(model, towers, job.fsdp))
-    try:
-        sizes, widths = traced_forward(model, [b for tower in towers.values() for b in tower.blocks])
-    except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
-        report.error("model", f"a forward pass on the meta device fails: {type(exc).__name__}: {str(exc)[:300]}")
-        return
-    if widths[0] != widths[1]:
-        report.error("model", f"the image tower gives {widths[0]}-d features, the text tower {widths[1]}-d",
-                     hint="both must project to embed_dim (model.image.timm.proj 'none' keeps the trunk's width)")
-        return
-    channels, height, width = image_shape(model)
-    input_bytes = channels * height * width * 4 + text_shape(model)[0] * 8  # fp32 pixels, int64 tokens
-    estimate = estimate_memory(job, units, activation_elements(model, towers, checkpointed, sizes), world,
-                               input_bytes, widths[0])
-    summary["memory_gib"] = estimate.as_gib()
-    report.summary = summary
-    _check_memory(job, estimate, report)
-
-
-def _unit_rows(units: list[Unit], world_size: int) -> list[dict]:
-    """Units grouped by tower and class: count, parameters each, bytes per GPU (fp32 shards)."""
-    rows: dict[tuple, dict] = {}
-    for unit in units:
-        key = (unit.tower or "root", unit.cls, unit.numel)
-        row = rows.setdefault(key, {"tower": unit.tower or "root", "class": unit.cls, "count": 0,
-                                    "modules_each": len(unit.modules), "parameters_each": unit.numel,
-                                    "shard_mib_each": 0.0, "first": unit.modules[0] or "(root)"})
-        row["count"] += 1
-        row["shard_mib_each"] = round(unit.shard_numel(world_size) * 4 / 2 ** 20, 3)
-    return list(rows.values())
-
-
-def _check_memory(job: Job, estimate: MemoryEstimate, report: Report) -> None:
-    limit = job.launch.gpu_memory_gib
-    if limit is not None and estimate.total > limit * GIB:
-        report.warn("launch.gpu_memory_gib", f"estimated peak {estimate.total / GIB:.1f} GiB per GPU exceeds "
-                    f"{limit:g} GiB", limit, hint="more GPUs, activation checkpointing, CPU offload or a smaller batch")

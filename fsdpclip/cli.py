@@ -176,25 +176,36 @@ def launch(
     console.print(render(flags.torchrun(job)), highlight=False, soft_wrap=True)
     if dry_run:
         return
-    code, report = run_local(job, flags)
-    if report is not None and report["code"] != 0:
-        err_console.print(f"[red]✗[/red] {report['message']}")
-    raise typer.Exit(code)
+    try:
+        report = run_local(job, flags)
+    except LaunchError as exc:
+        _stop(str(exc))
+    mark = "[green]✓[/green]" if report["code"] == 0 else "[red]✗[/red]"
+    (console if report["code"] == 0 else err_console).print(f"{mark} {report['message']}", highlight=False,
+                                                             soft_wrap=True)
+    raise typer.Exit(report["code"])
 
 
 def _submit(job: Job, dry_run: bool) -> None:
     """Write RUN_DIR/job.json and RUN_DIR/launch.sbatch and submit it (or only print the script)."""
     from fsdpclip.launch import BATCH_SCRIPT, SubmitError, sbatch_script, submit
-    from fsdpclip.rundir import JOB_FILE, LOG_DIR
+    from fsdpclip.rundir import JOB_FILE, LOG_DIR, lock_holder
 
     script = sbatch_script(job)
     if dry_run:
         print(script, end="")
         return
+    holder = lock_holder(job.run_dir)
+    if holder is not None:
+        _stop(f"{job.run_dir} is in use by {holder}: wait for that job to end or stop it, or give this one "
+              "another run.name")
     logs, script_path = job.run_dir / LOG_DIR, job.run_dir / BATCH_SCRIPT
-    logs.mkdir(parents=True, exist_ok=True)
-    job.save(job.run_dir / JOB_FILE)
-    script_path.write_text(script)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        job.save(job.run_dir / JOB_FILE)
+        script_path.write_text(script)
+    except OSError as exc:
+        _stop(f"cannot use the run directory {job.run_dir}: {exc.strerror or exc}")
     try:
         job_id = submit(script_path)
     except SubmitError as exc:
@@ -225,12 +236,14 @@ def export(
 
     try:
         source = resolve_checkpoint(checkpoint)
+        meta = read_meta(source)
+        config = meta["model"]["open_clip_config"]
+        written = export_checkpoint(source, model_from_config(config, device="meta"), out, config,
+                                    safetensors=safetensors)
     except CheckpointError as exc:
         _stop(str(exc))
-    meta = read_meta(source)
-    config = meta["model"]["open_clip_config"]
-    model = model_from_config(config, device="meta")
-    written = export_checkpoint(source, model, out, config, safetensors=safetensors)
+    except OSError as exc:
+        _stop(f"cannot write {out}: {exc.strerror or exc}")
     console.print(f"[green]✓[/green] {source} (step {meta['step']}) → {written}")
 
 

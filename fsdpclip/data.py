@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import random
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -21,6 +22,15 @@ from fsdpclip.spec import WebDatasetSpec
 from fsdpclip.urls import shard_urls
 
 log = logging.getLogger("fsdpclip.data")
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT/SIGUSR1 to their rank: a scheduler that signals every
+    process of a job (Slurm's job step, `kill -TERM -PGID`, Ctrl-C, torchrun passing a signal on to
+    each rank's process group) must reach the rank's stop-and-checkpoint, not kill a worker under it.
+    The rank stops its workers itself (closing the loader), or they exit with it (their watchdog)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 # ------------------------------------------------------------------- webdataset
@@ -143,7 +153,7 @@ class WebDatasetBatches:
             self.stream.worker_offset = self.position.next_worker
             self.stream.skip = dict(self.position.emitted)
             loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
-                                prefetch_factor=4 if self.workers else None)
+                                prefetch_factor=4 if self.workers else None, worker_init_fn=ignore_stop_signals)
             produced, batches = False, iter(loader)
             try:
                 for batch in batches:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from fsdpclip.data import ignore_stop_signals
 from fsdpclip.spec import ZeroShotSpec
 
 if TYPE_CHECKING:
@@ -59,9 +60,10 @@ class ZeroShotSet:
         """This rank's (images, labels) batches: every world_size-th sample or shard."""
         if self.images is not None:
             share = torch.utils.data.Subset(self.images, range(rank, len(self.images), world_size))
-            return iter(DataLoader(share, batch_size=batch_size, num_workers=workers))
+            return iter(DataLoader(share, batch_size=batch_size, num_workers=workers, worker_init_fn=ignore_stop_signals))
         stream = _ClassShards(self.shards[rank::world_size], self.transform, batch_size, self.max_samples)
-        return iter(DataLoader(stream, batch_size=None, num_workers=min(workers, len(stream.shards))))
+        return iter(DataLoader(stream, batch_size=None, num_workers=min(workers, len(stream.shards)),
+                               worker_init_fn=ignore_stop_signals))
 
 
 class _ClassShards(IterableDataset):
@@ -137,7 +139,10 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
     if len(folders) != len(classnames):
         source = spec.classnames or f"the {spec.dataset} class list"
         raise DatasetError(f"{root} has {len(folders)} class folders but {source} names {len(classnames)} classes")
-    images = ImageFolder(str(root), transform=transform)
+    try:
+        images = ImageFolder(str(root), transform=transform)
+    except FileNotFoundError as exc:  # class folders without an image torchvision reads
+        raise DatasetError(f"{root}: {exc}") from None
     if spec.max_samples is not None and spec.max_samples < len(images):
         images = torch.utils.data.Subset(images, range(spec.max_samples))
     return ZeroShotSet(spec.label, classnames, templates, images=images)

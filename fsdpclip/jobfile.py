@@ -25,6 +25,9 @@ def read_job_dict(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise SpecError([Problem("(file)", f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
                                  value=str(path))]) from None
+    except RecursionError:
+        raise SpecError([Problem("(file)", "nested too deeply to be a job spec (a spec is a few levels deep)",
+                                 value=str(path))]) from None
     if not isinstance(raw, dict):
         raise SpecError([Problem("(file)", "a job spec must be a JSON object", value=type(raw).__name__)])
     return raw
@@ -118,16 +121,16 @@ def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
         if model is Job and part in UNION_MEMBERS:
             members, model = UNION_MEMBERS[part], None
         else:
-            model = _model_in(model.model_fields[part].annotation)
+            model = model_in(model.model_fields[part].annotation)
     return path, model
 
 
-def _model_in(annotation: Any) -> Optional[type[BaseModel]]:
+def model_in(annotation: Any) -> Optional[type[BaseModel]]:
     """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_in(arg)
+        found = model_in(arg)
         if found is not None:
             return found
     return None

@@ -3,12 +3,13 @@
 Three ways to start a job: torchrun on this node (`torchrun_command`; with a static rendezvous
 when the job spans nodes and you start each node yourself), or a Slurm batch script
 (`sbatch_script`) that starts torchrun on every node of its allocation. Rendering is pure string
-building; `run_command` starts a process, streams its output and stops it cleanly on Ctrl-C, and
-`submit` hands a batch script to sbatch.
+building; `run_local` takes the run directory and runs torchrun under `supervise` (signals to the
+launcher become a checkpoint-and-stop request), and `submit` hands a batch script to sbatch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,16 +19,20 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.rundir import JOB_FILE, LAUNCH_TIME_ENV, LOG_DIR, exit_report
+from fsdpclip.rundir import (
+    JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked, finish_exit_report, request_stop,
+)
 from fsdpclip.spec import Job
 from fsdpclip.urls import is_local
 
 TRAIN_MODULE = "fsdpclip.train"
-STOP_GRACE_S = 30
+TORCHRUN = "fsdpclip.torchrun"  # torchrun, without a traceback for the trainer's deliberate exits
+STOPPED_AT_ONCE = 130  # the exit status of a launch stopped by a second Ctrl-C or SIGTERM
 BATCH_SCRIPT = "launch.sbatch"
 
 
@@ -120,7 +125,7 @@ def torchrun_command(job_file: Path, nproc_per_node: int, nnodes: int = 1, node_
                      master_addr: Optional[str] = None, master_port: Optional[int] = None,
                      python: str = sys.executable) -> list[str]:
     """torchrun for this node: standalone on one node, a static rendezvous on several."""
-    command = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    command = [python, "-m", TORCHRUN, f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and master_addr is None:
         command.append("--standalone")
     else:
@@ -151,7 +156,8 @@ def sbatch_options(job: Job) -> list[str]:
 
 
 # The batch script after its options, exports and setup lines; {{name}} is filled in. The exit code
-# comes from exit.json, as for launches without Slurm.
+# comes from exit.json (completed from crash reports when the trainer could not write it), as for
+# launches without Slurm.
 SBATCH_BODY = r"""run_dir={{run_dir}}
 # The rendezvous is on the first node of the allocation, at the address Slurm reaches it by.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -162,26 +168,27 @@ echo "fsdpclip: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_
 # One task per node: torchrun, which starts the node's ranks. Each node logs to its own file.
 srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1{{cpus}} \
     --open-mode=append --output={{node_log}} \
-    {{python}} -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={{nproc}} \
+    {{python}} -m {{torchrun}} --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={{nproc}} \
     --rdzv-backend=c10d --rdzv-endpoint="$head_addr:{{port}}" --rdzv-id="$SLURM_JOB_ID" \
     -m {{train_module}} {{job_file}} &
 step=$!
 wait "$step"; status=$?
 while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done  # a trapped signal ends `wait` early
 
-# torchrun reports any failure as 1: use the code the trainer's rank 0 wrote to exit.json in this run.
-code=$({{python}} -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["code"] if r["time"] >= float(sys.argv[2]) else "")' \
-    "$run_dir/exit.json" "${{launch_time}}" 2>/dev/null)
+# torchrun reports any failure as 1: use the code the trainer's rank 0 wrote to exit.json in this run
+# (or, if a rank crashed before it could, the report made from the crash).
+code=$({{python}} -m fsdpclip.rundir "$run_dir" "${{launch_time}}" "$status" 2>/dev/null)
 {{requeue}}
 exit "${code:-$status}"
 """
 
 SBATCH_TRAP = r"""
-# Preemption or the time limit: Slurm sends USR1 to this script only (--signal=B:USR1@S). It
-# becomes SIGTERM to the job step (torchrun would die of USR1 and orphan its workers): every
-# rank finishes its step, checkpoints and exits 75; torchrun waits for them.
+# Preemption or the time limit: Slurm sends USR1 to this script only (--signal=B:USR1@S). It becomes
+# a stop request in the run directory, which rank 0 reads every 10 steps: the ranks finish their
+# step, checkpoint and exit 75. No signal reaches torchrun (it would kill its ranks 30 s later) or
+# the data workers.
 preempted=
-trap 'preempted=1; echo "fsdpclip: USR1: stopping the trainer with SIGTERM"; scancel --signal=TERM "$SLURM_JOB_ID"' USR1
+trap 'preempted=1; echo "fsdpclip: USR1: asking the trainer to checkpoint and stop"; touch "$run_dir/stop"' USR1
 """
 
 SBATCH_REQUEUE = r"""
@@ -197,7 +204,7 @@ def sbatch_script(job: Job, python: Optional[str] = None) -> str:
 
     One srun task per node runs torchrun, which meets the other nodes at a c10d rendezvous on
     the first node and starts the trainer on RUN_DIR/job.json. With requeue on, Slurm's USR1
-    becomes SIGTERM to the job step, the ranks checkpoint and exit 75, and the script requeues
+    becomes a stop request (RUN_DIR/stop), the ranks checkpoint and exit 75, and the script requeues
     the job, which resumes from checkpoints/latest. `python` defaults to this interpreter, or to
     `python` on the PATH when the spec's setup lines choose the environment.
     """
@@ -223,6 +230,7 @@ def sbatch_script(job: Job, python: Optional[str] = None) -> str:
         "python": shlex.quote(python or ("python" if slurm.setup else sys.executable)),
         "nproc": str(launch.gpus_per_node),
         "train_module": TRAIN_MODULE,
+        "torchrun": TORCHRUN,
         "job_file": shlex.quote(str(job.run_dir / JOB_FILE)),
         "requeue": SBATCH_REQUEUE if slurm.requeue else "",
     }
@@ -247,37 +255,72 @@ def job_environment(job: Job) -> dict[str, str]:
     return env
 
 
-def run_local(job: Job, flags: LaunchFlags) -> tuple[int, Optional[dict]]:
-    """Write RUN_DIR/job.json, run torchrun for this node and wait; (exit code, the trainer's exit report).
-
-    torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one.
+def run_local(job: Job, flags: LaunchFlags) -> dict:
+    """Take the run directory (node 0), write RUN_DIR/job.json, run torchrun for this node under
+    supervision and wait; returns the exit report, written to exit.json however the job ended
+    (torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one).
     """
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    job.save(job.run_dir / JOB_FILE)
-    started = time.time()
-    code = run_command(flags.torchrun(job), job_environment(job))
-    report = exit_report(job.run_dir, started)
-    return (report["code"] if report is not None and report["code"] != 0 else code), report
-
-
-def run_command(command: list[str], env: dict[str, str]) -> int:
-    """Run `command` with inherited output and return its exit code.
-
-    On Ctrl-C the terminal has already signalled the whole process group; give the ranks time
-    to stop, then insist: SIGINT, SIGTERM, SIGKILL.
-    """
-    process = subprocess.Popen(command, env=env)
+    token, started = uuid.uuid4().hex, time.time()
+    env = {**job_environment(job), LOCK_TOKEN_ENV: token}
+    lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else contextlib.nullcontext()
     try:
-        return process.wait()
-    except KeyboardInterrupt:
-        for stop, grace in ((None, 5), (signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, STOP_GRACE_S),
-                            (signal.SIGKILL, None)):
-            if process.poll() is not None:
-                break
-            if stop is not None:
-                process.send_signal(stop)
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        with lock:
+            job.save(job.run_dir / JOB_FILE)
+            status = supervise(flags.torchrun(job), env, job.run_dir)
+    except RunLocked as exc:
+        raise LaunchError(str(exc)) from None
+    except OSError as exc:
+        raise LaunchError(f"cannot use the run directory {job.run_dir}: {exc.strerror or exc}") from None
+    return finish_exit_report(job.run_dir, started, status)
+
+
+def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """Run `command` (torchrun) in its own session with inherited output, and return its exit status.
+
+    A first SIGTERM or Ctrl-C to this process (or to its process group: the terminal's Ctrl-C, a
+    scheduler's `kill -TERM -PGID`) becomes a stop request in RUN_DIR/stop: the ranks checkpoint and
+    exit 75 (no signal reaches torchrun, which would give them only 30 s on torch < 2.12). A second
+    one stops everything at once: SIGKILL to torchrun and every process under it (status 130).
+    """
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def handle(signum, frame) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            request_stop(run_dir)
+            print(f"fsdpclip: {signal.Signals(signum).name}: the ranks checkpoint and stop within "
+                  "10 steps (again to stop at once)", file=sys.stderr, flush=True)
+        else:
+            kill_tree(process.pid)
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = process.wait()
+        return STOPPED_AT_ONCE if len(received) > 1 else status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it (Linux: their parents read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
                 continue
-        return 130
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [pid], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            tree.append(child)
+            todo.append(child)
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -14,7 +13,6 @@ import torch
 from torch import nn
 
 from fsdpclip.model import fake_batch
-from fsdpclip.rundir import LAUNCH_TIME_ENV
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
@@ -52,14 +50,6 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-
-
-def launch_time() -> float:
-    """When `fsdpclip launch` started the job (or, without it, when this process started)."""
-    return float(os.environ.get(LAUNCH_TIME_ENV, _PROCESS_START))
-
-
-_PROCESS_START = time.time()
 
 
 class Window:

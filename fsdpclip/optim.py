@@ -105,9 +105,21 @@ def lr_factor(schedule: ScheduleSpec, peak_lr: float, total_steps: int) -> Calla
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, peak_lr: float,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, peak_lr, total_steps))
+class Schedule:
+    """The learning rate of each step, set on every group: peak × `lr_factor(step)`. A function of the
+    spec and the step alone, so a resumed run follows the spec it is resumed with (nothing to save)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, peak_lr: float, total_steps: int):
+        self.optimizer, self.peak, self.factor = optimizer, peak_lr, lr_factor(schedule, peak_lr, total_steps)
+        self.set_step(0)
+
+    def set_step(self, step: int) -> None:
+        self.current = step
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.peak * self.factor(step)
+
+    def step(self) -> None:
+        self.set_step(self.current + 1)
 
 
 def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Literal, Optional
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One mistake in a job spec, located by its JSON path (e.g. `fsdp.wrap.image[1]`)."""
+    """One mistake in a job spec, located by its JSON path (e.g. `fsdp.wrap.image[1]`). A long value is
+    kept shortened: a message quotes what it needs, never megabytes of the user's input."""
 
     location: str
     message: str
     value: Any = None
     hint: Optional[str] = None
     severity: Literal["error", "warning"] = "error"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "value", shorten(self.value))
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -29,6 +33,29 @@ class Problem:
         if self.hint:
             text += f"; {self.hint}"
         return text
+
+
+@dataclass
+class Report:
+    """Problems found, and what was learned about the job on the way."""
+
+    world_size: int
+    problems: list[Problem] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    def error(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
+        self.problems.append(Problem(location, message, value, hint))
+
+    def warn(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
+        self.problems.append(Problem(location, message, value, hint, severity="warning"))
 
 
 class SpecError(Exception):
@@ -48,8 +75,25 @@ class ModelError(Exception):
         self.message, self.location, self.value, self.hint = message, location, value, hint
 
 
+SHORT = 200  # characters of a value shown in a message
+
+
+def shorten(value: Any) -> Any:
+    """A value as a message may show it: long strings and large containers cut, with their size."""
+    if isinstance(value, str) and len(value) > SHORT:
+        return f"{value[:SHORT // 2]}… ({len(value):,} characters)"
+    if isinstance(value, (list, tuple, dict)):
+        text = repr(value) if len(value) <= 1000 else ""
+        if not text or len(text) > SHORT:
+            return f"{type(value).__name__} of {len(value):,} items"
+    return value
+
+
 def closest(word: str, candidates: Iterable[str], n: int = 1, cutoff: float = 0.6) -> Optional[str]:
-    """The closest candidate to `word`, or None; several with n > 1, joined by ', '."""
+    """The closest candidate to `word`, or None; several with n > 1, joined by ', '. Words much longer
+    than any name are nobody's typo (and would make the comparison slow)."""
+    if len(word) > SHORT:
+        return None
     candidates = list(candidates)
     lowered = {c.lower(): c for c in candidates}
     matches = difflib.get_close_matches(word.lower(), list(lowered), n=n, cutoff=cutoff)

@@ -1,10 +1,14 @@
-"""The run directory `<output_dir>/<name>/`: the files that describe one run, and how it ended.
+"""The run directory `<output_dir>/<name>/`: the files that describe one run, the lock that makes it one
+job's, and how each launch ended.
 
     job.json       the resolved spec the ranks train from (absolute paths)
+    launches/      every start's resolved spec and what it changed against the checkpoint it resumed
     metrics.jsonl  what the trainer logged
     checkpoints/   sharded checkpoints (fsdpclip.checkpoint)
     exit.json      how the last launch ended: code, message, step, checkpoint
-    logs/          Slurm's and each node's output
+    lock           who runs in it now (pid, host, since; refreshed while it runs)
+    stop           a request to checkpoint and stop, from `fsdpclip launch` or the Slurm script
+    logs/          Slurm's and each node's output; a report from each rank that crashed
 
 Pure file handling, no torch: the launcher imports it before any rank starts.
 """
@@ -13,13 +17,24 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
+import threading
 import time
+import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-JOB_FILE, EXIT_FILE, LOG_DIR = "job.json", "exit.json", "logs"
+JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.
 LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
+# The lock token of the launch that started the ranks (they hold the lock through it).
+LOCK_TOKEN_ENV = "FSDPCLIP_LOCK_TOKEN"
+LOCK_REFRESH_S = 30
+# A lock of another host is stale once it has not been refreshed for this long (its job died with
+# its node); on the same host the holder's pid tells at once.
+LOCK_STALE_S = 600
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -33,6 +48,151 @@ def write_atomically(path: Path, text: str) -> None:
     partial.replace(path)
 
 
+def launch_time() -> float:
+    """When `fsdpclip launch` (or the batch script) started the job, else when this process started."""
+    return float(os.environ.get(LAUNCH_TIME_ENV, _PROCESS_START))
+
+
+_PROCESS_START = time.time()
+
+
+# ---------------------------------------------------------------------- the lock
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a run directory."""
+
+    pid: int
+    host: str
+    token: str
+    since: float
+    command: str = ""
+
+    def __str__(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on {self.host} (since {started}{': ' + self.command if self.command else ''})"
+
+
+class RunLocked(Exception):
+    """The run directory belongs to a job that is still running."""
+
+    def __init__(self, run_dir: Path, holder: Holder):
+        super().__init__(f"{run_dir} is in use by {holder}: wait for that job to end or stop it, or give this one "
+                         "another run.name")
+        self.holder = holder
+
+
+def lock_token() -> str:
+    """The token this process holds (or may take over) the lock with: its launch's, the Slurm job's
+    (so a requeued job takes its own lock back), or a new one."""
+    if os.environ.get(LOCK_TOKEN_ENV):
+        return os.environ[LOCK_TOKEN_ENV]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    return uuid.uuid4().hex
+
+
+def lock_holder(run_dir: Path) -> Optional[Holder]:
+    """The live holder of a run directory's lock, or None (no lock, or a stale one)."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        holder = Holder(**json.loads(path.read_text()))
+        refreshed = path.stat().st_mtime
+    except (OSError, ValueError, TypeError):
+        return None
+    if holder.host == socket.gethostname():
+        return holder if _alive(holder.pid) else None
+    return holder if time.time() - refreshed < LOCK_STALE_S else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(run_dir: Path, token: str) -> bool:
+    """Take the run directory for this job; False when it already holds it (same token), RunLocked when
+    a live job of another does. A stale lock (its process gone) is taken over. The lock file appears
+    whole or not at all (hard link of a written file), so two starts cannot both take it."""
+    path = Path(run_dir) / LOCK_FILE
+    mine = Holder(os.getpid(), socket.gethostname(), token, time.time(), " ".join(sys.argv)[:200])
+    for _ in range(3):
+        holder = lock_holder(run_dir)
+        if holder is not None:
+            if holder.token == token:
+                return False
+            raise RunLocked(Path(run_dir), holder)
+        staged = path.with_name(f".{LOCK_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        staged.write_text(json.dumps(asdict(mine)) + "\n")
+        try:
+            path.unlink(missing_ok=True)  # stale: its holder is gone
+            os.link(staged, path)
+            return True
+        except FileExistsError:
+            continue  # another start took it in the same instant: look again
+        finally:
+            staged.unlink(missing_ok=True)
+    raise RunLocked(Path(run_dir), lock_holder(run_dir) or mine)
+
+
+def release_lock(run_dir: Path, token: str) -> None:
+    """Give the run directory back (only the lock this token holds)."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        if Holder(**json.loads(path.read_text())).token == token:
+            path.unlink()
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+class HeldLock:
+    """Holds a run directory's lock while a job runs: taken on entry (unless this token holds it
+    already), refreshed every LOCK_REFRESH_S, given back on exit."""
+
+    def __init__(self, run_dir: Path, token: str):
+        self.run_dir, self.token = Path(run_dir), token
+        self.taken = False
+        self.done = threading.Event()
+
+    def __enter__(self) -> "HeldLock":
+        self.taken = acquire_lock(self.run_dir, self.token)
+        if self.taken:
+            threading.Thread(target=self._refresh, daemon=True, name="fsdpclip-lock").start()
+        return self
+
+    def _refresh(self) -> None:
+        path = self.run_dir / LOCK_FILE
+        while not self.done.wait(LOCK_REFRESH_S):
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        if self.taken:
+            release_lock(self.run_dir, self.token)
+
+
+# ------------------------------------------------------------- stop requests
+def request_stop(run_dir: Path) -> None:
+    """Ask the running job to checkpoint and stop (its ranks look every few steps)."""
+    write_atomically(Path(run_dir) / STOP_FILE, f"{time.time()}\n")
+
+
+def stop_requested(run_dir: Path, since: float) -> bool:
+    """Whether a stop was requested after `since` (an older request was another launch's)."""
+    try:
+        return (Path(run_dir) / STOP_FILE).stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------ how a launch ended
 def write_exit_report(run_dir: Path, code: int, message: str, step: Optional[int], checkpoint: str) -> None:
     """Record how the run ended (rank 0 of the trainer, or the launcher when the trainer could not)."""
     report = {"code": code, "message": message, "step": step, "checkpoint": checkpoint, "time": time.time()}
@@ -46,3 +206,68 @@ def exit_report(run_dir: Path, since: float) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     return report if report.get("time", 0) >= since else None
+
+
+def write_crash_report(run_dir: Path, rank: int, error: BaseException) -> None:
+    """What killed a rank, for the launcher's last line (each rank its own file: no race)."""
+    path = Path(run_dir) / LOG_DIR / f"crash-rank-{rank:05d}.json"
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps({"rank": rank, "error": text[:500], "time": time.time()}) + "\n")
+    except OSError:
+        pass  # the report is a courtesy; the rank's own traceback still reaches its log
+
+
+def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
+    """The report of a launch that ended with exit `status`: the trainer's own, or, when the trainer
+    could not write one (a rank crashed or was killed), one made from the first rank's crash report or
+    the status. Written to exit.json either way."""
+    report = exit_report(run_dir, since)
+    if report is not None:
+        return report
+    crashes = []
+    for path in (Path(run_dir) / LOG_DIR).glob("crash-rank-*.json"):
+        try:
+            crash = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if crash.get("time", 0) >= since:
+            crashes.append(crash)
+    if crashes:
+        first = min(crashes, key=lambda c: c["time"])
+        message = f"rank {first['rank']} failed: {first['error']}"
+    elif status == 130:
+        message = "stopped at once (a second interrupt): the steps since the last checkpoint are lost"
+    elif status < 0 or status > 128:
+        message = f"the job was killed (exit status {status}) before the trainer could report"
+    else:
+        message = f"the job ended with exit status {status} before the trainer could report (see the output above)"
+    code = status if status > 0 else 1
+    write_exit_report(run_dir, code, message, None, "")
+    return exit_report(run_dir, since) or {"code": code, "message": message}
+
+
+def record_launch(run_dir: Path, job_json: str, changes: list[str], resumed_from: Optional[str]) -> Path:
+    """Keep this start's resolved spec and what it changed against its checkpoint (history, never
+    overwritten)."""
+    folder = Path(run_dir) / LAUNCHES
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    number = len(list(folder.glob("*.json"))) + 1
+    path = folder / f"{number:04d}-{stamp}.json"
+    write_atomically(path, json.dumps({"time": time.time(), "resumed_from": resumed_from, "changes": changes,
+                                       "job": json.loads(job_json)}, indent=2) + "\n")
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m fsdpclip.rundir RUN_DIR SINCE STATUS`: finish the exit report (the Slurm script's
+    last step) and print the code to exit with."""
+    run_dir, since, status = (argv or sys.argv[1:])[:3]
+    print(finish_exit_report(Path(run_dir), float(since), int(status))["code"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,7 +37,7 @@ class Section(BaseModel):
 
 # --------------------------------------------------------------------------- run
 class RunSpec(Section):
-    name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128,
                       description="Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Directory that holds run directories (created if missing).")
     seed: int = Field(0, ge=0, description="Seed for initialisation, data order and dropout.")
@@ -460,14 +460,16 @@ class Job(Section):
         """The global batch: samples of one optimizer step over all ranks."""
         return self.batch.per_gpu * self.batch.grad_accum * world_size
 
-    def total_steps(self, world_size: int) -> Optional[int]:
-        """Optimizer steps of the whole run: `schedule.steps`, or whole steps in `schedule.epochs`
-        epochs of `data.samples` (None when neither gives the length)."""
+    def total_steps(self, world_size: int, step: int = 0, samples_seen: int = 0) -> Optional[int]:
+        """Optimizer steps of the whole run: `schedule.steps`, or as many whole steps as `schedule.epochs`
+        epochs of `data.samples` hold (None when neither gives the length). A run resumed at `step`
+        with `samples_seen` (perhaps at another global batch) keeps its length in samples."""
         if self.schedule.steps is not None:
             return self.schedule.steps
         if self.data.samples is None:
             return None
-        return (self.data.samples // self.samples_per_step(world_size)) * (self.schedule.epochs or 1)
+        left = max(0, self.data.samples * (self.schedule.epochs or 1) - samples_seen)
+        return step + left // self.samples_per_step(world_size)
 
     def to_json(self) -> str:
         """The resolved spec as indented JSON (every default spelled out)."""

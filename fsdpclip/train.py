@@ -4,15 +4,20 @@
 
 Exit codes (also written to RUN_DIR/exit.json by rank 0):
     0   finished
-    2   the job file is not a valid spec
+    2   the job cannot start: not a valid spec, the run directory is in use by another job, or
+        its checkpoints cannot be used with this spec
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
-    75  preempted (SIGTERM or SIGUSR1 on any rank): the ranks agree on it within 10 steps,
-        save a checkpoint and stop; start the job again in the same run directory to resume
+    75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, or a stop request in RUN_DIR/stop):
+        the ranks agree on it within 10 steps, save a checkpoint and stop; start the job again
+        in the same run directory to resume
+A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import signal
@@ -24,19 +29,22 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from fsdpclip.checkpoint import Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state
+from fsdpclip.checkpoint import (
+    CheckpointError, Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
+)
 from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed
 from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
-from fsdpclip.metrics import (
-    MetricsLog, Window, launch_time, peak_memory_gib, peak_tflops, training_flops_per_sample,
-)
+from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_transform, model_config, \
     model_from_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
-from fsdpclip.optim import build_grad_scaler, build_optimizer, build_scheduler, clip_gradients
+from fsdpclip.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize, replicated_parameters
-from fsdpclip.rundir import write_exit_report
+from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
+from fsdpclip.rundir import (
+    HeldLock, RunLocked, launch_time, lock_token, record_launch, stop_requested, write_crash_report, write_exit_report,
+)
 from fsdpclip.spec import Job, SyntheticSpec
 from fsdpclip.trainable import apply_freeze, frozen_names, trainable_decay_groups
 from fsdpclip.weights import initial_model
@@ -44,7 +52,8 @@ from fsdpclip.weights import initial_model
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
 EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
 # Ranks agree on a stop signal every this many steps: one small blocking collective, whose cost
 # is negligible at this interval, and no extra process group (a gloo group connects every pair
 # of ranks, which does not scale).
@@ -60,7 +69,9 @@ class Stop(Exception):
 
 
 class StopSignals:
-    """Remembers SIGTERM/SIGUSR1 so the loop can finish its step and checkpoint first."""
+    """Remembers SIGTERM/SIGUSR1/SIGINT so the loop can finish its step and checkpoint first (the data
+    workers ignore them, see fsdpclip.data.ignore_stop_signals, so a signal to the whole process
+    group reaches the rank's decision, not its workers' deaths)."""
 
     def __init__(self):
         self.received = 0
@@ -81,10 +92,10 @@ class Trainer:
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.total_steps = job.total_steps(env.world_size)
         self.optimizer = build_optimizer(self.model, self.decay_groups, job.optimizer)
+        self.scheduler = Schedule(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
-        self.scheduler = build_scheduler(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.tokenizer = build_tokenizer(self.model_config)
@@ -96,9 +107,12 @@ class Trainer:
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
         self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
         self.last_saved: Optional[int] = None
-        target = self.checkpointer.resume_target()
-        if target is not None:
-            self._resume(target)
+        self.resumed_from, self.changes = None, []
+        candidates = self.checkpointer.resume_candidates()
+        if candidates:
+            self._resume(candidates)
+        if env.is_main:
+            record_launch(job.run_dir, job.to_json(), self.changes, self.resumed_from)
 
     def _build_model(self) -> torch.nn.Module:
         """The sharded model with its initial weights: built on the meta device on every rank, frozen,
@@ -175,6 +189,12 @@ class Trainer:
         metrics = MetricsLog(job.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main)
         window, window_loss = Window(), torch.zeros((), device=env.device)
         first_step_s, first_step_done = None, False
+        if self.step >= self.total_steps:
+            message = f"already finished: step {self.step} of {self.total_steps}, nothing to train"
+            metrics.announce(message)
+            metrics.close()
+            self._report_exit(EXIT_OK, message)
+            return EXIT_OK
         try:
             while self.step < self.total_steps:
                 loss, grad_norm = self.train_step(window)
@@ -197,13 +217,8 @@ class Trainer:
                 every = job.checkpoint.every_steps
                 if every and self.step % every == 0 and not last:
                     self.save(asynchronous=job.checkpoint.async_save)
-                signum = all_max(self.signals.received if self.signals else 0, env.device) \
-                    if self.step % STOP_CHECK_STEPS == 0 else 0
-                if signum and not last:
-                    path = self.save()
-                    raise Stop(EXIT_PREEMPTED, f"{signal.Signals(signum).name} received: stopped after step "
-                                               f"{self.step}; checkpoint saved at {path}; start the job again in "
-                                               f"{job.run_dir} to resume")
+                if self.step % STOP_CHECK_STEPS == 0 and not last:
+                    self._stop_if_asked()
             if job.checkpoint.at_end:
                 self.save()
             self.checkpointer.finish_pending(wait=True)
@@ -216,6 +231,20 @@ class Trainer:
             return stop.code
         finally:
             metrics.close()
+
+    def _stop_if_asked(self) -> None:
+        """Agree with the other ranks on a stop (a signal to any rank, or a request file seen by rank 0);
+        if there is one, checkpoint and stop with EXIT_PREEMPTED."""
+        asked = self.signals.received if self.signals else 0
+        if self.env.is_main and stop_requested(self.job.run_dir, launch_time()):
+            asked = STOP_REQUEST
+        reason = all_max(asked, self.env.device)
+        if not reason:
+            return
+        path = self.save()
+        cause = "a stop was requested" if reason == STOP_REQUEST else f"{signal.Signals(reason).name} received"
+        raise Stop(EXIT_PREEMPTED, f"{cause}: stopped after step {self.step}; checkpoint saved at {path}; start the "
+                                   f"job again in {self.job.run_dir} to resume")
 
     def _log_record(self, window: Window, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The metrics of one log window (collectives: every rank calls it)."""
@@ -253,40 +282,68 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def save(self, asynchronous: bool = False) -> Path:
-        """Checkpoint this step (once), every rank taking part."""
+        """Checkpoint this step (once), every rank taking part; the resolved spec goes with it."""
         if self.last_saved == self.step:
             return self.checkpointer.root / checkpoint_name(self.step)
         meta = {"samples_seen": self.samples_seen, "skipped_steps": int(self.skipped_steps.item()),
-                "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "model": {"label": self.job.model.label, "open_clip_config": self.model_config}}
+                "model": {"label": self.job.model.label, "open_clip_config": self.model_config},
+                "job": json.loads(self.job.to_json())}
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
         self.last_saved = self.step
         return self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
 
-    def _resume(self, checkpoint: Path) -> None:
-        meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
-        self.step, self.samples_seen = meta["step"], meta["samples_seen"]
+    def _resume(self, candidates: list[Path]) -> None:
+        """Continue from the newest candidate that loads, with this spec's settings from its step on."""
+        for checkpoint in candidates:
+            try:
+                meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
+                break
+            except CheckpointError as exc:
+                log.warning("%s: trying the checkpoint before it", exc)
+        else:
+            raise CheckpointError(f"none of {', '.join(str(c) for c in candidates)} could be loaded")
+        changes = spec_changes(meta["job"], self.job) if "job" in meta else []
+        fixed = [str(c) for c in changes if is_fixed(c)]
+        if fixed:
+            raise CheckpointError(f"{checkpoint} was trained with another model or optimizer layout "
+                                  f"({'; '.join(fixed)}): resume it with its own, or start a new run")
+        self.resumed_from, self.changes = str(checkpoint), [str(c) for c in changes]
+        self.step, self.samples_seen, self.last_saved = meta["step"], meta["samples_seen"], meta["step"]
         self.skipped_steps.fill_(meta["skipped_steps"])
-        self.last_saved = meta["step"]
-        self.scheduler.load_state_dict(meta["scheduler"])
-        if self.scaler is not None and meta["scaler"] is not None:
-            self.scaler.load_state_dict(meta["scaler"])
-        if rank_state is not None:
+        self._apply_spec(meta)
+        if rank_state is not None and keeps_data_position(changes):
             set_rng_state(rank_state["rng"], self.env.device)
             self.batches.load_state_dict(rank_state["data"])
         else:
-            log.warning("%s was saved by %d ranks, this run has %d: the data stream restarts at its epoch",
-                        checkpoint, meta["world_size"], self.env.world_size)
+            log.warning("%s: the data stream restarts at its epoch (saved by %d ranks, this run has %d%s)", checkpoint,
+                        meta["world_size"], self.env.world_size, "; data or batch changed" if rank_state else "")
             if isinstance(self.batches, SyntheticBatches):
                 self.batches.index = self.step * self.job.batch.grad_accum
             else:
                 self.batches.position = StreamPosition(epoch=self.samples_seen // self.job.data.samples)
+        for change in self.changes:
+            log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)
 
+    def _apply_spec(self, meta: dict) -> None:
+        """This spec's optimizer settings, schedule and length from the resumed step on (a checkpoint
+        carries state, never settings): the length in samples for epochs, the scaler's state kept."""
+        job = self.job
+        for group, decay in zip(self.optimizer.param_groups, self.decay_groups):
+            group.update(betas=job.optimizer.betas, eps=job.optimizer.eps, weight_decay=decay.weight_decay)
+        self.total_steps = job.total_steps(self.env.world_size, self.step, self.samples_seen)
+        self.scheduler = Schedule(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
+        self.scheduler.set_step(self.step)
+        if self.scaler is not None and meta["scaler"] is not None:
+            self.scaler.load_state_dict(meta["scaler"])
+
     def _report_exit(self, code: int, message: str) -> None:
+        """Rank 0 writes exit.json; every rank waits for it, so that none ends (and has torchrun stop the
+        others) before the report is written."""
         if self.env.is_main:
             write_exit_report(self.job.run_dir, code, message, self.step, str(latest_checkpoint(self.job.run_dir) or ""))
+        dist.barrier()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -310,14 +367,45 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = None
     try:
-        trainer = Trainer(job, env, signals)
-        return trainer.fit()
+        with _run_lock(job, env):
+            trainer = Trainer(job, env, signals)
+            try:
+                return trainer.fit()
+            finally:
+                trainer.close()
+    except (Stop, CheckpointError) as exc:  # the job cannot start as it is: one line, no traceback
+        message = getattr(exc, "message", str(exc))
+        if env.is_main:
+            print(f"fsdpclip.train: {message}", file=sys.stderr)
+            if not isinstance(exc, Stop):  # a locked run directory's exit.json is its running job's
+                write_exit_report(job.run_dir, EXIT_SPEC, message, None, "")
+        return EXIT_SPEC
+    except BaseException as exc:
+        write_crash_report(job.run_dir, env.rank, exc)
+        raise
     finally:
-        if trainer is not None:
-            trainer.close()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _run_lock(job: Job, env: Dist):
+    """Hold the run directory's lock (rank 0 takes it, or finds its launch holding it) while the job
+    runs; every rank learns the outcome, and all stop (Stop, exit 2) when another job holds it."""
+    lock, refused = HeldLock(job.run_dir, lock_token()), [None]
+    if env.is_main:
+        try:
+            lock.__enter__()
+        except RunLocked as exc:
+            refused[0] = str(exc)
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise Stop(EXIT_SPEC, refused[0])
+    try:
+        yield
+    finally:
+        if env.is_main:
+            lock.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

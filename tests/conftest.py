@@ -51,6 +51,57 @@ def demo_run(tmp_path_factory, digits_dir):
     return tmp / "runs" / "tiny-cpu", proc.stdout
 
 
+PREEMPTIBLE_STEPS = 24
+
+
+def preemptible_job(output_dir: Path, digits_dir: Path, name: str, **launch) -> dict:
+    """A tiny 2-rank job on the digits shards with 2 data workers per rank, logging every step: long
+    enough to be stopped mid-run, the same losses wherever it runs (so a stopped and resumed run can
+    be held against one that ran straight through)."""
+    return {
+        "run": {"name": name, "output_dir": str(output_dir), "seed": 5},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "optimizer": {"lr": 1e-3},
+        "schedule": {"warmup_steps": 2, "steps": PREEMPTIBLE_STEPS},
+        "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 2,
+                 "shuffle_buffer": 50},
+        "batch": {"per_gpu": 16},
+        "checkpoint": {"keep": 2},
+        "logging": {"every_steps": 1},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60, **launch},
+    }
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from a run's metrics.jsonl (the last record of a step, if a step ran twice)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def assert_same_losses(run_dir: Path, straight: dict[int, float]) -> None:
+    """The preemptible job in `run_dir` logged every step, with the losses of the run that went
+    straight through (a stopped and resumed run must continue exactly)."""
+    losses = logged_losses(run_dir)
+    assert sorted(losses) == list(range(1, PREEMPTIBLE_STEPS + 1))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(straight[step], abs=1e-5), step
+
+
+@pytest.fixture(scope="session")
+def straight_losses(tmp_path_factory, digits_dir) -> dict[int, float]:
+    """The preemptible job run straight through: its loss at every step."""
+    import sys
+
+    from ranks import run_group
+
+    tmp = tmp_path_factory.mktemp("straight")
+    path = write_job(tmp, preemptible_job(tmp / "runs", digits_dir, "straight"))
+    proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return logged_losses(tmp / "runs" / "straight")
+
+
 @pytest.fixture
 def tiny_job(tmp_path, digits_dir) -> dict:
     """A valid tiny job (2 CPU ranks) on the digits shards, as a dict to edit."""

@@ -5,53 +5,35 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, squeezed, write_job
+from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
 from fsdpclip.checkpoint import complete_checkpoints, latest_checkpoint
 
 STEPS = 12
 
 
-def _job(tmp_path, digits_dir, name: str, synthetic: bool = False, **extra) -> dict:
-    """A tiny 2-rank job on the digits shards (or, where the data position does not matter, on
-    the faster synthetic source)."""
+def _plain_job(tmp_path, name: str = "plain", **extra) -> dict:
+    """A tiny 2-rank fp32 job on synthetic data: STEPS steps, a checkpoint every 4 (2 kept); `extra`
+    blocks are merged into it."""
     job = {
-        "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 3},
+        "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 7},
         "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "optimizer": {"lr": 1e-3},
-        "schedule": {"warmup_steps": 2, "steps": STEPS},
-        "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 2,
-                 "shuffle_buffer": 50},
-        "batch": {"per_gpu": 16},
+        "fsdp": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.2, "grad_clip_norm": 1.0},
+        "schedule": {"kind": "cosine", "warmup_steps": 2, "steps": STEPS},
+        "data": {"source": "synthetic"},
+        "batch": {"per_gpu": 8},
         "checkpoint": {"every_steps": 4, "keep": 2},
         "logging": {"every_steps": 1},
         "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
     }
-    if synthetic:
-        job["data"] = {"source": "synthetic"}
     for key, value in extra.items():
         job[key] = {**job.get(key, {}), **value}
-    return job
-
-
-def _plain_job(tmp_path, **extra) -> dict:
-    """A tiny 2-rank fp32 job on synthetic data that ends with a checkpoint."""
-    job = {
-        "run": {"name": "parity", "output_dir": str(tmp_path / "runs"), "seed": 7},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.2, "grad_clip_norm": 1.0},
-        "schedule": {"kind": "cosine", "warmup_steps": 2, "steps": 6},
-        "data": {"source": "synthetic"},
-        "batch": {"per_gpu": 8},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
-    }
-    job.update(extra)
     return job
 
 
@@ -68,18 +50,13 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, digits_dir):
-    """A run of STEPS steps in one go (and its spec), shared by the resume tests."""
-    tmp = tmp_path_factory.mktemp("straight")
-    path = write_job(tmp, _job(tmp, digits_dir, "straight"))
-    proc = _launch(path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return tmp / "runs" / "straight"
-
-
-def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "split", checkpoint={"keep": 3}))
+def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):
+    """SIGUSR1 on rank 1 alone at step 5: the ranks agree at step 10, checkpoint and exit 75. Resumed in
+    the same run directory while rank 1 sees a stale `latest` (rank 0 chooses for all), the run ends
+    with the losses of one never stopped; the same checkpoint also resumes on one rank (resharded)."""
+    job = preemptible_job(tmp_path / "runs", digits_dir, "split")
+    job["checkpoint"] = {"every_steps": 4, "keep": 3}
+    path = write_job(tmp_path, job)
     first = _with_fault(path, "signal:1:5")  # SIGUSR1 on rank 1 only
     run_dir = tmp_path / "runs" / "split"
     report = json.loads((run_dir / "exit.json").read_text())
@@ -87,42 +64,24 @@ def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight):
     assert "SIGUSR1 received" in report["message"] and "step-00000010" in report["message"]
     assert latest_checkpoint(run_dir).name == "step-00000010"  # the ranks agree every 10 steps
     shutil.copytree(run_dir, tmp_path / "copy")
-    # Same run directory: resumes from `latest`, which rank 0 chooses for all: rank 1 sees a stale one.
     second = _with_fault(path, "stale-latest:1:8")
     assert second.returncode == 0, second.stdout[-4000:]
     assert "resumed from" in second.stdout and "step-00000010" in second.stdout
-    got, want = _losses(run_dir), _losses(straight)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    assert_same_losses(run_dir, straight_losses)
 
-    # The same checkpoint on one rank (global batch kept): loads and finishes.
-    one = json.loads(path.read_text())
+    one = json.loads(path.read_text())  # the same checkpoint on one rank (global batch kept)
     one["run"]["output_dir"] = str(tmp_path / "one")
     (tmp_path / "one").mkdir()
     shutil.copytree(tmp_path / "copy", tmp_path / "one" / "split")
-    one_path = write_job(tmp_path, one, "one.json")
-    third = _launch(one_path, "--nproc-per-node", "1", "--set", "batch.per_gpu=32")
+    third = _launch(write_job(tmp_path, one, "one.json"), "--nproc-per-node", "1", "--set", "batch.per_gpu=32")
     assert third.returncode == 0, third.stdout[-4000:]
     assert "saved by 2 ranks, this run has 1" in third.stdout
     resumed = _losses(tmp_path / "one" / "split")
-    assert max(resumed) == STEPS and all(torch.isfinite(torch.tensor(v)) for v in resumed.values())
+    assert max(resumed) == PREEMPTIBLE_STEPS and all(torch.isfinite(torch.tensor(v)) for v in resumed.values())
 
 
-def test_one_rank_checkpoint_resumes_on_two(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "grow", batch={"per_gpu": 32},
-                                    launch={"gpus_per_node": 1}))
-    first = _with_fault(path, "signal:0:3", nproc=1)
-    run_dir = tmp_path / "runs" / "grow"
-    assert json.loads((run_dir / "exit.json").read_text())["code"] == 75, first.stdout[-4000:]
-    second = _launch(path, "--nproc-per-node", "2", "--set", "batch.per_gpu=16")
-    assert second.returncode == 0, second.stdout[-4000:]
-    losses = _losses(run_dir)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-
-
-def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "crash", synthetic=True))
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    path = write_job(tmp_path, _plain_job(tmp_path, "crash"))
     crashed = _with_fault(path, "crash-save:1:2")  # dies in its second save (step 8)
     assert crashed.returncode != 0
     run_dir = tmp_path / "runs" / "crash"
@@ -136,8 +95,8 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, digits_dir):
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000008", "step-00000012"]
 
 
-def test_non_finite_step_is_skipped(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "skip", synthetic=True, schedule={"steps": 6}))
+def test_non_finite_step_is_skipped(tmp_path):
+    path = write_job(tmp_path, _plain_job(tmp_path, "skip", schedule={"steps": 6}))
     proc = _with_fault(path, "nan:3")
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "skip" / "metrics.jsonl").read_text().splitlines()]
@@ -145,8 +104,8 @@ def test_non_finite_step_is_skipped(tmp_path, digits_dir):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if r["step"] != 3)
 
 
-def test_non_finite_step_stops_with_last_checkpoint(tmp_path, digits_dir):
-    path = write_job(tmp_path, _job(tmp_path, digits_dir, "stop", synthetic=True, optimizer={"on_nonfinite": "stop"}))
+def test_non_finite_step_stops_with_last_checkpoint(tmp_path):
+    path = write_job(tmp_path, _plain_job(tmp_path, "stop", optimizer={"on_nonfinite": "stop"}))
     proc = _with_fault(path, "nan:6")
     run_dir = tmp_path / "runs" / "stop"
     report = json.loads((run_dir / "exit.json").read_text())
@@ -160,7 +119,8 @@ def trained_for_export(tmp_path_factory):
     """A checkpointed 2-rank run and the encodings of its sharded model."""
     tmp = tmp_path_factory.mktemp("export")
     out = tmp / "trained.json"
-    proc = torchrun(["tests/workers/train_checks.py", "export", str(out), str(write_job(tmp, _plain_job(tmp)))])
+    job = _plain_job(tmp, "parity", schedule={"steps": 6}, checkpoint={"every_steps": None})
+    proc = torchrun(["tests/workers/train_checks.py", "export", str(out), str(write_job(tmp, job))])
     assert proc.returncode == 0, proc.stdout[-4000:]
     return tmp / "runs" / "parity", json.loads(out.read_text())
 
@@ -219,6 +179,16 @@ def test_export_rejects_what_is_not_a_checkpoint(tmp_path, cli):
     assert squeezed("neither a complete checkpoint") in squeezed(result.output)
 
 
+def test_export_to_an_impossible_destination(tmp_path, cli, trained_for_export):
+    """A destination under a file, or in /proc: one line naming it, exit 2, before the model is read."""
+    run_dir, _ = trained_for_export
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file" / "model.pt", Path("/proc/fsdpclip/model.pt"), tmp_path / "file" / "dir"):
+        result = cli("export", run_dir, out)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert squeezed(f"cannot write {out}") in squeezed(result.output)
+
+
 def test_launch_exits_with_the_trainers_code_on_divergence(tmp_path):
     """A real divergence (absurd LR) stops the run; `fsdpclip launch` returns the documented 65."""
     job = _plain_job(tmp_path, optimizer={"lr": 1e12, "on_nonfinite": "stop"},
@@ -227,16 +197,3 @@ def test_launch_exits_with_the_trainers_code_on_divergence(tmp_path):
     assert proc.returncode == 65, proc.stdout[-4000:]
     assert "is not finite" not in proc.stdout  # stopped, not skipped
     assert "stopped; the last good checkpoint is none" in proc.stdout
-
-
-def test_asynchronous_saves_complete_and_resume(tmp_path):
-    job = _plain_job(tmp_path, checkpoint={"every_steps": 2, "keep": 2, "async_save": True},
-                      schedule={"kind": "constant", "steps": 6})
-    path = write_job(tmp_path, job)
-    assert _launch(path).returncode == 0
-    run_dir = tmp_path / "runs" / "parity"
-    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000004", "step-00000006"]
-    again = _launch(path, "--set", "schedule.steps=8")
-    assert again.returncode == 0, again.stdout[-4000:]
-    assert "resumed from" in again.stdout and "at step 6" in again.stdout
-    assert latest_checkpoint(run_dir).name == "step-00000008"

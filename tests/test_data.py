@@ -108,7 +108,7 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "uneven" / "metrics.jsonl").read_text().splitlines()]
-    steps = (108 // 8) * 3
+    steps = (108 * 3) // 8  # the run's length in samples: 3 epochs of 108, 8 per step
     assert records[-1]["step"] == steps
     final = tmp_path / "runs" / "uneven" / "checkpoints" / f"step-{steps:08d}"
     positions = [torch.load(final / f"rank-{rank:05d}.pt", weights_only=False)["data"] for rank in (0, 1)]

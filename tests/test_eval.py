@@ -176,12 +176,23 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
         ((weights, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test"),
          "does not match the model"),
         ((tmp_path, "--zeroshot", "digits", "--data", digits_dir / "test"), "is not a checkpoint"),
+        ((run_dir, "--zeroshot", "digits", "--data", _empty_classes(tmp_path)), "Found no valid file"),
+        ((run_dir, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test"),
+         "names its own model: --model and --model-config are for exported weights files"),
     ]
     for args, message in cases:
         result = cli("eval", *args)
         assert result.exit_code == 2, (args, result.output)
         assert squeezed(message) in squeezed(result.output), (message, result.output)
         assert "Traceback" not in result.output
+
+
+def _empty_classes(tmp_path):
+    """Ten class folders with no image in them."""
+    root = tmp_path / "empty"
+    for label in range(10):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def _names(tmp_path, count: int):

@@ -59,7 +59,7 @@ def test_sbatch_matches_golden(name):
 def test_cluster_example_is_the_rendered_example():
     script = _render("examples/vit-b-32-laion400m.json", [], None)
     _check_golden(CLUSTER_EXAMPLE, script)
-    assert "source /opt/fsdpclip/.venv/bin/activate" in script and "\n    python -m torch.distributed.run" in script
+    assert "source /opt/fsdpclip/.venv/bin/activate" in script and "\n    python -m fsdpclip.torchrun" in script
 
 
 SCRIPTS = [*sorted(GOLDEN.glob("*.sbatch")), CLUSTER_EXAMPLE, REPO / "cluster" / "local-slurm.sh"]
@@ -88,15 +88,15 @@ def test_sbatch_content():
     assert "--requeue" not in quiet and "trap '" not in quiet and "scontrol requeue" not in quiet
     assert "#SBATCH '--output=/scratch/$USER/my runs/tiny-cpu/logs/slurm-%j.out'" in quiet
     assert "run_dir='/scratch/$USER/my runs/tiny-cpu'" in quiet
-    assert "\n    python -m torch.distributed.run" in quiet  # setup lines choose the interpreter
+    assert "\n    python -m fsdpclip.torchrun" in quiet  # setup lines choose the interpreter
 
 
 def test_torchrun_commands():
     job = Path("/runs/x/job.json")
     assert render(torchrun_command(job, 2, python="py")) == (
-        "py -m torch.distributed.run --nproc-per-node=2 --standalone -m fsdpclip.train /runs/x/job.json")
+        "py -m fsdpclip.torchrun --nproc-per-node=2 --standalone -m fsdpclip.train /runs/x/job.json")
     assert render(torchrun_command(job, 8, 4, 3, "10.0.0.1", 29400, python="py")) == (
-        "py -m torch.distributed.run --nproc-per-node=8 --nnodes=4 --node-rank=3 --master-addr=10.0.0.1 "
+        "py -m fsdpclip.torchrun --nproc-per-node=8 --nnodes=4 --node-rank=3 --master-addr=10.0.0.1 "
         "--master-port=29400 -m fsdpclip.train /runs/x/job.json")
 
 

@@ -9,21 +9,10 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG
+from fsdpclip.jobfile import model_in
 from fsdpclip.spec import DATA_SOURCES, LOSS_KINDS, Job, ModelSpec
 
 OPTIONS = REPO / "docs" / "options.md"
-
-
-def _model_in(annotation):
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def spec_fields(model=Job, prefix: str = "") -> set[str]:
@@ -36,7 +25,7 @@ def spec_fields(model=Job, prefix: str = "") -> set[str]:
             for member in unions[path].values():
                 fields |= spec_fields(member, path + ".")
             continue
-        inner = _model_in(field.annotation)
+        inner = model_in(field.annotation)
         if inner is None:
             fields.add(path)
         else:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_CONFIG, write_job
+from conftest import PREEMPTIBLE_STEPS, REPO, TINY_CONFIG, assert_same_losses, preemptible_job, write_job
 from ranks import run_group
 from fsdpclip.checkpoint import latest_checkpoint
 
@@ -125,22 +125,12 @@ def _logs(run_dir: Path, job_id: str) -> tuple[str, str]:
     return (logs / f"slurm-{job_id}.out").read_text(), (logs / f"slurm-{job_id}-node0.out").read_text()
 
 
-def test_job_trains_to_completion(slurm, tmp_path):
-    job_id = slurm.submit(_job(tmp_path, steps=20, every=10))
-    job = slurm.wait_until_ended(job_id)
-    run_dir = tmp_path / "runs" / "slurm"
-    batch_log, node_log = _logs(run_dir, job_id)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", batch_log + node_log[-3000:]
-    assert (run_dir / "launch.sbatch").is_file() and f"fsdpclip: job {job_id} (restart 0)" in batch_log
-    assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
-    assert _steps(run_dir)[-1] == 20
-    assert [p.name for p in sorted((run_dir / "checkpoints").glob("step-*"))] == ["step-00000010", "step-00000020"]
-    assert latest_checkpoint(run_dir).name == "step-00000020"
-
-
-def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
-    steps = 80  # long enough for the signal to land mid-run (it takes about a second)
-    job_id = slurm.submit(_job(tmp_path, steps=steps, every=40))
+def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, digits_dir, straight_losses):
+    """What Slurm does before a time limit, with 2 data workers per rank: USR1 to the batch script ->
+    checkpoint -> requeue under the same job id -> resume -> every step done, with the losses of a run
+    that was never stopped, a final checkpoint and exit.json's code 0."""
+    path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "slurm", master_port=_free_port()))
+    job_id = slurm.submit(path)
     run_dir = tmp_path / "runs" / "slurm"
     deadline = time.monotonic() + 90
     while not ((run_dir / "metrics.jsonl").exists() and _steps(run_dir)):  # training has begun
@@ -151,17 +141,19 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     job = slurm.wait_until_ended(job_id)
     batch_log, node_log = _logs(run_dir, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", batch_log + node_log[-3000:]
-    assert "USR1: stopping the trainer with SIGTERM" in batch_log and f"requeueing job {job_id}" in batch_log
+    assert (run_dir / "launch.sbatch").is_file() and f"fsdpclip: job {job_id} (restart 0)" in batch_log
+    assert "USR1: asking the trainer to checkpoint and stop" in batch_log and f"requeueing job {job_id}" in batch_log
     assert f"fsdpclip: job {job_id} (restart 1)" in batch_log
-    stopped = re.search(r"SIGTERM received: stopped after step (\d+); checkpoint saved at (\S+);", node_log)
+    assert "Traceback" not in node_log and "killed by signal" not in node_log
+    stopped = re.search(r"a stop was requested: stopped after step (\d+); checkpoint saved at (\S+);", node_log)
     assert stopped, node_log[-3000:]
     step, checkpoint = int(stopped.group(1)), stopped.group(2)
-    assert step < steps and checkpoint.endswith(f"step-{step:08d}")
+    assert step < PREEMPTIBLE_STEPS and checkpoint.endswith(f"step-{step:08d}")
     assert f"resumed from {checkpoint} at step {step}" in node_log
-    assert sorted(set(_steps(run_dir))) == list(range(1, steps + 1))
+    assert_same_losses(run_dir, straight_losses)
     report = json.loads((run_dir / "exit.json").read_text())
-    assert report["code"] == 0 and report["step"] == steps
-    assert latest_checkpoint(run_dir).name == f"step-{steps:08d}"
+    assert report["code"] == 0 and report["step"] == PREEMPTIBLE_STEPS
+    assert latest_checkpoint(run_dir).name == f"step-{PREEMPTIBLE_STEPS:08d}"
 
 
 def test_two_nodes_one_rank_each(slurm, tmp_path):

@@ -156,3 +156,24 @@ def test_no_traceback_from_the_real_command(tiny_job, tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "freeze.image.blocks" in proc.stderr
+
+
+def test_inputs_that_once_ended_in_tracebacks(cli, tiny_job, tmp_path):
+    """A 300-character run name, a run directory whose name the filesystem refuses, a key nested 1000
+    deep, a 10 MB string: each a located error (exit 2), the long value shown shortened."""
+    long_name = _set(tiny_job, "run.name", "r" * 300)
+    code, out = cli.validate_json(write_job(tmp_path, long_name))
+    assert code == 2 and out["errors"][0]["location"] == "run.name" and "128" in out["errors"][0]["message"]
+
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(tmp_path / ("d" * 300)))))
+    assert code == 2 and [e["location"] for e in out["errors"]] == ["run.output_dir"]
+    assert "cannot hold a run directory" in out["errors"][0]["message"]
+
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"model": {"name": "ViT-B-32"}, "x": ' + '{"x": ' * 1000 + "{}" + "}" * 1001)
+    code, out = cli.validate_json(deep)
+    assert code == 2 and "nested too deeply" in out["errors"][0]["message"]
+
+    result = cli("validate", write_job(tmp_path, _set(tiny_job, "model", {"name": "A" * 10_000_000})))
+    assert result.exit_code == 2 and len(result.output) < 20_000, len(result.output)
+    assert "(10,000,000 characters)" in result.output.replace("\n", "")

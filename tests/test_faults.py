@@ -1,0 +1,258 @@
+"""Faults the way they happen: signals to a launch's whole process group, a second launch into a run
+directory in use, specs changed between launches, checkpoints that cannot be read, a rank that crashes.
+
+Every test starts `fsdpclip launch` in a process group of its own and stops only that group; it
+checks that no process of the job outlives it (scanning /proc for the job's file on a command line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_CONFIG, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
+from ranks import REPO, run_group
+
+
+def _start(path: Path, log: Path, *extra: str) -> subprocess.Popen:
+    """`fsdpclip launch` as a terminal starts it: its own process group, output to `log`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "fsdpclip", "launch", str(path), *extra], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(process: subprocess.Popen, log: Path, timeout: float = 180) -> tuple[int, str]:
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise AssertionError(f"launch still running after {timeout}s:\n{log.read_text()[-4000:]}")
+    return code, log.read_text()
+
+
+def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").is_file() and max(logged_losses(run_dir), default=0) >= step):
+        assert process.poll() is None, f"the launch ended early:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"step {step} never came:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def _job_processes(run_dir: Path) -> list[int]:
+    """Processes whose command line names the run's job file (torchrun, its ranks)."""
+    needle, found = str(run_dir / "job.json").encode(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _none_left(run_dir: Path, grace: float = 15) -> None:
+    deadline = time.monotonic() + grace
+    while _job_processes(run_dir):
+        assert time.monotonic() < deadline, f"processes of the job outlived it: {_job_processes(run_dir)}"
+        time.sleep(0.2)
+
+
+def _exit_report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "exit.json").read_text())
+
+
+def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses):
+    """SIGTERM to the whole process group of `fsdpclip launch` (a scheduler's `kill -TERM -PGID`), with
+    2 data workers per rank: a checkpoint, exit 75, no process left, no traceback; relaunched, the run
+    finishes with the losses of a run that was never stopped."""
+    run_dir = tmp_path / "runs" / "preempted"
+    path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "preempted"))
+    process = _start(path, tmp_path / "first.log")
+    _wait_for_step(run_dir, 2, process, tmp_path / "first.log")
+    os.killpg(process.pid, signal.SIGTERM)
+    code, output = _finish(process, tmp_path / "first.log")
+    assert code == 75, output[-4000:]
+    assert "Traceback" not in output and "killed by signal" not in output
+    report = _exit_report(run_dir)
+    assert report["code"] == 75 and "a stop was requested: stopped after step 10" in report["message"]
+    _none_left(run_dir)
+    again = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert "resumed from" in again.stdout and "step-00000010" in again.stdout
+    assert_same_losses(run_dir, straight_losses)
+
+
+def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir):
+    """While a job runs, a second launch into its run directory is refused (exit 2, naming the holder)
+    and changes nothing; two Ctrl-C to the first stop it at once (exit 130), leaving no process."""
+    run_dir = tmp_path / "runs" / "busy"
+    job = preemptible_job(tmp_path / "runs", digits_dir, "busy")
+    job["schedule"]["steps"], job["batch"]["per_gpu"] = 1000, 64  # slow steps: the ranks must not stop first
+    path = write_job(tmp_path, job)
+    first = _start(path, tmp_path / "first.log")
+    _wait_for_step(run_dir, 2, first, tmp_path / "first.log")
+    written = (run_dir / "job.json").read_text()
+    second = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), "--set", "optimizer.lr=0.5"],
+                       timeout=120)
+    assert second.returncode == 2, second.stdout[-3000:]
+    assert squeezed(f"is in use by pid {first.pid} on {socket.gethostname()}") in squeezed(second.stdout)
+    assert (run_dir / "job.json").read_text() == written
+    os.killpg(first.pid, signal.SIGINT)
+    time.sleep(0.3)  # two signals at once would be one
+    os.killpg(first.pid, signal.SIGINT)
+    code, output = _finish(first, tmp_path / "first.log", timeout=60)
+    assert code == 130, output[-3000:]
+    _none_left(run_dir)
+    assert _exit_report(run_dir)["code"] == 130
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert len(steps) == len(set(steps))  # one job wrote them
+
+
+def _short_job(tmp_path, **extra) -> dict:
+    """2 epochs of 320 synthetic samples, 16 per rank and step: 20 steps, a checkpoint every 10, saved in
+    the background."""
+    job = {"run": {"name": "story", "output_dir": str(tmp_path / "runs"), "seed": 1},
+           "model": {"config": str(TINY_CONFIG)}, "fsdp": {"param_dtype": "fp32"},
+           "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 2, "epochs": 2},
+           "data": {"source": "synthetic", "samples": 320}, "batch": {"per_gpu": 16},
+           "checkpoint": {"every_steps": 10, "keep": 2, "async_save": True}, "logging": {"every_steps": 1},
+           "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60}}
+    job.update(extra)
+    return job
+
+
+def _launch(path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), *extra], timeout=300)
+
+
+def _cosine_lr(peak: float, warmup: int, total: int, step: int) -> float:
+    """open_clip_train's cosine_lr at a step, written out."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) * peak
+
+
+def _truncate(checkpoint: Path) -> str:
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard.name
+
+
+def test_relaunches_of_one_run(tmp_path, cli):
+    """One run (its checkpoints saved in the background) relaunched as users do. Another model: refused
+    before any rank starts, job.json kept. A truncated shard in the newest checkpoint: export names the
+    file (exit 2). A new lr and length: training resumes from the checkpoint before the damaged one,
+    with a warning saying why, and applies them from its step (the schedule recomputed, each change
+    printed and recorded). The finished epoch-based run with another batch: nothing more to train.
+    No readable checkpoint left: exit 2, none replaced."""
+    run_dir = tmp_path / "runs" / "story"
+    path = write_job(tmp_path, _short_job(tmp_path))
+    assert _launch(path).returncode == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-00000010", "step-00000020"]
+    written = (run_dir / "job.json").read_text()
+
+    other = tmp_path / "wider.json"
+    other.write_text(json.dumps(json.loads(TINY_CONFIG.read_text()) | {"embed_dim": 96}))
+    refused = _launch(path, "--set", f"model.config={other}")
+    assert refused.returncode == 2 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+    assert "model.config" in refused.stdout and squeezed("differs from") in squeezed(refused.stdout)
+    assert (run_dir / "job.json").read_text() == written
+    code, out = cli.validate_json(path, "--set", f"model.config={other}")
+    assert code == 2 and out["errors"][0]["location"] == "model.config"
+
+    newest = run_dir / "checkpoints" / "step-00000020"
+    shard = _truncate(newest)
+    exported = cli("export", run_dir, tmp_path / "out.pt")
+    assert exported.exit_code == 2 and "Traceback" not in exported.output
+    assert squeezed(f"{shard} is truncated") in squeezed(exported.output)
+    assert not list(tmp_path.glob("out.pt*"))
+
+    longer = ("--set", "optimizer.lr=0.002", "--set", "schedule.epochs=3")
+    relaunched = _launch(path, *longer)
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:]
+    assert f"skipping {newest}: {shard} is truncated" in relaunched.stdout
+    assert "step-00000010 at step 10" in relaunched.stdout
+    for change in ("optimizer.lr: 0.001 → 0.002", "schedule.epochs: 2 → 3"):
+        assert change in relaunched.stdout
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert max(records) == 30 and records[11]["lr"] == pytest.approx(_cosine_lr(0.002, 2, 30, 11), rel=1e-6)
+    history = sorted((run_dir / "launches").glob("*.json"))
+    assert len(history) == 2 and "optimizer.lr: 0.001 → 0.002" in json.loads(history[-1].read_text())["changes"]
+
+    finished = _launch(path, *longer, "--set", "batch.per_gpu=8")
+    assert finished.returncode == 0 and "already finished: step 30 of 30" in finished.stdout, finished.stdout[-3000:]
+    assert max(logged_losses(run_dir)) == 30
+
+    for checkpoint in (run_dir / "checkpoints").glob("step-*"):
+        (checkpoint / "meta.json").unlink()
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    stopped = _launch(path, *longer)
+    assert stopped.returncode == 2 and "checkpoint.resume" in stopped.stdout
+    code, out = cli.validate_json(path, *longer)
+    assert code == 2 and "none can be loaded" in out["errors"][0]["message"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == kept
+
+
+def test_a_crashing_rank_is_reported(tmp_path):
+    """A rank that fails (here: its shards hold fewer samples than one batch) ends the launch with one
+    ✗ line naming it and its error, written to exit.json over the previous launch's report."""
+    import webdataset as wds
+
+    from fsdpclip.digits import load_sklearn_digits, to_jpeg
+
+    images, _ = load_sklearn_digits()
+    for shard, count in enumerate((40, 3)):
+        with wds.TarWriter(str(tmp_path / f"s-{shard}.tar")) as sink:
+            for i in range(count):
+                sink.write({"__key__": f"{shard}-{i:03d}", "jpg": to_jpeg(images[i]), "txt": "a digit"})
+    job = _short_job(tmp_path, data={"urls": str(tmp_path / "s-{0..1}.tar"), "samples": 43, "workers": 1},
+                     schedule={"steps": 5})
+    run_dir = tmp_path / "runs" / "story"
+    run_dir.mkdir(parents=True)
+    (run_dir / "exit.json").write_text(json.dumps({"code": 0, "message": "finished 40 steps", "time": 1.0}))
+    crashed = _launch(write_job(tmp_path, job))
+    report = _exit_report(run_dir)
+    assert crashed.returncode == 1 and report["code"] == 1, crashed.stdout[-3000:]
+    assert "failed: RuntimeError: rank" in report["message"] and "got no complete batch" in report["message"]
+    assert f"✗ {report['message'][:60]}" in crashed.stdout
+
+
+def test_lock_of_a_finished_process_is_taken_over(tmp_path):
+    """A lock left by a process that is gone (same host) is taken over; a live holder's is not."""
+    from fsdpclip.rundir import RunLocked, acquire_lock, lock_holder, release_lock
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "token": "old",
+                                               "since": time.time()}))
+    assert acquire_lock(tmp_path, "new") is True and lock_holder(tmp_path).token == "new"
+    assert acquire_lock(tmp_path, "new") is False  # the same job again (a requeued Slurm job)
+    with pytest.raises(RunLocked, match=f"pid {os.getpid()}"):
+        acquire_lock(tmp_path, "third")
+    release_lock(tmp_path, "new")
+    assert lock_holder(tmp_path) is None
+
+
+def test_every_fault_row_names_a_test():
+    """docs/faults.md: every row names a test, and every test it names exists."""
+    import re
+
+    rows = [line for line in (REPO / "docs" / "faults.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| fault", "|---"))]
+    assert len(rows) >= 20
+    for row in rows:
+        tests = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row)
+        assert tests, row
+        for file, name in tests:
+            assert re.search(rf"^def {name}\(", (REPO / file).read_text(), re.M), f"{file}::{name} not found"
