@@ -180,7 +180,7 @@ def launch(
         report = run_local(job, flags)
     except LaunchError as exc:
         _stop(str(exc))
-    mark = "[green]✓[/green]" if report["code"] == 0 else "[red]✗[/red]"
+    mark = {0: "[green]✓[/green]", 75: "[yellow]‖[/yellow]"}.get(report["code"], "[red]✗[/red]")  # 75: preempted
     (console if report["code"] == 0 else err_console).print(f"{mark} {report['message']}", highlight=False,
                                                              soft_wrap=True)
     raise typer.Exit(report["code"])
