@@ -49,6 +49,17 @@ def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Pat
         time.sleep(0.2)
 
 
+def _wait_just_past_a_stop_check(run_dir: Path, process: subprocess.Popen, log: Path) -> None:
+    """Until the ranks have just passed a stop check (they agree every 10 steps), so that a signal sent
+    now leaves them several steps of work before they can act on it."""
+    step = 11
+    while True:
+        _wait_for_step(run_dir, step, process, log)
+        if max(logged_losses(run_dir)) % 10 in range(1, 5):
+            return
+        step += 10
+
+
 def _job_processes(run_dir: Path) -> list[int]:
     """Processes whose command line names the run's job file (torchrun, its ranks)."""
     needle, found = str(run_dir / "job.json").encode(), []
@@ -108,6 +119,7 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir):
     assert second.returncode == 2, second.stdout[-3000:]
     assert squeezed(f"is in use by pid {first.pid} on {socket.gethostname()}") in squeezed(second.stdout)
     assert (run_dir / "job.json").read_text() == written
+    _wait_just_past_a_stop_check(run_dir, first, tmp_path / "first.log")
     os.killpg(first.pid, signal.SIGINT)
     time.sleep(0.3)  # two signals at once would be one
     os.killpg(first.pid, signal.SIGINT)
