@@ -22,20 +22,27 @@ from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matc
 from fsdpclip.urls import is_local, shard_urls
 
 
-def world_size_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
-                  gpus_per_node: Optional[int] = None) -> int:
-    """The world size to check against: explicit, from nodes × GPUs, or from the spec."""
+def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
+              gpus_per_node: Optional[int] = None) -> tuple[int, int]:
+    """(world size, ranks per node) to check against: from nodes × GPUs (flags over the spec), or an
+    explicit world size laid out in nodes of launch.gpus_per_node (one node when they do not tile it)."""
     if world_size is not None:
-        return world_size
-    return (nodes or job.launch.nodes) * (gpus_per_node or job.launch.gpus_per_node)
+        per_node = job.launch.gpus_per_node
+        return world_size, per_node if world_size % per_node == 0 else world_size
+    per_node = gpus_per_node or job.launch.gpus_per_node
+    return (nodes or job.launch.nodes) * per_node, per_node
 
 
-def check_job(job: Job, world_size: int, check_paths: bool = True) -> Report:
+def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optional[int] = None,
+              check_paths: bool = True) -> Report:
     """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
 
-    `check_paths=False` skips the existence of data, eval and weight files (paths of another machine).
+    The world defaults to the spec's launch section; `check_paths=False` skips the existence of data,
+    eval and weight files (paths of another machine).
     """
-    report = Report(world_size)
+    if world_size is None:
+        world_size, gpus_per_node = layout_of(job)
+    report = Report(world_size, gpus_per_node or world_size)
     _check_precision(job, report)
     _check_eval(job, report)
     steps = _check_batch_and_schedule(job, report)

@@ -69,8 +69,9 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
-    from fsdpclip.checks import check_job, world_size_of
+    from fsdpclip.checks import check_job, layout_of
     from fsdpclip.jobfile import load_job
+    from fsdpclip.tables import summary_tables
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
         _fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
@@ -78,7 +79,7 @@ def validate(
         job = load_job(job_file, overrides)
     except SpecError as exc:
         _fail(exc.problems, as_json)
-    report = check_job(job, world_size_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
+    report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
     if report.errors:
         _fail(report.problems, as_json)
     if as_json:
@@ -87,48 +88,59 @@ def validate(
         return
     if report.warnings:
         _problem_table(report.warnings, console)
-    _summary_tables(report.summary)
+    for table in summary_tables(report.summary):
+        console.print(table)
     console.print(f"[bold green]✓[/bold green] {job_file} is valid for world size {report.world_size}")
 
 
-def _summary_tables(summary: dict) -> None:
-    params = Table(title=f"{summary['model']} ({summary['class']})")
-    for column in ("tower", "parameters", "trainable", "frozen", "blocks", "block class"):
-        params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
-    for tower, row in summary["towers"].items():
-        params.add_row(tower, f"{row['parameters']:,}", f"{row['trainable']:,}", f"{row['frozen']:,}",
-                       str(row["blocks"] or ""), ", ".join(row["block_classes"]))
-    total = summary["parameters"]
-    params.add_row("total", f"{total['parameters']:,}", f"{total['trainable']:,}", f"{total['frozen']:,}", "", "",
-                   style="bold")
-    console.print(params)
+H200_MEMORY_GIB = 139.0  # what torch reports an H200 has; plan's default GPU when the spec names none
 
-    units = Table(title=f"FSDP units (world size {summary['world_size']})")
-    for column in ("tower", "class", "units", "blocks each", "parameters each", "fp32 shard each", "first"):
-        units.add_column(column, justify="left" if column in ("tower", "class", "first") else "right")
-    for row in summary["fsdp_units"]:
-        units.add_row(row["tower"], row["class"], str(row["count"]), str(row["modules_each"]),
-                      f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", row["first"])
-    console.print(units)
 
-    decay = Table(title="Weight decay groups (original parameter names)")
-    for column in ("rule", "weight decay", "tensors", "parameters"):
-        decay.add_column(column, justify="left" if column == "rule" else "right")
-    for row in summary["decay_groups"]:
-        decay.add_row(row["rule"], f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
-    console.print(decay)
+@app.command()
+def plan(
+    job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
+    nodes: int = typer.Option(..., "--nodes", min=1, help="Number of nodes."),
+    gpus_per_node: int = typer.Option(..., "--gpus-per-node", min=1, help="GPUs (ranks) per node."),
+    intra_gbps: Optional[float] = typer.Option(None, "--intra-gbps", min=1e-3,
+                                               help="Collective bandwidth inside a node, Gb/s per GPU "
+                                                    "(default: NVLink's 2880)."),
+    inter_gbps: Optional[float] = typer.Option(None, "--inter-gbps", min=1e-3,
+                                               help="Collective bandwidth across nodes, Gb/s per GPU "
+                                                    "(default: a 400G NDR adapter's 360)."),
+    tflops: Optional[float] = typer.Option(None, "--tflops", min=1e-3,
+                                           help="Sustained TFLOP/s per GPU (default: what fsdpclip measured)."),
+    gpu_memory_gib: Optional[float] = typer.Option(None, "--gpu-memory-gib", min=1e-3,
+                                                   help="Memory of one GPU (default: launch.gpu_memory_gib, else "
+                                                        "an H200's 139)."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Compare the ways to lay a job over NODES x GPUS: replication, HSDP at each shard degree, full FSDP."""
+    from dataclasses import asdict
 
-    memory = summary["memory_gib"]
-    mem = Table(title="Estimated memory per GPU (GiB)")
-    columns = ("parameters", "gradients", "optimizer", "unsharded", "activations", "inputs", "total", "host")
-    for key in columns:
-        mem.add_column(key, justify="right")
-    mem.add_row(*(f"{memory[k]:.2f}" for k in columns))
-    console.print(mem)
-    batch = summary["batch"]
-    steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
-    console.print(f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
-                  f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+    from fsdpclip.checks import check_job
+    from fsdpclip.jobfile import load_job
+    from fsdpclip.plan import INTER_GBPS, INTRA_GBPS, plan_job
+    from fsdpclip.tables import plan_model_line, plan_table
+
+    try:
+        job = load_job(job_file, overrides)
+    except SpecError as exc:
+        _fail(exc.problems, as_json)
+    world = nodes * gpus_per_node
+    job = job.model_copy(update={"batch": job.batch.model_copy(update={"global_batch": None})})  # per GPU counts
+    report = check_job(job, world, gpus_per_node, check_paths=False)
+    blocking = [p for p in report.errors if p.location != "fsdp.shard_degree"]  # plan is where to choose it
+    if blocking:
+        _fail(blocking, as_json)
+    capacity = gpu_memory_gib or job.launch.gpu_memory_gib or H200_MEMORY_GIB
+    intra_gbps, inter_gbps = intra_gbps or INTRA_GBPS, inter_gbps or INTER_GBPS
+    result = plan_job(job, nodes, gpus_per_node, capacity, tflops, intra_gbps, inter_gbps)
+    if as_json:
+        print(json.dumps(asdict(result) | {"spec_shard_degree": job.fsdp.shard_degree}, indent=2))
+        return
+    console.print(plan_table(job, result, capacity))
+    console.print(plan_model_line(result, intra_gbps, inter_gbps), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -158,7 +170,7 @@ def launch(
     try:
         flags.check()
         job = load_job(job_file, [*overrides, *flags.overrides()])
-        report = check_job(job, job.launch.world_size)
+        report = check_job(job)
         if report.errors:
             _fail(report.problems)
         if report.warnings:

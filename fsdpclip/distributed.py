@@ -1,4 +1,4 @@
-"""The process group, device and device mesh of one rank."""
+"""The process group, device and device meshes of one rank."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass(frozen=True)
 class Dist:
-    """Where this process stands: its rank, the world, its device and the 1-D mesh FSDP shards over."""
+    """Where this process stands: its rank, the world, its device and the 1-D mesh of the whole world
+    (full sharding; `shard_mesh` gives the HSDP one)."""
 
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int  # ranks on this node
     device: torch.device
     mesh: DeviceMesh
 
@@ -37,6 +39,7 @@ def init_distributed(device_kind: str, timeout_s: float, cpu_collectives: bool =
                           MASTER_PORT=str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if device_kind == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("launch.device is 'cuda' but no GPU is visible; use 'cpu' for CPU runs")
@@ -49,8 +52,28 @@ def init_distributed(device_kind: str, timeout_s: float, cpu_collectives: bool =
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-    return Dist(rank, world, local_rank, device, mesh)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return Dist(rank, world, local_rank, local_world, device, mesh)
+
+
+def shard_mesh(env: Dist, shard_degree: int) -> DeviceMesh:
+    """The mesh FSDP shards over for groups of `shard_degree` consecutive ranks: the world's 1-D mesh
+    when one group holds every rank, else a 2-D (replicate, shard) mesh, whose last dimension is the
+    shard group (HSDP: fully_shard shards over it and all-reduces across the first)."""
+    if shard_degree == env.world_size:
+        return env.mesh
+    return init_device_mesh(env.device.type, (env.world_size // shard_degree, shard_degree),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group(mesh: DeviceMesh):
+    """The process group of this rank's shard group (the last dimension of an FSDP mesh)."""
+    return mesh.get_group(mesh.ndim - 1)
+
+
+def shard_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's index in its shard group, the group's size)."""
+    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
 
 
 def free_port() -> int:

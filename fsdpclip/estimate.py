@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ class MemoryEstimate:
     """Bytes per GPU: the sharded state, the unsharded working copies and the activations."""
 
     world_size: int
+    shard_degree: int  # ranks the state is sharded over (the world size, or an HSDP group)
     parameters: float  # fp32 master shards
     gradients: float  # fp32 gradient shards (trainable only)
     optimizer: float  # AdamW moments (trainable only)
@@ -38,9 +40,9 @@ class MemoryEstimate:
         return self.parameters + self.optimizer + self.unsharded + self.inputs + max(self.activations, self.gradients)
 
     def as_gib(self) -> dict:
-        out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "world_size"}
+        out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in ("world_size", "shard_degree")}
         out["total"] = round(self.total / GIB, 3)
-        out["world_size"] = self.world_size
+        out["world_size"], out["shard_degree"] = self.world_size, self.shard_degree
         return out
 
 
@@ -86,8 +88,10 @@ def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed
 
 
 def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, world_size: int,
-                    input_bytes_per_sample: float = 0.0, feature_width: int = 0) -> MemoryEstimate:
-    """Peak memory of one GPU for `job` at `world_size` (activation part from `activation_elements`).
+                    input_bytes_per_sample: float = 0.0, feature_width: int = 0,
+                    shard_degree: Optional[int] = None) -> MemoryEstimate:
+    """Peak memory of one GPU for `job` at `world_size`, its state sharded over `shard_degree` ranks
+    (default: all of them); the activation part from `activation_elements`.
 
     Gradient accumulation (OpenCLIP's accum_freq) keeps activations at one micro batch's, but holds
     all the step's micro batches on the device, caches their image and text features, and each micro
@@ -95,9 +99,10 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     """
     fsdp, micro, accum = job.fsdp, job.batch.per_gpu, job.batch.grad_accum
     param_bytes, reduce_bytes = DTYPE_BYTES[fsdp.param_dtype], DTYPE_BYTES[fsdp.reduce_dtype]
-    params = sum(u.shard_numel(world_size) for u in units) * 4
+    degree = shard_degree or world_size
+    params = sum(u.shard_numel(degree) for u in units) * 4
     trainable_fraction = [u.trainable / u.numel if u.numel else 0.0 for u in units]
-    grads = sum(u.shard_numel(world_size) * f for u, f in zip(units, trainable_fraction)) * 4
+    grads = sum(u.shard_numel(degree) * f for u, f in zip(units, trainable_fraction)) * 4
     optimizer = 2 * grads
     root, blocks = units[-1], units[:-1]
     largest = max((u.numel for u in blocks), default=0)
@@ -109,4 +114,4 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     host = 0.0
     if fsdp.cpu_offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    return MemoryEstimate(world_size, params, grads, optimizer, unsharded, activations, inputs, host)
+    return MemoryEstimate(world_size, degree, params, grads, optimizer, unsharded, activations, inputs, host)

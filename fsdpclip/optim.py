@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdpclip.distributed import shard_coordinate, shard_group
 from fsdpclip.trainable import DecayGroup
 from fsdpclip.spec import FsdpSpec, OptimizerSpec, ScheduleSpec
 
@@ -155,8 +156,9 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) ->
     """The global gradient norm, clipping to `max_norm` when set; no host sync.
 
     FSDP's gradients are DTensor shards: the norm is torch's `get_total_norm` over each rank's local
-    shards, squared and summed over the ranks (one all-reduce), plus the replicated gradients (the
-    temperature and bias, the same on every rank: counted once). Clipping scales the local shards
+    shards, squared and summed over the shard group (one all-reduce; HSDP replicas hold the same
+    shards, each counted once), plus the replicated gradients (the temperature and bias, the same on
+    every rank: counted once). Clipping scales the local shards
     with one foreach kernel, as `clip_grads_with_norm_` would scale the DTensors through per-tensor
     dispatch (the cost docs/performance.md change 1 removed).
     """
@@ -168,7 +170,9 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) ->
     device = (shards or whole)[0].device if grads else local(parameters[0]).device
     squares = get_total_norm(shards).to(device, torch.float32).square() if shards else torch.zeros((), device=device)
     if shards:
-        dist.all_reduce(squares)
+        mesh = next(g for g in grads if isinstance(g, DTensor)).device_mesh
+        if shard_coordinate(mesh)[1] > 1:
+            dist.all_reduce(squares, group=shard_group(mesh))
     if whole:
         squares = squares + get_total_norm(whole).to(device, torch.float32).square()
     norm = squares.sqrt()

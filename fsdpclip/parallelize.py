@@ -152,10 +152,13 @@ def materialize(model: nn.Module, device: torch.device, offload: bool, source: O
     """Give the sharded meta model real storage and the weights of `source` (a full model on rank 0).
 
     Rank 0 broadcasts each tensor in turn; every rank copies out only its own rows (FSDP2 shards
-    dim 0 in chunks of ceil(n / world)), so the work per rank does not grow with the world size.
+    dim 0 in chunks of ceil(n / group size) over the mesh's shard group; HSDP replicas hold the same
+    rows), so the work per rank does not grow with the world size.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
+    from fsdpclip.distributed import shard_coordinate
 
     model.to_empty(device="cpu" if offload else device)
     if offload:  # only FSDP's shards live on the host; buffers and replicated parameters stay on the device
@@ -166,7 +169,6 @@ def materialize(model: nn.Module, device: torch.device, offload: bool, source: O
             for key, param in module._parameters.items():
                 if param is not None and not isinstance(param, DTensor):
                     module._parameters[key] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
-    rank, world = dist.get_rank(), dist.get_world_size()
     originals = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -175,8 +177,9 @@ def materialize(model: nn.Module, device: torch.device, offload: bool, source: O
             dist.broadcast(full, src=0)
             if isinstance(tensor, DTensor):
                 shard = tensor.to_local()
-                rows = -(-full.shape[0] // world) if full.dim() else 1
-                start = min(rank * rows, full.shape[0] if full.dim() else 0)
+                index, size = shard_coordinate(tensor.device_mesh)
+                rows = -(-full.shape[0] // size) if full.dim() else 1
+                start = min(index * rows, full.shape[0] if full.dim() else 0)
                 shard.copy_(full.narrow(0, start, shard.shape[0]) if full.dim() else full)
             else:
                 tensor.copy_(full)

@@ -40,6 +40,7 @@ class Report:
     """Problems found, and what was learned about the job on the way."""
 
     world_size: int
+    gpus_per_node: int
     problems: list[Problem] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
 

@@ -17,7 +17,9 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationError,
     ValidationInfo,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -27,6 +29,17 @@ from fsdpclip.rundir import write_atomically
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")
 SLICE_RE = re.compile(r"^\s*-?\d*\s*:\s*-?\d*\s*(:\s*-?\d+\s*)?$")
+
+
+def _auto_or_count(value: Any, handler) -> Any:
+    """One error for a value that is neither 'auto' nor a positive integer (not one per union member)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError("expected 'auto' or an integer ≥ 1") from None
+
+
+AutoOrCount = Annotated[Union[Literal["auto"], Annotated[int, Field(ge=1)]], WrapValidator(_auto_or_count)]
 
 
 class Section(BaseModel):
@@ -186,10 +199,16 @@ class GradScalerSpec(Section):
 
 class FsdpSpec(Section):
     wrap: WrapSpec = Field(default_factory=WrapSpec, description="Which modules become FSDP units, per tower.")
-    unit_size: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+    unit_size: AutoOrCount = Field(
         "auto", description="Consecutive blocks (outermost wrap-class modules) of a tower sharded together as one "
                             "FSDP unit: fewer, larger units cost less per-unit overhead and a little more memory. "
                             "'auto': about 400M parameters per unit (measured fastest, docs/performance.md).")
+    shard_degree: AutoOrCount = Field(
+        "auto", description="Ranks per shard group (HSDP): parameters are sharded inside a group and replicated "
+                            "across world size ÷ shard_degree groups; 1 replicates everywhere, the world size is full "
+                            "sharding. A group lies inside a node or spans whole nodes. 'auto': shard inside a node and "
+                            "replicate across nodes; a group of several nodes only when the estimated memory does not "
+                            "fit a GPU (launch.gpu_memory_gib, else the GPU's own memory, at start) with a 10% margin.")
     reshard_after_forward: bool = Field(
         True, description="Free unsharded parameters after forward (less memory, one more all-gather in backward).")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
@@ -422,7 +441,8 @@ class LaunchSpec(Section):
     nodes: int = Field(1, gt=0, description="Number of nodes.")
     gpus_per_node: int = Field(1, gt=0, description="Processes per node: one per GPU (or CPU processes with device 'cpu').")
     device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
-    gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against.")
+    gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
+                                            "and to choose fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
     collective_timeout_s: int = Field(
         1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")

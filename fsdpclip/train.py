@@ -33,7 +33,8 @@ from fsdpclip.checkpoint import (
     CheckpointError, Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
 )
 from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
-from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed
+from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed, shard_mesh
+from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
 from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_transform, model_config, \
@@ -41,6 +42,7 @@ from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_tran
 from fsdpclip.loss import backward_micro_batches, build_loss
 from fsdpclip.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize, replicated_parameters
+from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
 from fsdpclip.rundir import (
     HeldLock, RunLocked, launch_time, lock_token, record_launch, stop_requested, write_crash_report, write_exit_report,
@@ -119,13 +121,40 @@ class Trainer:
         decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0."""
         job, env = self.job, self.env
         model = model_from_config(self.model_config, device="meta")
-        apply_freeze(model, frozen_names(find_towers(model, job.model.block_classes), job.freeze))
+        towers = find_towers(model, job.model.block_classes)
+        apply_freeze(model, frozen_names(towers, job.freeze))
         self.decay_groups = trainable_decay_groups(model, job.optimizer)
         self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
+        self.shard_degree = self._shard_degree(model, towers)
+        self.mesh = shard_mesh(env, self.shard_degree)
+        if env.is_main:
+            log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
         source = initial_model(job.model, job.run.seed) if env.is_main else None
-        parallelize(model, job.fsdp, env.mesh, job.model.block_classes)
+        parallelize(model, job.fsdp, self.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
+
+    def _shard_degree(self, model: torch.nn.Module, towers) -> int:
+        """fsdp.shard_degree, or what 'auto' chooses: the whole world when it fits in one node or runs
+        on CPU, else rank 0 decides from launch.gpu_memory_gib (else the GPU's memory) and tells every
+        rank, so that all build the same mesh."""
+        job, env = self.job, self.env
+        chosen = job.fsdp.shard_degree
+        if chosen != "auto":
+            problem = shard_degree_problem(chosen, env.world_size, env.local_world_size)
+            if problem:
+                raise Stop(EXIT_SPEC, f"fsdp.shard_degree {chosen}: {problem}")
+            return chosen
+        if env.device.type != "cuda" or env.world_size <= env.local_world_size:
+            return env.world_size
+        decided = [None]
+        if env.is_main:
+            capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else \
+                torch.cuda.get_device_properties(env.device).total_memory
+            memory, _ = memory_model(job, model, towers)
+            decided[0] = auto_shard_degree(memory, env.world_size, env.local_world_size, capacity)
+        dist.broadcast_object_list(decided, src=0)
+        return decided[0]
 
     # ------------------------------------------------------------------ data
     def _batches(self):

@@ -80,6 +80,35 @@ def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):
     assert max(resumed) == PREEMPTIBLE_STEPS and all(torch.isfinite(torch.tensor(v)) for v in resumed.values())
 
 
+def test_resume_across_mesh_shapes(tmp_path, cli):
+    """A checkpoint of 4 ranks as HSDP 2 × 2 resumes as full FSDP over 4 with the losses of the run that
+    went straight on (fp32), and both runs' last checkpoints load on one process (export) to the same
+    weights."""
+    def job(name: str, degree, resume: str = "latest") -> Path:
+        spec = _plain_job(tmp_path, name, fsdp={"shard_degree": degree}, launch={"gpus_per_node": 4},
+                          checkpoint={"every_steps": 4, "keep": 3, "resume": resume})
+        return write_job(tmp_path, spec, f"{name}.json")
+
+    straight = _launch(job("hsdp", 2))
+    assert straight.returncode == 0, straight.stdout[-4000:]
+    assert squeezed("2 replica(s) × shard groups of 2") in squeezed(straight.stdout)
+    as_fsdp = _launch(job("fsdp", 4, str(tmp_path / "runs" / "hsdp" / "checkpoints" / "step-00000004")))
+    assert as_fsdp.returncode == 0, as_fsdp.stdout[-4000:]
+    assert "resumed from" in as_fsdp.stdout and "fsdp.shard_degree: 2 → 4" in as_fsdp.stdout
+    expected, resumed = _losses(tmp_path / "runs" / "hsdp"), _losses(tmp_path / "runs" / "fsdp")
+    assert sorted(resumed) == list(range(5, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(expected[step], abs=1e-5), step
+    weights = {}
+    for name in ("hsdp", "fsdp"):
+        result = cli("export", tmp_path / "runs" / name, tmp_path / f"{name}.pt")
+        assert result.exit_code == 0, result.stdout
+        weights[name] = torch.load(tmp_path / f"{name}.pt", map_location="cpu")
+    assert weights["hsdp"].keys() == weights["fsdp"].keys()
+    for key, tensor in weights["hsdp"].items():
+        torch.testing.assert_close(weights["fsdp"][key], tensor, rtol=0, atol=1e-5, msg=key)
+
+
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     path = write_job(tmp_path, _plain_job(tmp_path, "crash"))
     crashed = _with_fault(path, "crash-save:1:2")  # dies in its second save (step 8)

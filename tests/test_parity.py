@@ -1,4 +1,4 @@
-"""The parity matrix: every spec option that changes training math, on 2 CPU ranks, against the plain
+"""The parity matrix: every spec option that changes training math, on 2 CPU ranks (HSDP's on 4), against the plain
 single-process reference of tests/reference.py (OpenCLIP's own model, losses, schedule and accum_freq
 logic, torch's AdamW, clipping and GradScaler).
 
@@ -101,7 +101,19 @@ CASES = {  # name -> (job overrides, low precision?, decay, frozen, poisoned (st
                                                                             "growth_interval": 2}}},
                              True, None, None, (3, 1)),
     "resampled-data": ({"data": "resampled"}, False, None, None, None),
+    # HSDP on 4 ranks (tests/workers/parity.py in a second, 4-rank process group)
+    "hsdp-2x2": ({"fsdp": {"shard_degree": 2}, "launch": {"gpus_per_node": 4}}, False, None, None, None),
+    "replicate-4-grad-accum": ({"fsdp": {"shard_degree": 1}, "launch": {"gpus_per_node": 4},
+                                "batch": {"per_gpu": PER_GPU // 2, "grad_accum": 2}}, False, None, None, None),
+    "hsdp-2x2-freeze-offload": ({"fsdp": {"shard_degree": 2, "cpu_offload": True}, "launch": {"gpus_per_node": 4},
+                                 "freeze": {"image": {"blocks": "0:-1", "embeddings": True},
+                                            "text": {"blocks": ":", "head": True}, "logit_scale": True}},
+                                False, None, frozen_parts, None),
 }
+
+
+def world_of(name: str) -> int:
+    return CASES[name][0].get("launch", {}).get("gpus_per_node", WORLD)
 
 
 def _merge(base: dict, overrides: dict) -> dict:
@@ -142,14 +154,21 @@ def case_job(name: str, tmp_path, digits_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, digits_dir):
-    """Every case trained by the real trainer in one 2-rank torchrun: name -> (job, results)."""
+    """Every case trained by the real trainer, those of each world size in one torchrun:
+    name -> (job, results)."""
     tmp = tmp_path_factory.mktemp("parity")
-    cases = {name: {"job": case_job(name, tmp, digits_dir), "poison": CASES[name][4],
-                    "compile_backend": "aot_eager" if name == "compile" else None} for name in CASES}
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = torchrun(["tests/workers/parity.py", str(tmp / "cases.json"), str(tmp)], nproc=WORLD, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return {name: (cases[name]["job"], torch.load(tmp / f"{name}.pt", weights_only=False)) for name in CASES}
+    results = {}
+    for world in sorted({world_of(name) for name in CASES}):
+        names = [name for name in CASES if world_of(name) == world]
+        cases = {name: {"job": case_job(name, tmp, digits_dir), "poison": CASES[name][4],
+                        "compile_backend": "aot_eager" if name == "compile" else None} for name in names}
+        (tmp / f"cases-{world}.json").write_text(json.dumps(cases))
+        proc = torchrun(["tests/workers/parity.py", str(tmp / f"cases-{world}.json"), str(tmp)], nproc=world,
+                        timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        results.update({name: (cases[name]["job"], torch.load(tmp / f"{name}.pt", weights_only=False))
+                        for name in names})
+    return results
 
 
 def batch_source(job, rank_count: int):
@@ -185,7 +204,8 @@ def reference_for(name: str, job_dict: dict, steps: int = STEPS, **changes):
     job = parse_job(_merge(job_dict, changes))
     _, _, decay, frozen, poison = CASES[name]
     model = open_clip_model(job.model.config, SEED)
-    return reference_run(job, model, WORLD, batch_source(job, WORLD), frozen or (lambda _: False),
+    world = world_of(name)
+    return reference_run(job, model, world, batch_source(job, world), frozen or (lambda _: False),
                          decay or default_decay(job.optimizer.weight_decay), steps, poison)
 
 

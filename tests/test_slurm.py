@@ -156,15 +156,22 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, digits_dir, stra
     assert latest_checkpoint(run_dir).name == f"step-{PREEMPTIBLE_STEPS:08d}"
 
 
-def test_two_nodes_one_rank_each(slurm, tmp_path):
-    job_id = slurm.submit(_job(tmp_path, steps=10, every=10), "--nodes", "2", "--gpus-per-node", "1")
+def test_two_nodes_as_hsdp(slurm, tmp_path):
+    """2 nodes × 2 ranks, sharded inside each node and replicated across them (fsdp.shard_degree 2):
+    the batch script's torchrun rendezvous numbers the ranks node by node, so each shard group is a node."""
+    path = _job(tmp_path, steps=10, every=10)
+    spec = json.loads(path.read_text())
+    spec["fsdp"]["shard_degree"] = 2
+    path.write_text(json.dumps(spec))
+    job_id = slurm.submit(path, "--nodes", "2", "--gpus-per-node", "2")
     job = slurm.wait_until_ended(job_id)
     run_dir = tmp_path / "runs" / "slurm"
     batch_log, node_log = _logs(run_dir, job_id)
     assert job["JobState"] == "COMPLETED" and job["NodeList"] == "node[1-2]", batch_log + node_log[-3000:]
     assert (run_dir / "logs" / f"slurm-{job_id}-node1.out").is_file()
+    assert "mesh: 2 replica(s) × shard groups of 2" in node_log
     assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
-    assert json.loads((latest_checkpoint(run_dir) / "meta.json").read_text())["world_size"] == 2
+    assert json.loads((latest_checkpoint(run_dir) / "meta.json").read_text())["world_size"] == 4
 
 
 def test_sbatch_refusal_is_a_user_error(slurm, tmp_path):

@@ -88,6 +88,12 @@ CASES = [
                                                                  {"dataset": "folder", "path": "/y/x", "classnames": "/c",
                                                                   "name": "x"}]}),
      "eval.zeroshot[1]", "a second set named 'x'", "give each set a `name`"),
+    ("shard-degree-not-divisor", lambda j: _set(j, "fsdp.shard_degree", 3), "fsdp.shard_degree",
+     "does not divide the world size 2", "valid for 1 node(s) × 2: 1, 2 (or 'auto')"),
+    ("shard-degree-zero", lambda j: _set(j, "fsdp.shard_degree", 0), "fsdp.shard_degree",
+     "expected 'auto' or an integer ≥ 1", None),
+    ("unit-size-word", lambda j: _set(j, "fsdp.unit_size", "big"), "fsdp.unit_size",
+     "expected 'auto' or an integer ≥ 1", None),
 ]
 
 
@@ -177,3 +183,35 @@ def test_inputs_that_once_ended_in_tracebacks(cli, tiny_job, tmp_path):
     result = cli("validate", write_job(tmp_path, _set(tiny_job, "model", {"name": "A" * 10_000_000})))
     assert result.exit_code == 2 and len(result.output) < 20_000, len(result.output)
     assert "(10,000,000 characters)" in result.output.replace("\n", "")
+
+
+def test_shard_degree_against_nodes_and_memory(cli, tiny_job, tmp_path):
+    """A group must lie in a node or span whole nodes; a degree whose estimate does not fit
+    launch.gpu_memory_gib is refused when a larger one fits; 'auto' shards over a node, over more
+    nodes only when a node's group does not fit."""
+    def validate(degree, *flags, memory=None):
+        job = _set(tiny_job, "fsdp.shard_degree", degree)
+        if memory is not None:
+            job = _set(job, "launch.gpu_memory_gib", memory)
+        return cli.validate_json(write_job(tmp_path, job), "--no-check-paths", *flags)
+
+    code, out = validate(4, "--nodes", "2", "--gpus-per-node", "6")
+    assert code == 2 and out["errors"][0]["location"] == "fsdp.shard_degree"
+    assert "span part of a node of 6 ranks" in out["errors"][0]["message"]
+    assert "1, 2, 3, 6, 12" in out["errors"][0]["hint"]
+    assert validate(12, "--nodes", "2", "--gpus-per-node", "6")[0] == 0
+    code, out = validate(8, "--nodes", "4", "--gpus-per-node", "4")
+    assert code == 0 and out["summary"]["mesh"] | {"traffic_gib_per_step": None} == {
+        "shard_degree": 8, "replicas": 2, "auto": False, "decided_at_start": False, "traffic_gib_per_step": None}
+
+    two_nodes = ("--nodes", "2", "--gpus-per-node", "2")
+    totals = {d: validate(d, *two_nodes)[1]["summary"]["memory_gib"]["total"] for d in (1, 2, 4)}
+    assert totals[4] < totals[2] < totals[1]
+    between = (totals[2] + totals[4]) / 2
+    code, out = validate(2, *two_nodes, memory=between)
+    assert code == 2 and out["errors"][0]["location"] == "fsdp.shard_degree" and "shard_degree 4 fits" in \
+        out["errors"][0]["hint"]
+    assert validate("auto", *two_nodes, memory=between / 0.9)[1]["summary"]["mesh"]["shard_degree"] == 4  # margin
+    assert validate("auto", *two_nodes, memory=totals[1] / 0.8)[1]["summary"]["mesh"]["shard_degree"] == 2
+    code, out = validate("auto", *two_nodes)
+    assert out["summary"]["mesh"]["shard_degree"] == 4 and out["summary"]["mesh"]["decided_at_start"] is False  # CPU

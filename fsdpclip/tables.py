@@ -1,0 +1,99 @@
+"""Rich renderings of what `validate` and `plan` found: tables and lines, no printing of their own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from fsdpclip.plan import Plan
+    from fsdpclip.spec import Job
+
+GIB = 2 ** 30
+
+
+def summary_tables(summary: dict) -> list:
+    """validate's summary: parameters per tower, FSDP units, decay groups, memory, then the mesh and
+    batch lines."""
+    params = Table(title=f"{summary['model']} ({summary['class']})")
+    for column in ("tower", "parameters", "trainable", "frozen", "blocks", "block class"):
+        params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
+    for tower, row in summary["towers"].items():
+        params.add_row(tower, f"{row['parameters']:,}", f"{row['trainable']:,}", f"{row['frozen']:,}",
+                       str(row["blocks"] or ""), ", ".join(row["block_classes"]))
+    total = summary["parameters"]
+    params.add_row("total", f"{total['parameters']:,}", f"{total['trainable']:,}", f"{total['frozen']:,}", "", "",
+                   style="bold")
+
+    mesh = summary["mesh"]
+    units = Table(title=f"FSDP units (sharded over {mesh['shard_degree']} of {summary['world_size']} ranks)")
+    for column in ("tower", "class", "units", "blocks each", "parameters each", "fp32 shard each", "first"):
+        units.add_column(column, justify="left" if column in ("tower", "class", "first") else "right")
+    for row in summary["fsdp_units"]:
+        units.add_row(row["tower"], row["class"], str(row["count"]), str(row["modules_each"]),
+                      f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", row["first"])
+
+    decay = Table(title="Weight decay groups (original parameter names)")
+    for column in ("rule", "weight decay", "tensors", "parameters"):
+        decay.add_column(column, justify="left" if column == "rule" else "right")
+    for row in summary["decay_groups"]:
+        decay.add_row(row["rule"], f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
+
+    memory = summary["memory_gib"]
+    mem = Table(title="Estimated memory per GPU (GiB)")
+    columns = ("parameters", "gradients", "optimizer", "unsharded", "activations", "inputs", "total", "host")
+    for key in columns:
+        mem.add_column(key, justify="right")
+    mem.add_row(*(f"{memory[k]:.2f}" for k in columns))
+
+    batch = summary["batch"]
+    steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
+    batch_line = (f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
+                  f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line]
+
+
+def mesh_line(world: int, mesh: dict) -> str:
+    """The mesh in one line, with the bytes one GPU moves per step inside its group and across replicas."""
+    degree, replicas, moved = mesh["shard_degree"], mesh["replicas"], mesh["traffic_gib_per_step"]
+    kind = "full sharding" if replicas == 1 else "replication" if degree == 1 else "HSDP"
+    how = " ('auto': decided at start from the GPUs' memory; full sharding shown)" if mesh["decided_at_start"] \
+        else " ('auto')" if mesh["auto"] else ""
+    return (f"mesh: {replicas} replica(s) × shard groups of {degree} = {world} ranks, {kind}{how}; per GPU and "
+            f"step: {moved['all_gather']:.3f} GiB all-gathered and {moved['reduce_scatter']:.3f} GiB "
+            f"reduce-scattered inside the shard group, {moved['all_reduce']:.3f} GiB all-reduced across replicas")
+
+
+def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
+    """One row per strategy, marking the degree 'auto' takes, the spec's, the fastest that fits and
+    what does not fit."""
+    table = Table(title=f"{job.model.name or job.model.config}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
+                        f"{job.batch.per_gpu * job.batch.grad_accum} samples per GPU and step")
+    for column in ("strategy", "shard group", "replicas", "memory GiB/GPU", "in group GiB", "across replicas GiB",
+                   "compute ms", "comm ms", "step ms", "samples/s/GPU", ""):
+        table.add_column(column, justify="left" if column in ("strategy", "") else "right")
+    fitting = [r.samples_per_s_per_gpu for r in plan.rows if r.memory_gib <= capacity_gib]
+    best = max(fitting) if fitting else None
+    for row in plan.rows:
+        marks = [m for m, on in (("auto", row.degree == plan.auto_degree), ("spec", row.degree == job.fsdp.shard_degree),
+                                 ("fastest", row.samples_per_s_per_gpu == best),
+                                 ("does not fit", row.memory_gib > capacity_gib)) if on]
+        memory = f"{row.memory_gib:.1f}"
+        table.add_row(row.name, str(row.degree), str(row.replicas),
+                      f"[red]{memory}[/red]" if row.memory_gib > capacity_gib else memory,
+                      f"{row.traffic.shard_group / GIB:.3f}", f"{row.traffic.all_reduce / GIB:.3f}",
+                      f"{row.compute_s * 1e3:.1f}", f"{row.communication_s * 1e3:.1f}", f"{row.step_s * 1e3:.1f}",
+                      f"{row.samples_per_s_per_gpu:,.0f}", ", ".join(marks))
+    return table
+
+
+def plan_model_line(plan: "Plan", intra_gbps: float, inter_gbps: float) -> str:
+    """The inputs and assumptions behind plan's numbers."""
+    from fsdpclip.plan import EXPOSED_FRACTION, MEMORY_MARGIN
+
+    return (f"model: {plan.parameters:,} parameters, {plan.flops_per_sample / 1e9:,.3g} GFLOP per sample (forward + "
+            f"backward) at {plan.tflops:g} TFLOP/s sustained; ring collectives at {intra_gbps:g} Gb/s per GPU inside "
+            f"a node and {inter_gbps:g} across nodes; a step is max(compute, communication) + {EXPOSED_FRACTION:g} × "
+            f"communication (docs/architecture.md, 'The mesh and the plan model'). 'auto' takes the smallest shard "
+            f"group of at least a node that fits {plan.gpu_memory_gib:g} GiB with a {MEMORY_MARGIN:.0%} margin.")
