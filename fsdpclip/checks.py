@@ -19,7 +19,7 @@ from fsdpclip.summary import summarise
 from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
-from fsdpclip.urls import is_local, shard_urls
+from fsdpclip.urls import is_local, local_path, scheme_problem, shard_urls
 
 
 def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
@@ -47,9 +47,9 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     _check_eval(job, report)
     steps = _check_batch_and_schedule(job, report)
     usable_run_dir = _check_output_dir(job, report)
+    _check_data(job, report, check_paths)
     if check_paths:
         _check_files(job, report)
-        _check_data(job, report)
         _check_eval_paths(job, report)
         if usable_run_dir:
             _check_resume(job, report)
@@ -219,13 +219,18 @@ def _check_files(job: Job, report: Report) -> None:
             report.error(location, f"no weights in {tower.path}", True, hint=f"expected one of {', '.join(files)}")
 
 
-def _check_data(job: Job, report: Report) -> None:
+def _check_data(job: Job, report: Report, check_paths: bool) -> None:
+    """Shard URLs the reader can open (their scheme), enough of them for the ranks and workers, and,
+    with `check_paths`, the local ones present."""
     data = job.data
     if not isinstance(data, WebDatasetSpec):
         return
     urls = shard_urls(data.urls)
-    local = [u for u in urls if is_local(u)]
-    missing = [u for u in local if not Path(u).is_file()]
+    unreadable = [(u, problem) for u in urls for problem in [scheme_problem(u)] if problem]
+    if unreadable:
+        url, (message, hint) = unreadable[0]
+        report.error("data.urls", f"{message}: {len(unreadable)} of {len(urls)} shards", url, hint=hint)
+    missing = [u for u in urls if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
     if missing:
         report.error("data.urls", f"{len(missing)} of {len(urls)} shards not found", missing[0],
                      hint="check the path and the brace range" if len(missing) < len(urls) else

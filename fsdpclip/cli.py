@@ -130,7 +130,8 @@ def plan(
     world = nodes * gpus_per_node
     job = job.model_copy(update={"batch": job.batch.model_copy(update={"global_batch": None})})  # per GPU counts
     report = check_job(job, world, gpus_per_node, check_paths=False)
-    blocking = [p for p in report.errors if p.location != "fsdp.shard_degree"]  # plan is where to choose it
+    # plan prices the model: the degree is what it helps choose, and the data does not enter its numbers
+    blocking = [p for p in report.errors if p.location != "fsdp.shard_degree" and not p.location.startswith("data")]
     if blocking:
         _fail(blocking, as_json)
     capacity = gpu_memory_gib or job.launch.gpu_memory_gib or H200_MEMORY_GIB
@@ -317,6 +318,11 @@ def eval_command(
     if record is None:  # not rank 0
         return
     samples = record.pop("samples")
+    if "folder_classes" in record:
+        pairs = list(record["folder_classes"].items())
+        console.print(f"[yellow]![/yellow] the class names are not the folder names: paired with the folders in "
+                      f"sorted order: {', '.join(f'{f} → {c}' for f, c in pairs[:5])}{', …' if len(pairs) > 5 else ''} "
+                      "(all in the result JSON, folder_classes)", highlight=False, soft_wrap=True)
     table = Table(title=f"zero-shot {record['dataset']}: {record['model']} ({samples} images)")
     for key in record["metrics"]:
         table.add_column(key, justify="right")

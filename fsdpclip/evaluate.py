@@ -50,6 +50,8 @@ class ZeroShotSet:
     shards: Optional[list[str]] = None
     transform: Optional[Callable] = None
     max_samples: Optional[int] = None
+    # A folder set whose class names are not its folder names: folder -> class name, as paired (label order).
+    folder_classes: Optional[dict[str, str]] = None
 
     @property
     def size(self) -> Optional[int]:
@@ -139,13 +141,18 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
     if len(folders) != len(classnames):
         source = spec.classnames or f"the {spec.dataset} class list"
         raise DatasetError(f"{root} has {len(folders)} class folders but {source} names {len(classnames)} classes")
+    # torchvision labels the folders in sorted order: names that are the folders' are matched by name,
+    # others are paired with the sorted folders and the pairing is reported.
+    by_name = sorted(classnames) == folders
+    folder_classes = None if by_name else dict(zip(folders, classnames))
+    classnames = folders if by_name else classnames
     try:
         images = ImageFolder(str(root), transform=transform)
     except FileNotFoundError as exc:  # class folders without an image torchvision reads
         raise DatasetError(f"{root}: {exc}") from None
     if spec.max_samples is not None and spec.max_samples < len(images):
         images = torch.utils.data.Subset(images, range(spec.max_samples))
-    return ZeroShotSet(spec.label, classnames, templates, images=images)
+    return ZeroShotSet(spec.label, classnames, templates, images=images, folder_classes=folder_classes)
 
 
 def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[list[str], list[Callable]]:
@@ -359,4 +366,5 @@ def evaluate_checkpoint(path: Path, spec: ZeroShotSpec, model_name: Optional[str
     if env is not None and not env.is_main:
         return None
     dataset = {"imagenet": "imagenet1k"}.get(zs.name, zs.name)
-    return clip_benchmark_record(dataset, source.label, str(path), metrics) | {"samples": metrics["samples"]}
+    record = clip_benchmark_record(dataset, source.label, str(path), metrics) | {"samples": metrics["samples"]}
+    return record | ({"folder_classes": zs.folder_classes} if zs.folder_classes else {})

@@ -20,8 +20,18 @@ def read_job_dict(path: Path) -> dict:
         text = Path(path).read_text()
     except OSError as exc:
         raise SpecError([Problem("(file)", f"cannot read job file: {exc.strerror}", value=str(path))]) from None
+    repeated: dict[int, list[str]] = {}  # id of a parsed object -> its keys given more than once
+
+    def keep_repeats(pairs: list[tuple[str, Any]]) -> dict:
+        obj: dict = {}
+        for key, value in pairs:
+            if key in obj:
+                repeated.setdefault(id(obj), []).append(key)
+            obj[key] = value
+        return obj
+
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=keep_repeats)
     except json.JSONDecodeError as exc:
         raise SpecError([Problem("(file)", f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
                                  value=str(path))]) from None
@@ -30,7 +40,28 @@ def read_job_dict(path: Path) -> dict:
                                  value=str(path))]) from None
     if not isinstance(raw, dict):
         raise SpecError([Problem("(file)", "a job spec must be a JSON object", value=type(raw).__name__)])
+    if repeated:
+        try:
+            problems = _repeated_keys(raw, repeated, [])
+        except RecursionError:
+            problems = [Problem("(file)", "nested too deeply to be a job spec (a spec is a few levels deep)")]
+        raise SpecError(problems)
     return raw
+
+
+def _repeated_keys(node: Any, repeated: dict[int, list[str]], path: list) -> list[Problem]:
+    """A Problem for every key given twice in one object (JSON keeps the last silently)."""
+    problems = []
+    if isinstance(node, dict):
+        for key in dict.fromkeys(repeated.get(id(node), [])):
+            problems.append(Problem(_format_path([*path, key]), "key given more than once in one object: only the "
+                                    "last would count", hint="keep one of them"))
+        for key, value in node.items():
+            problems += _repeated_keys(value, repeated, [*path, key])
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            problems += _repeated_keys(value, repeated, [*path, index])
+    return problems
 
 
 def apply_overrides(raw: dict, assignments: list[str]) -> dict:

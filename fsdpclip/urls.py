@@ -1,10 +1,14 @@
-"""Shard URLs of a webdataset source: expansion and whether one names a local file (no torch)."""
+"""Shard URLs of a webdataset source: expansion, whether one names a local file, and whether the data
+reader can open it at all (no torch)."""
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
+from urllib.parse import urlparse
 
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://", "hf://", "ais://")
+CLOUD_HINTS = {"s3": "pipe:aws s3 cp s3://BUCKET/shard.tar - (or pipe:s5cmd cat s3://...)",
+               "gcs": "gs://BUCKET/shard.tar (gsutil) or pipe:gcloud storage cat gs://...",
+               "az": "pipe:azcopy copy 'https://ACCOUNT.blob.core.windows.net/...' --to-stdout"}
 
 
 def shard_urls(urls: Union[str, list[str]]) -> list[str]:
@@ -15,6 +19,33 @@ def shard_urls(urls: Union[str, list[str]]) -> list[str]:
     return [url for item in items for url in expand_urls(item)]
 
 
+def _scheme(url: str) -> str:
+    return urlparse(url).scheme
+
+
 def is_local(url: str) -> bool:
     """Whether a shard URL names a file on this machine (remote ones cannot be checked)."""
-    return not url.startswith(REMOTE_PREFIXES)
+    return _scheme(url) in ("", "file")
+
+
+def local_path(url: str) -> str:
+    """The file a local shard URL names (a `file:` URL's path, or the URL itself)."""
+    from urllib.request import url2pathname
+
+    return url2pathname(urlparse(url).path) if _scheme(url) == "file" else url
+
+
+def scheme_problem(url: str) -> Optional[tuple[str, str]]:
+    """(problem, hint) when webdataset's reader has no opener for the URL's scheme, else None."""
+    import sys
+    import importlib
+
+    importlib.import_module("webdataset.gopen")
+    schemes = sorted(k for k in sys.modules["webdataset.gopen"].gopen_schemes if not k.startswith("_"))
+    scheme = _scheme(url)
+    if scheme in ("", "file", *schemes):
+        return None
+    hint = CLOUD_HINTS.get({"s3a": "s3", "gcs": "gcs", "abfs": "az", "abfss": "az", "wasb": "az", "az": "az",
+                            "s3": "s3"}.get(scheme, ""), None)
+    return (f"the data reader cannot open '{scheme}:' URLs (it opens local paths, file: and "
+            f"{', '.join(s + ':' for s in schemes)})", f"use {hint}" if hint else "stream it through pipe:COMMAND")

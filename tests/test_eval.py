@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -67,6 +68,7 @@ def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
 
     run_dir, weights = trained
     record = _ours(cli, tmp_path, run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
+    assert record.pop("folder_classes") == dict(zip(map(str, range(10)), CLASSNAMES))  # folders 0-9: as paired
     assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
     assert record["task"] == "zeroshot_classification" and record["dataset"] == "digits"
     assert record["metrics"]["acc1"] > 0.2  # trained: well above chance (0.1)
@@ -78,6 +80,13 @@ def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
     exported = _ours(cli, tmp_path, weights, "--model-config", TINY_CONFIG, "--zeroshot", "digits",
                      "--data", digits_dir / "test")
     assert exported["metrics"] == record["metrics"]
+    # Folders named after their classes, the names listed in label order (not sorted): matched by name.
+    named = tmp_path / "named"
+    for label, name in enumerate(CLASSNAMES):
+        shutil.copytree(digits_dir / "test" / str(label), named / name)
+    by_name = _ours(cli, tmp_path, run_dir, "--zeroshot", "folder", "--data", named, "--classnames",
+                    _names(tmp_path, CLASSNAMES), "--templates", _templates(tmp_path))
+    assert by_name["metrics"] == pytest.approx(record["metrics"], abs=1e-6) and "folder_classes" not in by_name
     # The trainer's own evaluation of the same weights (2 sharded ranks, eval.batch_per_gpu 37) agrees.
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["zeroshot/digits"]
     for key, value in record["metrics"].items():
@@ -195,7 +204,15 @@ def _empty_classes(tmp_path):
     return root
 
 
-def _names(tmp_path, count: int):
-    path = tmp_path / f"names{count}.txt"
-    path.write_text("\n".join(f"class {i}" for i in range(count)) + "\n")
+def _names(tmp_path, names):
+    """A class-name file: `names` (a count: 'class 0', 'class 1', ...)."""
+    names = [f"class {i}" for i in range(names)] if isinstance(names, int) else list(names)
+    path = tmp_path / f"names{len(names)}.txt"
+    path.write_text("\n".join(names) + "\n")
+    return path
+
+
+def _templates(tmp_path):
+    path = tmp_path / "templates.txt"
+    path.write_text("\n".join(TEMPLATES) + "\n")
     return path

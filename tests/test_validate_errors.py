@@ -190,7 +190,7 @@ def test_shard_degree_against_nodes_and_memory(cli, tiny_job, tmp_path):
     launch.gpu_memory_gib is refused when a larger one fits; 'auto' shards over a node, over more
     nodes only when a node's group does not fit."""
     def validate(degree, *flags, memory=None):
-        job = _set(tiny_job, "fsdp.shard_degree", degree)
+        job = _set(_set(tiny_job, "fsdp.shard_degree", degree), "data.resampled", True)  # shards for any world
         if memory is not None:
             job = _set(job, "launch.gpu_memory_gib", memory)
         return cli.validate_json(write_job(tmp_path, job), "--no-check-paths", *flags)
@@ -215,3 +215,29 @@ def test_shard_degree_against_nodes_and_memory(cli, tiny_job, tmp_path):
     assert validate("auto", *two_nodes, memory=totals[1] / 0.8)[1]["summary"]["mesh"]["shard_degree"] == 2
     code, out = validate("auto", *two_nodes)
     assert out["summary"]["mesh"]["shard_degree"] == 4 and out["summary"]["mesh"]["decided_at_start"] is False  # CPU
+
+
+def test_a_key_given_twice_is_an_error(cli, tmp_path):
+    """JSON keeps the last of two equal keys without a word; the spec names each repeated key instead."""
+    path = tmp_path / "twice.json"
+    path.write_text('{"model": {"name": "ViT-B-32"}, "batch": {"per_gpu": 8}, "schedule": {"steps": 3},\n'
+                    ' "data": {"source": "synthetic", "samples": 10, "samples": 20}, "batch": {"per_gpu": 16}}')
+    code, out = cli.validate_json(path)
+    assert code == 2
+    assert [(e["location"], "more than once" in e["message"]) for e in out["errors"]] == [
+        ("batch", True), ("data.samples", True)]
+
+
+def test_data_urls_the_reader_cannot_open(cli, tiny_job, tmp_path):
+    """An s3:// URL (webdataset has no opener for it) is refused by validate, also without path checks,
+    with the pipe: form as the hint; pipe: and file: URLs pass the scheme check."""
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "data.urls", "s3://bucket/shard-{0..15}.tar")),
+                                  "--no-check-paths")
+    assert code == 2 and out["errors"][0]["location"] == "data.urls"
+    assert "cannot open 's3:' URLs" in out["errors"][0]["message"] and "16 of 16 shards" in out["errors"][0]["message"]
+    assert "pipe:aws s3 cp" in out["errors"][0]["hint"]
+    piped = _set(tiny_job, "data.urls", "pipe:cat /data/shard-{0..15}.tar")
+    assert cli.validate_json(write_job(tmp_path, piped), "--no-check-paths")[0] == 0
+    local = tiny_job["data"]["urls"]
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "data.urls", "file://" + local)))
+    assert code == 0, out
