@@ -335,6 +335,34 @@ def eval_command(
 
 
 @app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (finished, running or stopped)."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Where to draw the curves (default: RUN_DIR/report.png)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Summarise a run and draw its curves (loss, lr, logit scale, speed, MFU, data wait, zero-shot)."""
+    from fsdpclip.report import ReportError, plot, read_run, summary
+    from fsdpclip.tables import report_lines
+
+    try:
+        run = read_run(run_dir)
+        info = summary(run)
+        out = png or run_dir / "report.png"
+        info["panels"], info["png"] = plot(run, out), str(out)
+    except ReportError as exc:
+        _stop(str(exc))
+    except ImportError:
+        _stop("fsdpclip report draws with matplotlib: pip install 'fsdpclip[report]'")
+    except OSError as exc:
+        _stop(f"cannot write the plot: {exc.strerror or exc}")
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for line in report_lines(info):
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def schema() -> None:
     """Print the JSON Schema of the job spec."""
     from fsdpclip.spec import json_schema

@@ -1,4 +1,5 @@
-"""Rich renderings of what `validate` and `plan` found: tables and lines, no printing of their own."""
+"""Rich renderings of what `validate`, `plan` and `report` found: tables and lines, no printing of their
+own."""
 
 from __future__ import annotations
 
@@ -97,3 +98,26 @@ def plan_model_line(plan: "Plan", intra_gbps: float, inter_gbps: float) -> str:
             f"a node and {inter_gbps:g} across nodes; a step is max(compute, communication) + {EXPOSED_FRACTION:g} × "
             f"communication (docs/architecture.md, 'The mesh and the plan model'). 'auto' takes the smallest shard "
             f"group of at least a node that fits {plan.gpu_memory_gib:g} GiB with a {MEMORY_MARGIN:.0%} margin.")
+
+
+def report_lines(info: dict) -> list[str]:
+    """`report`'s summary: state, progress and ETA, checkpoint, launches and restarts, last results."""
+    total = f"/{info['total_steps']:,}" if info["total_steps"] else ""
+    lines = [f"[bold]{info['run_dir']}[/bold]: {info['state']}" + (f" ({info['holder']})" if info["holder"] else "")]
+    progress = f"step {info['step']:,}{total}"
+    if info["eta_s"] is not None:
+        hours, rest = divmod(int(info["eta_s"]), 3600)
+        progress += f", about {hours}:{rest // 60:02d}:{rest % 60:02d} to go"
+    if info["loss"] is not None:
+        progress += f", loss {info['loss']:.4g}"
+    lines.append(progress)
+    lines.append(f"last complete checkpoint: {info['last_checkpoint'] or 'none'}")
+    restarts = f", resumed at step {', '.join(map(str, info['restarts_at']))}" if info["restarts_at"] else ""
+    lines.append(f"launches: {info['launches']}{restarts}")
+    if info["exit"] and not info["holder"]:
+        lines.append(f"last exit: code {info['exit']['code']}: {info['exit']['message']}")
+    for name, metrics in info["zeroshot"].items():
+        lines.append(f"zero-shot {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                      if isinstance(v, float)))
+    lines.append(f"curves ({', '.join(info['panels'])}): {info['png']}")
+    return lines

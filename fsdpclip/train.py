@@ -282,7 +282,8 @@ class Trainer:
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
         broken_total, = all_sum([broken], env.device)
         logit_scale = self.model.logit_scale.exp().item()
-        record = {"step": self.step, "samples_seen": self.samples_seen, "loss": loss,
+        record = {"step": self.step, "total_steps": self.total_steps, "time": round(time.time(), 3),
+                  "samples_seen": self.samples_seen, "loss": loss,
                   "lr": self.optimizer.param_groups[0]["lr"], "logit_scale": logit_scale,
                   "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
                   "skipped_steps": int(self.skipped_steps.item())}

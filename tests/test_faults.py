@@ -83,7 +83,13 @@ def _exit_report(run_dir: Path) -> dict:
     return json.loads((run_dir / "exit.json").read_text())
 
 
-def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses):
+def _report(cli, run_dir: Path, tmp_path: Path) -> dict:
+    result = cli("report", run_dir, "--json", "--png", tmp_path / "report.png")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses, cli):
     """SIGTERM to the whole process group of `fsdpclip launch` (a scheduler's `kill -TERM -PGID`), with
     2 data workers per rank: a checkpoint, exit 75, no process left, no traceback; relaunched, the run
     finishes with the losses of a run that was never stopped."""
@@ -98,13 +104,19 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     report = _exit_report(run_dir)
     assert report["code"] == 75 and "a stop was requested: stopped after step 10" in report["message"]
     _none_left(run_dir)
+    stopped = _report(cli, run_dir, tmp_path)
+    assert stopped["state"].startswith("stopped") and stopped["step"] == 10
+    assert stopped["last_checkpoint"] == "step-00000010" and stopped["exit"]["code"] == 75
     again = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
     assert again.returncode == 0, again.stdout[-4000:]
     assert "resumed from" in again.stdout and "step-00000010" in again.stdout
     assert_same_losses(run_dir, straight_losses)
+    finished = _report(cli, run_dir, tmp_path)
+    assert finished["state"] == "finished" and finished["step"] == finished["total_steps"] == max(straight_losses)
+    assert finished["launches"] == 2 and finished["restarts_at"] == [10]
 
 
-def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir):
+def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     """While a job runs, a second launch into its run directory is refused (exit 2, naming the holder)
     and changes nothing; two Ctrl-C to the first stop it at once (exit 130), leaving no process."""
     run_dir = tmp_path / "runs" / "busy"
@@ -119,6 +131,9 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir):
     assert second.returncode == 2, second.stdout[-3000:]
     assert squeezed(f"is in use by pid {first.pid} on {socket.gethostname()}") in squeezed(second.stdout)
     assert (run_dir / "job.json").read_text() == written
+    running = _report(cli, run_dir, tmp_path)  # `fsdpclip report` on the live run
+    assert running["state"] == "running" and running["holder"].startswith(f"pid {first.pid} ")
+    assert running["total_steps"] == 1000 and running["eta_s"] > 0
     _wait_just_past_a_stop_check(run_dir, first, tmp_path / "first.log")
     os.killpg(first.pid, signal.SIGINT)
     time.sleep(0.3)  # two signals at once would be one

@@ -1,0 +1,32 @@
+"""`fsdpclip report` on the demo run: its summary agrees with the run's own files, and its plot holds
+every curve the run logged (the stopped, resumed and running cases are in tests/test_faults.py)."""
+
+from __future__ import annotations
+
+import json
+
+from PIL import Image
+
+
+def test_report_of_the_demo_run(demo_run, cli, tmp_path):
+    run_dir, _ = demo_run
+    result = cli("report", run_dir, "--json", "--png", tmp_path / "report.png")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "zeroshot/digits" in r]
+    assert info["state"] == "finished" and info["step"] == info["total_steps"] == 40
+    assert info["last_checkpoint"] == "step-00000040" and info["launches"] == 1 and info["restarts_at"] == []
+    assert info["zeroshot"]["digits"] == evaluations[-1]["zeroshot/digits"] and len(evaluations) == 2
+    assert info["panels"] == ["loss", "learning rate", "logit scale (1 / temperature)", "samples/s per GPU",
+                              "data wait fraction", "zero-shot acc1"]  # no MFU on CPU: no peak
+    with Image.open(tmp_path / "report.png") as image:
+        assert image.size[0] > 1000 and image.size[1] > 500
+
+    shown = cli("report", run_dir, "--png", tmp_path / "again.png")
+    assert shown.exit_code == 0 and "finished" in shown.stdout and "step 40/40" in shown.stdout
+
+
+def test_report_of_what_is_not_a_run(cli, tmp_path):
+    result = cli("report", tmp_path)
+    assert result.exit_code == 2 and "has no metrics.jsonl" in result.output
