@@ -3,6 +3,7 @@ reader can open it at all (no torch)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Union
 from urllib.parse import urlparse
 
@@ -35,13 +36,19 @@ def local_path(url: str) -> str:
     return url2pathname(urlparse(url).path) if _scheme(url) == "file" else url
 
 
+@lru_cache(maxsize=1)
+def reader_schemes() -> tuple[str, ...]:
+    """The URL schemes webdataset's reader has an opener for (besides local paths and file:)."""
+    import importlib
+    import sys
+
+    importlib.import_module("webdataset.gopen")  # the package re-exports a function under the module's name
+    return tuple(sorted(k for k in sys.modules["webdataset.gopen"].gopen_schemes if not k.startswith("_")))
+
+
 def scheme_problem(url: str) -> Optional[tuple[str, str]]:
     """(problem, hint) when webdataset's reader has no opener for the URL's scheme, else None."""
-    import sys
-    import importlib
-
-    importlib.import_module("webdataset.gopen")
-    schemes = sorted(k for k in sys.modules["webdataset.gopen"].gopen_schemes if not k.startswith("_"))
+    schemes = reader_schemes()
     scheme = _scheme(url)
     if scheme in ("", "file", *schemes):
         return None
