@@ -30,9 +30,7 @@ def shard_degree_problem(degree: int, world: int, gpus_per_node: int) -> Optiona
     lies inside one node (dividing its ranks) or spans whole nodes."""
     if degree > world or world % degree:
         return f"does not divide the world size {world}"
-    if degree < gpus_per_node and gpus_per_node % degree:
-        return f"a group of {degree} would span part of a node of {gpus_per_node} ranks"
-    if degree > gpus_per_node and degree % gpus_per_node:
+    if max(degree, gpus_per_node) % min(degree, gpus_per_node):
         return f"a group of {degree} would span part of a node of {gpus_per_node} ranks"
     return None
 
