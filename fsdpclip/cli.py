@@ -165,6 +165,7 @@ def launch(
     from fsdpclip.checks import check_job
     from fsdpclip.launch import LaunchError, LaunchFlags, render, resolve_paths, run_local
     from fsdpclip.jobfile import load_job
+    from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
 
     flags = LaunchFlags(nodes, gpus_per_node, slurm, partition, time_limit, node_rank, master_addr, master_port,
                         dry_run)
@@ -193,7 +194,7 @@ def launch(
         report = run_local(job, flags)
     except LaunchError as exc:
         _stop(str(exc))
-    mark = {0: "[green]✓[/green]", 75: "[yellow]‖[/yellow]"}.get(report["code"], "[red]✗[/red]")  # 75: preempted
+    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(report["code"], "[red]✗[/red]")
     (console if report["code"] == 0 else err_console).print(f"{mark} {report['message']}", highlight=False,
                                                              soft_wrap=True)
     raise typer.Exit(report["code"])

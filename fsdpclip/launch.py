@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.rundir import (
-    JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked, finish_exit_report, request_stop,
+    EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked, finish_exit_report, request_stop,
 )
 from fsdpclip.spec import Job
 from fsdpclip.urls import is_local
@@ -191,8 +191,8 @@ preempted=
 trap 'preempted=1; echo "fsdpclip: USR1: asking the trainer to checkpoint and stop"; touch "$run_dir/stop"' USR1
 """
 
-SBATCH_REQUEUE = r"""
-if [ -n "$preempted" ] && [ "$code" = 75 ]; then
+SBATCH_REQUEUE = rf"""
+if [ -n "$preempted" ] && [ "$code" = {EXIT_PREEMPTED} ]; then
     echo "fsdpclip: checkpoint saved; requeueing job $SLURM_JOB_ID (it resumes from checkpoints/latest)"
     scontrol requeue "$SLURM_JOB_ID"
 fi

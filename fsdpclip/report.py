@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.rundir import EXIT_FILE, LAUNCHES, lock_holder
+from fsdpclip.rundir import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES, lock_holder
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),
@@ -76,8 +76,8 @@ def summary(run: Run, now: Optional[float] = None) -> dict:
     elif run.exit is None:
         state = "ended without a report"
     else:
-        state = {0: "finished", 75: "stopped (preempted or asked to), resumable"}.get(run.exit["code"],
-                                                                                    f"failed (exit {run.exit['code']})")
+        state = {EXIT_OK: "finished", EXIT_PREEMPTED: "stopped (preempted or asked to), resumable"}.get(
+            run.exit["code"], f"failed (exit {run.exit['code']})")
     eta = None
     timed = [r for r in run.records if "time" in r][-RATE_WINDOW:]
     if run.running and total and len(timed) >= 2 and timed[-1]["step"] > timed[0]["step"]:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
+# How a run ends (the trainer's exit code, in exit.json): fsdpclip.train says when each is used.
+EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.
 LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
 # The lock token of the launch that started the ranks (they hold the lock through it).

@@ -14,7 +14,9 @@ from __future__ import annotations
 import signal
 import sys
 
-DELIBERATE = {2, 65, 75}  # fsdpclip.train's EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED
+from fsdpclip.rundir import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SPEC
+
+DELIBERATE = {EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED}
 TORN_DOWN = -signal.SIGTERM  # a rank torchrun stopped after another had exited
 
 

@@ -45,7 +45,8 @@ from fsdpclip.parallelize import average_replicated_gradients, materialize, para
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
 from fsdpclip.rundir import (
-    HeldLock, RunLocked, launch_time, lock_token, record_launch, stop_requested, write_crash_report, write_exit_report,
+    EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, launch_time, lock_token, record_launch,
+    stop_requested, write_crash_report, write_exit_report,
 )
 from fsdpclip.spec import Job, SyntheticSpec
 from fsdpclip.trainable import apply_freeze, frozen_names, trainable_decay_groups
@@ -53,7 +54,6 @@ from fsdpclip.weights import initial_model
 
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
-EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
 # Ranks agree on a stop signal every this many steps: one small blocking collective, whose cost
