@@ -93,9 +93,6 @@ def validate(
     console.print(f"[bold green]✓[/bold green] {job_file} is valid for world size {report.world_size}")
 
 
-H200_MEMORY_GIB = 139.0  # what torch reports an H200 has; plan's default GPU when the spec names none
-
-
 @app.command()
 def plan(
     job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
@@ -120,7 +117,7 @@ def plan(
 
     from fsdpclip.checks import check_job
     from fsdpclip.jobfile import load_job
-    from fsdpclip.plan import INTER_GBPS, INTRA_GBPS, plan_job
+    from fsdpclip.plan import GPU_MEMORY_GIB, INTER_GBPS, INTRA_GBPS, plan_job
     from fsdpclip.tables import plan_model_line, plan_table
 
     try:
@@ -134,7 +131,7 @@ def plan(
     blocking = [p for p in report.errors if p.location != "fsdp.shard_degree" and not p.location.startswith("data")]
     if blocking:
         _fail(blocking, as_json)
-    capacity = gpu_memory_gib or job.launch.gpu_memory_gib or H200_MEMORY_GIB
+    capacity = gpu_memory_gib or job.launch.gpu_memory_gib or GPU_MEMORY_GIB
     intra_gbps, inter_gbps = intra_gbps or INTRA_GBPS, inter_gbps or INTER_GBPS
     result = plan_job(job, nodes, gpus_per_node, capacity, tflops, intra_gbps, inter_gbps)
     if as_json:

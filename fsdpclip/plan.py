@@ -17,10 +17,10 @@ from typing import Optional
 from torch import nn
 
 from fsdpclip.estimate import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
-from fsdpclip.model import Tower, build_model, find_towers, image_shape, text_shape
+from fsdpclip.model import Tower, image_shape, model_config, text_shape
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units
 from fsdpclip.spec import Job
-from fsdpclip.trainable import apply_freeze, frozen_names
+from fsdpclip.trainable import frozen_meta_model
 
 MEMORY_MARGIN = 0.10  # 'auto' keeps this fraction of a GPU's memory free (the estimate is within ~6%)
 
@@ -130,6 +130,7 @@ MEASURED_TFLOPS = ((300e6, 103.0), (float("inf"), 285.0))
 # Bandwidths of the defaults, Gb/s per GPU: NCCL's bus bandwidth on H100/H200 NVLink (~360 GB/s),
 # and one 400 Gb/s InfiniBand NDR adapter per GPU at the ~90% NCCL reaches across nodes.
 INTRA_GBPS, INTER_GBPS = 2880.0, 360.0
+GPU_MEMORY_GIB = 139.0  # what torch reports an H200 holds: plan's GPU when neither flag nor spec names one
 EXPOSED_FRACTION = 0.1  # of the communication time, what FSDP cannot overlap (first gather, last reduction)
 
 
@@ -199,9 +200,7 @@ def plan_job(job: Job, nodes: int, gpus_per_node: int, gpu_memory_gib: float, tf
     its freeze applied); `tflops` defaults to what fsdpclip sustained for a model of its size."""
     from fsdpclip.metrics import training_flops_per_sample
 
-    model = build_model(job.model)
-    towers = find_towers(model, job.model.block_classes)
-    apply_freeze(model, frozen_names(towers, job.freeze))
+    model, towers = frozen_meta_model(model_config(job.model), job)
     memory, _ = memory_model(job, model, towers)
     flops = training_flops_per_sample(model)
     parameters = sum(p.numel() for p in model.parameters())

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from fsdpclip.estimate import GIB
+
 if TYPE_CHECKING:
     from fsdpclip.plan import Plan
     from fsdpclip.spec import Job
-
-GIB = 2 ** 30
 
 
 def summary_tables(summary: dict) -> list:

@@ -37,8 +37,7 @@ from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distribu
 from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
 from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
-from fsdpclip.model import build_tokenizer, find_towers, image_shape, image_transform, model_config, \
-    model_from_config, text_shape
+from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
 from fsdpclip.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize, replicated_parameters
@@ -49,7 +48,7 @@ from fsdpclip.rundir import (
     stop_requested, write_crash_report, write_exit_report,
 )
 from fsdpclip.spec import Job, SyntheticSpec
-from fsdpclip.trainable import apply_freeze, frozen_names, trainable_decay_groups
+from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.weights import initial_model
 
 log = logging.getLogger("fsdpclip")
@@ -120,9 +119,7 @@ class Trainer:
         """The sharded model with its initial weights: built on the meta device on every rank, frozen,
         decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0."""
         job, env = self.job, self.env
-        model = model_from_config(self.model_config, device="meta")
-        towers = find_towers(model, job.model.block_classes)
-        apply_freeze(model, frozen_names(towers, job.freeze))
+        model, towers = frozen_meta_model(self.model_config, job)
         self.decay_groups = trainable_decay_groups(model, job.optimizer)
         self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
         self.shard_degree = self._shard_degree(model, towers)

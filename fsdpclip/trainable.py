@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.model import SHARED_PARAMETERS, Tower, original_shapes
-from fsdpclip.spec import DecayRule, FreezeSpec, OptimizerSpec
+from fsdpclip.model import SHARED_PARAMETERS, Tower, find_towers, model_from_config, original_shapes
+from fsdpclip.spec import DecayRule, FreezeSpec, Job, OptimizerSpec
 
 
 # -------------------------------------------------------------------------- freeze
@@ -54,6 +54,14 @@ def frozen_names(towers: dict[str, Tower], freeze: FreezeSpec) -> set[str]:
 def apply_freeze(model: nn.Module, frozen: set[str]) -> None:
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
+
+
+def frozen_meta_model(cfg: dict, job: Job) -> tuple[nn.Module, dict[str, Tower]]:
+    """The job's model (OpenCLIP config `cfg`) on the meta device with its freeze applied, and its towers."""
+    model = model_from_config(cfg, device="meta")
+    towers = find_towers(model, job.model.block_classes)
+    apply_freeze(model, frozen_names(towers, job.freeze))
+    return model, towers
 
 
 # --------------------------------------------------------------------- weight decay

@@ -7,9 +7,11 @@ from functools import lru_cache
 from typing import Optional, Union
 from urllib.parse import urlparse
 
-CLOUD_HINTS = {"s3": "pipe:aws s3 cp s3://BUCKET/shard.tar - (or pipe:s5cmd cat s3://...)",
-               "gcs": "gs://BUCKET/shard.tar (gsutil) or pipe:gcloud storage cat gs://...",
-               "az": "pipe:azcopy copy 'https://ACCOUNT.blob.core.windows.net/...' --to-stdout"}
+_S3 = "pipe:aws s3 cp s3://BUCKET/shard.tar - (or pipe:s5cmd cat s3://...)"
+_AZURE = "pipe:azcopy copy 'https://ACCOUNT.blob.core.windows.net/...' --to-stdout"
+# How to read a cloud store the reader has no opener for, by URL scheme.
+CLOUD_HINTS = {"s3": _S3, "s3a": _S3, "gcs": "gs://BUCKET/shard.tar (gsutil) or pipe:gcloud storage cat gs://...",
+               "az": _AZURE, "abfs": _AZURE, "abfss": _AZURE, "wasb": _AZURE}
 
 
 def shard_urls(urls: Union[str, list[str]]) -> list[str]:
@@ -52,7 +54,6 @@ def scheme_problem(url: str) -> Optional[tuple[str, str]]:
     scheme = _scheme(url)
     if scheme in ("", "file", *schemes):
         return None
-    hint = CLOUD_HINTS.get({"s3a": "s3", "gcs": "gcs", "abfs": "az", "abfss": "az", "wasb": "az", "az": "az",
-                            "s3": "s3"}.get(scheme, ""), None)
+    hint = CLOUD_HINTS.get(scheme)
     return (f"the data reader cannot open '{scheme}:' URLs (it opens local paths, file: and "
             f"{', '.join(s + ':' for s in schemes)})", f"use {hint}" if hint else "stream it through pipe:COMMAND")
