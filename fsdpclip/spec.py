@@ -208,7 +208,8 @@ class FsdpSpec(Section):
                             "across world size ÷ shard_degree groups; 1 replicates everywhere, the world size is full "
                             "sharding. A group lies inside a node or spans whole nodes. 'auto': shard inside a node and "
                             "replicate across nodes; a group of several nodes only when the estimated memory does not "
-                            "fit a GPU (launch.gpu_memory_gib, else the GPU's own memory, at start) with a 10% margin.")
+                            "fit a GPU (launch.gpu_memory_gib, else the GPU's own memory, at start) with a 10% margin; "
+                            "full sharding when neither is known (CPU).")
     reshard_after_forward: bool = Field(
         True, description="Free unsharded parameters after forward (less memory, one more all-gather in backward).")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")

@@ -132,9 +132,9 @@ class Trainer:
         return model
 
     def _shard_degree(self, model: torch.nn.Module, towers) -> int:
-        """fsdp.shard_degree, or what 'auto' chooses: the whole world when it fits in one node or runs
-        on CPU, else rank 0 decides from launch.gpu_memory_gib (else the GPU's memory) and tells every
-        rank, so that all build the same mesh."""
+        """fsdp.shard_degree, or what 'auto' chooses: the whole world when it fits in one node, else
+        rank 0 decides as `validate` does, from launch.gpu_memory_gib (else the GPU's memory; full
+        sharding when neither is known), and tells every rank, so that all build the same mesh."""
         job, env = self.job, self.env
         chosen = job.fsdp.shard_degree
         if chosen != "auto":
@@ -142,12 +142,13 @@ class Trainer:
             if problem:
                 raise Stop(EXIT_SPEC, f"fsdp.shard_degree {chosen}: {problem}")
             return chosen
-        if env.device.type != "cuda" or env.world_size <= env.local_world_size:
+        if env.world_size <= env.local_world_size:
             return env.world_size
         decided = [None]
         if env.is_main:
-            capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else \
-                torch.cuda.get_device_properties(env.device).total_memory
+            limit = job.launch.gpu_memory_gib
+            capacity = limit * GIB if limit else torch.cuda.get_device_properties(env.device).total_memory \
+                if env.device.type == "cuda" else None
             memory, _ = memory_model(job, model, towers)
             decided[0] = auto_shard_degree(memory, env.world_size, env.local_world_size, capacity)
         dist.broadcast_object_list(decided, src=0)

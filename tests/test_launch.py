@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_CONFIG, write_job
+from conftest import REPO, TINY_CONFIG, squeezed, write_job
 from ranks import run_group
 from fsdpclip.checkpoint import latest_checkpoint
 from fsdpclip.launch import render, resolve_paths, sbatch_script, torchrun_command
@@ -157,13 +157,15 @@ def test_slurm_without_sbatch_is_a_user_error(cli, tmp_path, monkeypatch):
 
 
 def test_two_nodes_without_slurm(tmp_path):
-    """What a user types on each of two machines (here both on this one): a static rendezvous on node 0."""
+    """What a user types on each of two machines (here both on this one): a static rendezvous on node 0.
+    With memory to spare, 'auto' shards inside each node (one rank) and replicates across the two; rank
+    0 decides and every rank builds that mesh."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    path = _tiny(tmp_path, nodes=2, gpus_per_node=1)
+    path = _tiny(tmp_path, nodes=2, gpus_per_node=1, gpu_memory_gib=80)
     launches = [[sys.executable, "-m", "fsdpclip", "launch", str(path), "--node-rank", str(rank),
                  "--master-addr", "127.0.0.1", "--master-port", str(port)] for rank in (0, 1)]
     with ThreadPoolExecutor(2) as pool:
@@ -171,6 +173,7 @@ def test_two_nodes_without_slurm(tmp_path):
     assert node0.returncode == 0, node0.stdout[-4000:]
     assert node1.returncode == 0, node1.stdout[-4000:]
     assert "--nnodes=2 --node-rank=1 --master-addr=127.0.0.1" in node1.stdout
+    assert squeezed("mesh: 2 replica(s) × shard groups of 1") in squeezed(node0.stdout)
     run_dir = tmp_path / "runs" / "t"
     assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
     assert json.loads((latest_checkpoint(run_dir) / "meta.json").read_text())["world_size"] == 2
