@@ -42,28 +42,32 @@ def read_run(run_dir: Path) -> Run:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl: not a run directory, or a run that has not logged yet")
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line cut by a crash mid-write
-            continue
+    rows = [row for row in map(_json, metrics.read_text().splitlines()) if isinstance(row, dict)]
     launches = sorted((run_dir / LAUNCHES).glob("*.json"))
     restarts = []
     for launch in launches:
-        resumed = json.loads(launch.read_text()).get("resumed_from")
-        match = re.search(r"step-(\d+)", resumed or "")
+        record = _json(launch.read_text())
+        match = re.search(r"step-(\d+)", str(record.get("resumed_from") if isinstance(record, dict) else ""))
         if match:
             restarts.append(int(match.group(1)))
     exit_file = run_dir / EXIT_FILE
+    ended = _json(exit_file.read_text()) if exit_file.is_file() else None
     holder = lock_holder(run_dir)
     from fsdpclip.checkpoint import complete_checkpoints
 
     checkpoints = complete_checkpoints(run_dir)
     return Run(run_dir, [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith("zeroshot/") for k in r)],
-               restarts, len(launches), json.loads(exit_file.read_text()) if exit_file.is_file() else None,
+               restarts, len(launches), ended if isinstance(ended, dict) and "code" in ended else None,
                f"pid {holder.pid} on {holder.host}" if holder else None,
                checkpoints[-1].name if checkpoints else None)
+
+
+def _json(text: str):
+    """Parsed JSON, or None for text a crash cut short."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def summary(run: Run, now: Optional[float] = None) -> dict:

@@ -30,3 +30,19 @@ def test_report_of_the_demo_run(demo_run, cli, tmp_path):
 def test_report_of_what_is_not_a_run(cli, tmp_path):
     result = cli("report", tmp_path)
     assert result.exit_code == 2 and "has no metrics.jsonl" in result.output
+
+
+def test_report_of_a_run_cut_short(cli, tmp_path):
+    """A crash mid-write leaves a cut metrics line, launch record and exit report: the report reads what
+    is whole and says the run ended without a report."""
+    run_dir = tmp_path / "cut"
+    (run_dir / "launches").mkdir(parents=True)
+    record = {"step": 3, "total_steps": 10, "time": 1.0, "loss": 4.5, "lr": 1e-3}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n" + '{"step": 4, "lo')
+    (run_dir / "launches" / "0001.json").write_text('{"resumed_from": "/x/step-0000')
+    (run_dir / "exit.json").write_text('{"code": 1')
+    result = cli("report", run_dir, "--json", "--png", tmp_path / "cut.png")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info["state"] == "ended without a report" and info["step"] == 3 and info["launches"] == 1
+    assert info["restarts_at"] == [] and info["panels"] == ["loss", "learning rate"]
