@@ -89,6 +89,10 @@ class ShardStream(IterableDataset):
             pixels = self.preprocess(image.convert("RGB"))
         return pixels, self.tokenize([caption])[0]
 
+    def _collate(self, images: list) -> torch.Tensor:
+        """One micro batch of decoded images."""
+        return torch.stack(images)
+
     def __iter__(self):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
@@ -118,7 +122,7 @@ class ShardStream(IterableDataset):
             images.append(image)
             texts.append(text)
             if len(images) == self.batch_size:
-                yield {"images": torch.stack(images), "texts": torch.stack(texts), "worker": logical,
+                yield {"images": self._collate(images), "texts": torch.stack(texts), "worker": logical,
                        "position": emitted, "broken": broken[0]}
                 images, texts, broken[0] = [], [], 0
 
