@@ -68,6 +68,19 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
     return result
 
 
+def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 50) -> float:
+    """The bf16 matmul rate of this GPU, measured now (the MFU denominator)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * repeats / (time.perf_counter() - began) / 1e12
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -77,10 +90,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", default="", help="variant name to profile")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak of one GPU, for MFU")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="bf16 peak of one GPU, for MFU (default: the bf16 matmul rate measured here)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     env = init_distributed("cuda", timeout_s=180)
+    peak = args.peak_tflops or matmul_tflops(env.device)
     rows = []
     for kind in [k for k in args.ddp.split(",") if k != "none"]:
         rows.append({"variant": f"DDP {kind}", **ddp_rate(args.model, args.batch, args.warmup, args.steps,
@@ -100,16 +115,17 @@ def main() -> None:
         with open(args.out, "a") as f:
             for row in rows:
                 rate = row.get("samples_per_s_per_gpu")
-                mfu = rate * flops / (args.peak_tflops * 1e12) if rate and args.peak_tflops else None
+                mfu = rate * flops / (peak * 1e12) if rate else None
                 f.write(json.dumps({"model": args.model, "batch_per_gpu": args.batch, "gpus": env.world_size,
-                                    "flops_per_sample": flops, "mfu": mfu, **row}) + "\n")
+                                    "flops_per_sample": flops, "peak_tflops": peak, "mfu": mfu, **row}) + "\n")
         base = rows[0].get("samples_per_s_per_gpu")
         for row in rows:
             rate = row.get("samples_per_s_per_gpu")
             ratio = f"{rate / base:.2f}× DDP" if rate and base else ""
-            print(f"{args.model} bs{args.batch} {row['variant']:<28} "
-                  f"{rate or 0:8.1f} /s/GPU {row.get('peak_memory_gib', 0):6.1f} GiB {ratio} {row.get('error', '')}",
-                  flush=True)
+            mfu = f"{rate * flops / (peak * 1e12):.1%} MFU" if rate else ""
+            print(f"{args.model} bs{args.batch} {row['variant']:<28} {rate or 0:8.1f} /s/GPU {mfu:>10} "
+                  f"{row.get('peak_memory_gib', 0):6.1f} GiB build {row.get('build_s', 0):5.1f} s {ratio} "
+                  f"{row.get('error', '')}", flush=True)
     dist.destroy_process_group()
 
 

@@ -8,12 +8,14 @@ and the root last. The trainer, evaluation and the benchmarks all go through it.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpclip.attention import use_direct_attention
 from fsdpclip.model import SHARED_PARAMETERS, find_towers
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units
 from fsdpclip.spec import FsdpSpec
@@ -24,9 +26,11 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
     """Apply activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp` asks,
     sharding over `mesh`; returns it. Parameter names stay the original ones."""
     towers = find_towers(model, block_classes)
+    if fsdp.direct_attention:
+        use_direct_attention(model)
     apply_activation_checkpointing(model, checkpointed_modules(model, towers, fsdp))
     units = plan_units(model, towers, fsdp)
-    if fsdp.compile:
+    if compiles(fsdp, mesh.device_type):
         apply_compile(model, units)
     apply_fsdp(model, units, fsdp, mesh)
     return model
@@ -44,12 +48,25 @@ def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
         checkpoint(model.get_submodule(name))
 
 
+def compiles(fsdp: FsdpSpec, device_type: str) -> bool:
+    """Whether `fsdp.compile` compiles on this device ('auto': on CUDA only)."""
+    return device_type == "cuda" if fsdp.compile == "auto" else fsdp.compile
+
+
 def apply_compile(model: nn.Module, units: list[Unit]) -> None:
-    """torch.compile the forward of every unit below the root; FSDP's hooks stay eager around it."""
+    """torch.compile the forward of every block below the root, as torchtitan does; FSDP's hooks stay
+    eager around it. Shapes are static: the text and image blocks share one `forward`, and automatic
+    dynamic shapes would turn the second shape seen into a slower dynamic kernel. Evaluation (other
+    batch shapes, run rarely) calls the eager forward, so it neither recompiles nor meets the limit."""
     for unit in units[:-1]:
         for name in unit.modules:
             module = model.get_submodule(name)
-            module.forward = torch.compile(module.forward)
+            eager, compiled = module.forward, torch.compile(module.forward, dynamic=False)
+            module.forward = functools.partial(_train_compiled, module, eager, compiled)
+
+
+def _train_compiled(module: nn.Module, eager, compiled, *args, **kwargs):
+    return (compiled if module.training else eager)(*args, **kwargs)
 
 
 def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh: DeviceMesh) -> None:

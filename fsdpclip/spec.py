@@ -217,7 +217,13 @@ class FsdpSpec(Section):
     cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
     activation_checkpointing: ActivationCheckpointSpec = Field(
         default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in backward.")
-    compile: bool = Field(False, description="torch.compile each FSDP unit's module before sharding.")
+    compile: Union[bool, Literal["auto"]] = Field(
+        "auto", description="torch.compile each block of the FSDP units (static shapes) before sharding; evaluation "
+                            "stays eager. 'auto': on when training on CUDA (measured faster, docs/performance.md), "
+                            "off on CPU.")
+    direct_attention: bool = Field(
+        True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
+                          "scaled_dot_product_attention: the same function, parameters and names, less Python.")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
 
