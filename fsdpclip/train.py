@@ -40,14 +40,16 @@ from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, t
 from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
 from fsdpclip.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
-from fsdpclip.parallelize import average_replicated_gradients, materialize, parallelize, replicated_parameters
+from fsdpclip.parallelize import (
+    average_replicated_gradients, materialize, parallelize, replicated_parameters, resolve_compile,
+)
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
 from fsdpclip.rundir import (
     EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, launch_time, lock_token, record_launch,
     stop_requested, write_crash_report, write_exit_report,
 )
-from fsdpclip.spec import Job, SyntheticSpec
+from fsdpclip.spec import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.weights import initial_model
 
@@ -127,9 +129,24 @@ class Trainer:
         if env.is_main:
             log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
         source = initial_model(job.model, job.run.seed) if env.is_main else None
-        parallelize(model, job.fsdp, self.mesh, job.model.block_classes)
+        parallelize(model, self._resolve_compile(towers), self.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
+
+    def _resolve_compile(self, towers) -> FsdpSpec:
+        """job.fsdp with `compile: 'auto'` decided on rank 0 from the work of one block's forward over a
+        micro batch (the model's FLOPs spread over its blocks), the same on every rank."""
+        job, env = self.job, self.env
+        decided = [None]
+        if env.is_main:
+            blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
+            block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
+            decided[0] = resolve_compile(job.fsdp, env.device.type, block_flops)
+            if job.fsdp.compile == "auto":
+                log.info("compile 'auto': %s (%.2f TFLOP per block forward)",
+                         "on" if decided[0].compile else "off", block_flops / 1e12)
+        dist.broadcast_object_list(decided, src=0)
+        return decided[0]
 
     def _shard_degree(self, model: torch.nn.Module, towers) -> int:
         """fsdp.shard_degree, or what 'auto' chooses: the whole world when it fits in one node, else

@@ -62,12 +62,16 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
 
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):
-    from fsdpclip.parallelize import apply_compile, compiles
+    from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_compile
     from fsdpclip.shard import Unit
     from fsdpclip.spec import FsdpSpec
 
-    assert compiles(FsdpSpec(), "cuda") and not compiles(FsdpSpec(), "cpu")
-    assert compiles(FsdpSpec(compile=True), "cpu") and not compiles(FsdpSpec(compile=False), "cuda")
+    large, small = 2 * COMPILE_MIN_BLOCK_TFLOP * 1e12, COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
+    assert resolve_compile(FsdpSpec(), "cuda", large).compile is True
+    assert resolve_compile(FsdpSpec(), "cuda", small).compile is False
+    assert resolve_compile(FsdpSpec(), "cpu", large).compile is False
+    assert resolve_compile(FsdpSpec(compile=True), "cpu", small).compile is True
+    assert resolve_compile(FsdpSpec(compile=False), "cuda", large).compile is False
     calls = []
 
     def fake_compile(fn, **options):
