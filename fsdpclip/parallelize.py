@@ -50,9 +50,10 @@ def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
 
 
 # A compiled block saves device time but costs host time per call (guards, the autograd wrapper), so it
-# pays only where a block's forward keeps the GPU busy for longer. Measured on one H200 (docs/performance.md):
-# ViT-B-32 at 256/GPU (0.16 TFLOP per block forward) ran 10% slower compiled, ViT-L-14 at 128/GPU (0.6) 10% faster.
-COMPILE_MIN_BLOCK_TFLOP = 0.3
+# pays only where a block's forward keeps the GPU busy for longer. Measured on H200 (docs/performance.md,
+# change 11; single runs): TFLOP per block forward over a micro batch -> compiled vs eager: ViT-B-32 at 256/GPU
+# 0.16 -> 0.90x, ViT-H-14 at 64/GPU 0.44 -> 0.77x, ViT-L-14 at 128/GPU 0.62 -> 1.10x (1.18x in an earlier run).
+COMPILE_MIN_BLOCK_TFLOP = 0.5
 
 
 def resolve_compile(fsdp: FsdpSpec, device_type: str, block_forward_flops: float) -> FsdpSpec:

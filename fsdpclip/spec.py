@@ -219,8 +219,9 @@ class FsdpSpec(Section):
         default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in backward.")
     compile: Union[bool, Literal["auto"]] = Field(
         "auto", description="torch.compile each block of the FSDP units (static shapes) before sharding; evaluation "
-                            "stays eager. 'auto': on when training on CUDA (measured faster, docs/performance.md), "
-                            "off on CPU.")
+                            "stays eager. 'auto': on for CUDA where one block's forward over a micro batch is at least "
+                            "0.5 TFLOP (compile paid for such blocks and slowed smaller, host-bound ones: "
+                            "docs/performance.md), off on CPU.")
     direct_attention: bool = Field(
         True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")
