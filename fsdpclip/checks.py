@@ -55,6 +55,8 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
             _check_resume(job, report)
     if job.logging.tensorboard:
         _check_importable("tensorboard", "logging.tensorboard", report)
+    if job.logging.wandb is not None and job.logging.wandb.mode != "disabled":
+        _check_importable("wandb", "logging.wandb", report, extra="wandb")
     try:
         cfg = model_config(job.model)
         model = model_from_config(cfg, device="meta")
@@ -250,8 +252,13 @@ def _check_eval(job: Job, report: Report) -> None:
         if zs.label in seen:
             report.error(f"eval.zeroshot[{i}]", f"a second set named '{zs.label}'", hint="give each set a `name`")
         seen.add(zs.label)
-    if job.eval.every_steps is not None and not job.eval.zeroshot:
-        report.error("eval.every_steps", "set, but eval.zeroshot lists no dataset", job.eval.every_steps)
+    names = [rs.label for rs in job.eval.retrieval]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            report.error(f"eval.retrieval[{i}]", f"a second set named '{name}'", hint="give each set a `name`")
+    if job.eval.every_steps is not None and not job.eval.sets:
+        report.error("eval.every_steps", "set, but eval.zeroshot and eval.retrieval list no dataset",
+                     job.eval.every_steps)
 
 
 def _check_eval_paths(job: Job, report: Report) -> None:
@@ -263,6 +270,13 @@ def _check_eval_paths(job: Job, report: Report) -> None:
             report.error(f"{where}.classnames", "file not found", zs.classnames)
         if zs.templates not in (None, "openai", "simple") and not Path(zs.templates).is_file():
             report.error(f"{where}.templates", "not 'openai', 'simple' or an existing file", zs.templates)
+    from fsdpclip.evaluate import DatasetError, load_retrieval_set
+
+    for i, rs in enumerate(job.eval.retrieval):
+        try:
+            load_retrieval_set(rs, transform=None)  # its layout and captions, not its images
+        except DatasetError as exc:
+            report.error(f"eval.retrieval[{i}].path", str(exc), rs.path)
 
 
 def _check_resume(job: Job, report: Report) -> None:
@@ -328,8 +342,9 @@ def _check_precision(job: Job, report: Report) -> None:
         report.error("fsdp.param_dtype", "fp16 is not supported on CPU", "fp16", hint="use bf16 or fp32")
 
 
-def _check_importable(module: str, location: str, report: Report) -> None:
+def _check_importable(module: str, location: str, report: Report, extra: Optional[str] = None) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        report.error(location, f"needs the '{module}' package", hint=f"pip install {module}")
+        hint = f"pip install 'fsdpclip[{extra}]'" if extra else f"pip install {module}"
+        report.error(location, f"needs the '{module}' package", hint=hint)

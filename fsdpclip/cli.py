@@ -272,8 +272,11 @@ class EvalPrecision(str, Enum):
 @app.command("eval")
 def eval_command(
     checkpoint: Path = typer.Argument(..., help="A run or checkpoint directory, an exported OpenCLIP file or local-dir."),
-    zeroshot: ZeroShotKind = typer.Option(..., "--zeroshot", help="Which kind of zero-shot set."),
-    data: Path = typer.Option(..., "--data", help="Its folder: class folders, or CLIP_benchmark shards."),
+    zeroshot: Optional[ZeroShotKind] = typer.Option(None, "--zeroshot", help="Which kind of zero-shot set."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Its folder: class folders, or CLIP_benchmark shards."),
+    retrieval: Optional[Path] = typer.Option(None, "--retrieval",
+                                             help="Instead of --zeroshot: a retrieval set, a folder of image/caption "
+                                                  "pairs (x.jpg, x.txt) or CLIP_benchmark retrieval shards."),
     model: Optional[str] = typer.Option(None, "--model", help="OpenCLIP name, for an exported file."),
     model_config: Optional[Path] = typer.Option(None, "--model-config", help="Model-config JSON, for an exported file."),
     classnames: Optional[Path] = typer.Option(None, "--classnames", help="One class name per line (folder sets)."),
@@ -285,7 +288,7 @@ def eval_command(
     precision: EvalPrecision = typer.Option(EvalPrecision.fp32, "--precision", help="fp32, or bf16 (autocast / FSDP)."),
     output: Optional[Path] = typer.Option(None, "--output", help="Write CLIP_benchmark's JSON here."),
 ) -> None:
-    """Zero-shot accuracy of a checkpoint, in CLIP_benchmark's JSON format (torchrun: sharded)."""
+    """Zero-shot accuracy or retrieval recall of a checkpoint, in CLIP_benchmark's JSON format (torchrun: sharded)."""
     import os
 
     from pydantic import ValidationError
@@ -294,9 +297,16 @@ def eval_command(
     from fsdpclip.checkpoint import CheckpointError
     from fsdpclip.evaluate import DatasetError, evaluate_checkpoint
     from fsdpclip.problems import ModelError
-    from fsdpclip.spec import ZeroShotSpec
+    from fsdpclip.spec import RetrievalSpec, ZeroShotSpec
 
-    bar = Progress(TextColumn("[bold]zero-shot {task.description}"), BarColumn(), MofNCompleteColumn(),
+    if (zeroshot is None) == (retrieval is None):
+        _stop("give --zeroshot KIND --data DIR (classification) or --retrieval DIR (image-text retrieval)")
+    if zeroshot is not None and data is None:
+        _stop("--zeroshot needs --data DIR, the dataset's folder")
+    if retrieval is not None and (data, classnames, templates) != (None, None, None):
+        _stop("--data, --classnames and --templates are for --zeroshot; --retrieval takes the dataset's folder itself")
+    kind = "zero-shot" if zeroshot is not None else "retrieval"
+    bar = Progress(TextColumn(f"[bold]{kind} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
 
     def progress(name: str, total: Optional[int]):
@@ -304,8 +314,11 @@ def eval_command(
         return lambda done: bar.advance(task, done)
 
     try:
-        spec = ZeroShotSpec(dataset=zeroshot.value, path=str(data), templates=templates, max_samples=max_samples,
-                            classnames=None if classnames is None else str(classnames))
+        if retrieval is not None:
+            spec = RetrievalSpec(path=str(retrieval), max_samples=max_samples)
+        else:
+            spec = ZeroShotSpec(dataset=zeroshot.value, path=str(data), templates=templates, max_samples=max_samples,
+                                classnames=None if classnames is None else str(classnames))
         with bar:
             record = evaluate_checkpoint(checkpoint, spec, model, None if model_config is None else str(model_config),
                                          precision.value, batch_size, workers, progress)
@@ -315,21 +328,36 @@ def eval_command(
         _stop(str(exc))
     if record is None:  # not rank 0
         return
-    samples = record.pop("samples")
+    samples, texts = record.pop("samples"), record.pop("texts", None)
     if "folder_classes" in record:
         pairs = list(record["folder_classes"].items())
         console.print(f"[yellow]![/yellow] the class names are not the folder names: paired with the folders in "
                       f"sorted order: {', '.join(f'{f} → {c}' for f, c in pairs[:5])}{', …' if len(pairs) > 5 else ''} "
                       "(all in the result JSON, folder_classes)", highlight=False, soft_wrap=True)
-    table = Table(title=f"zero-shot {record['dataset']}: {record['model']} ({samples} images)")
-    for key in record["metrics"]:
-        table.add_column(key, justify="right")
-    table.add_row(*(f"{v:.4f}" for v in record["metrics"].values()))
-    console.print(table)
+    counted = f"{samples} images" + (f", {texts} captions" if texts is not None else "")
+    console.print(_result_table(f"{kind} {record['dataset']}: {record['model']} ({counted})", record))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(record) + "\n")
         console.print(f"[green]✓[/green] {output}")
+
+
+def _result_table(title: str, record: dict) -> Table:
+    """A result's scores: one row (classification), or recall@k a row per direction (retrieval)."""
+    from fsdpclip.evaluate import RECALL_K, recalls_by_direction
+
+    table, metrics = Table(title=title), record["metrics"]
+    if record["task"] != "zeroshot_retrieval":
+        for key in metrics:
+            table.add_column(key, justify="right")
+        table.add_row(*(f"{v:.4f}" for v in metrics.values()))
+        return table
+    table.add_column("")
+    for k in RECALL_K:
+        table.add_column(f"recall@{k}", justify="right")
+    for direction, values in recalls_by_direction(metrics).items():
+        table.add_row(direction, *(f"{v:.4f}" for v in values))
+    return table
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """The offline demo dataset: scikit-learn's bundled handwritten digits as CLIP training data.
 
 Training pairs go to webdataset shards with captions ("a photo of the number three"); a
-held-out split goes to one folder per class for zero-shot classification.
+held-out split goes to one folder per class for zero-shot classification, each image with two
+captions beside it (`test/3/000123.jpg` and `.txt`, one per line) for retrieval.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CAPTIONS = ("a photo of the number {}.", "the digit {}.", "a handwritten {}.", "
             "{} written by hand.", "a small image of the number {}.")
 TEMPLATES = ("a photo of the number {c}.", "the digit {c}.", "a handwritten {c}.")
 IMAGE_SIZE = 32
+TEST_CAPTIONS = 2  # per held-out image
 
 
 def load_sklearn_digits():
@@ -63,7 +65,10 @@ def write_digits(out_dir: Path, shards: int = 8, held_out: float = 0.2, seed: in
     for label in range(len(CLASSNAMES)):
         (test_dir / str(label)).mkdir(parents=True, exist_ok=True)
     for i in eval_idx:
-        (test_dir / str(labels[i]) / f"{i:06d}.jpg").write_bytes(to_jpeg(images[i]))
+        image = test_dir / str(labels[i]) / f"{i:06d}.jpg"
+        image.write_bytes(to_jpeg(images[i]))
+        chosen = captions.sample(CAPTIONS, TEST_CAPTIONS)
+        image.with_suffix(".txt").write_text("".join(c.format(CLASSNAMES[labels[i]]) + "\n" for c in chosen))
     (out_dir / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
     (out_dir / "templates.txt").write_text("\n".join(TEMPLATES) + "\n")
     info = {"train_samples": int(len(train_idx)), "train_shards": shards, "test_samples": int(n_eval),

@@ -1,21 +1,27 @@
-"""Zero-shot classification, computed as CLIP_benchmark computes it.
+"""Zero-shot classification and image-text retrieval, computed as CLIP_benchmark computes them.
 
-Class embeddings (OpenCLIP's `build_zero_shot_classifier`) are the normalised mean of the normalised
-template embeddings; logits are 100 × the normalised image features against them; acc1/acc5 are
-top-k accuracies (acc5 is NaN under 5 classes) and mean per-class recall is the balanced accuracy
-over the classes present.
+Classification: class embeddings (OpenCLIP's `build_zero_shot_classifier`) are the normalised mean
+of the normalised template embeddings; logits are 100 × the normalised image features against
+them; acc1/acc5 are top-k accuracies (acc5 is NaN under 5 classes) and mean per-class recall is
+the balanced accuracy over the classes present.
 
-Every rank takes part: all embed the same prompts, each embeds its share of the images, and
-a rank whose share is exhausted keeps running (padding) forwards until all are done, so no
-rank ever skips a forward of the sharded model.
+Retrieval: every caption's normalised embedding against every image's; text→image recall@k
+(CLIP_benchmark's `image_retrieval_recall@k`) is the fraction of captions whose image is among
+their k best images, image→text (`text_retrieval_recall@k`) the fraction of images with one of
+their captions among their k best captions.
+
+Every rank takes part: each embeds its share of the images (and, for retrieval, their captions;
+for classification all embed the same prompts), and a rank whose share is exhausted keeps running
+(padding) forwards until all are done, so no rank ever skips a forward of the sharded model.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,16 +30,17 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from fsdpclip.data import ignore_stop_signals
-from fsdpclip.spec import ZeroShotSpec
+from fsdpclip.spec import RetrievalSpec, ZeroShotSpec
 
 if TYPE_CHECKING:
     from fsdpclip.spec import Job
 
 WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")
+RECALL_K = (1, 5, 10)
 
 
 class DatasetError(Exception):
-    """A zero-shot dataset that is missing or laid out wrongly (message meant for the user)."""
+    """An evaluation dataset that is missing or laid out wrongly (message meant for the user)."""
 
 
 @dataclass
@@ -43,6 +50,8 @@ class ZeroShotSet:
     `images` is a map-style dataset of (image, label), or `shards`, a CLIP_benchmark webdataset.
     """
 
+    task: ClassVar[str] = "zeroshot_classification"  # CLIP_benchmark's name
+    kind: ClassVar[str] = "zeroshot"  # the prefix of its results in metrics.jsonl
     name: str
     classnames: list[str]
     templates: list[Callable[[str], str]]
@@ -62,39 +71,152 @@ class ZeroShotSet:
         """This rank's (images, labels) batches: every world_size-th sample or shard."""
         if self.images is not None:
             share = torch.utils.data.Subset(self.images, range(rank, len(self.images), world_size))
-            return iter(DataLoader(share, batch_size=batch_size, num_workers=workers, worker_init_fn=ignore_stop_signals))
-        stream = _ClassShards(self.shards[rank::world_size], self.transform, batch_size, self.max_samples)
-        return iter(DataLoader(stream, batch_size=None, num_workers=min(workers, len(stream.shards)),
-                               worker_init_fn=ignore_stop_signals))
+            return _loader(share, batch_size, workers)
+        return _loader(_ClassShards(self.shards, rank, world_size, self.transform, batch_size, self.max_samples),
+                       None, workers)
 
 
-class _ClassShards(IterableDataset):
-    """Batches of (image, label) from CLIP_benchmark classification shards (.webp/.png/.jpg + .cls);
-    at most `limit` images per worker (no worker needs more; `_shares` makes the total exact)."""
+@dataclass
+class RetrievalSet:
+    """Images with one or more captions each: `pairs` (image file, its captions) from a folder, or
+    `shards`, CLIP_benchmark retrieval shards (an image and a .txt of captions, one per line)."""
 
-    def __init__(self, shards: list[str], transform: Callable, batch_size: int, limit: Optional[int]):
-        self.shards, self.transform, self.batch_size, self.limit = shards, transform, batch_size, limit
+    task: ClassVar[str] = "zeroshot_retrieval"
+    kind: ClassVar[str] = "retrieval"
+    name: str
+    pairs: Optional[list[tuple[Path, list[str]]]] = None
+    shards: Optional[list[str]] = None
+    transform: Optional[Callable] = None
+    max_samples: Optional[int] = None
+
+    @property
+    def size(self) -> Optional[int]:
+        """Number of images, when known without reading the shards."""
+        return len(self.pairs) if self.pairs is not None else None
+
+    def batches(self, rank: int, world_size: int, batch_size: int, workers: int) -> Iterator:
+        """This rank's (images, ids, captions) batches: every world_size-th pair or shard. An image's id
+        orders it in the set (its index, or its shard's index << 32 | its position there); `captions`
+        holds a list of captions per image."""
+        if self.pairs is not None:
+            share = torch.utils.data.Subset(_CaptionedImages(self.pairs, self.transform),
+                                            range(rank, len(self.pairs), world_size))
+            return _loader(share, batch_size, workers, collate=_collate_captioned)
+        return _loader(_CaptionShards(self.shards, rank, world_size, self.transform, batch_size, self.max_samples),
+                       None, workers)
+
+
+EvalSet = Union[ZeroShotSet, RetrievalSet]
+
+
+def _loader(data: Dataset, batch_size: Optional[int], workers: int, collate: Optional[Callable] = None) -> Iterator:
+    """Batches of a map-style dataset, or of a `_Shards` stream (`batch_size` None: it batches itself)."""
+    if isinstance(data, _Shards):
+        workers = min(workers, len(data.shards))
+    loader = DataLoader(data, batch_size=batch_size, num_workers=workers, collate_fn=collate,
+                        worker_init_fn=ignore_stop_signals)
+    for batch in loader:
+        if isinstance(batch, DatasetError):  # passed on by a data worker (see _Shards)
+            raise batch
+        yield batch
+
+
+class _Shards(IterableDataset):
+    """Batches from this rank's share of CLIP_benchmark shards (every world_size-th), split over the data
+    workers; at most `limit` images per worker (no worker needs more; `_shares` makes the total exact)."""
+
+    def __init__(self, shards: list[str], rank: int, world_size: int, transform: Callable, batch_size: int,
+                 limit: Optional[int]):
+        self.shards = list(enumerate(shards))[rank::world_size]
+        self.transform, self.batch_size, self.limit = transform, batch_size, limit
 
     def __iter__(self):
-        from PIL import Image
+        batch = []
+        try:
+            for sample_id, sample, where in itertools.islice(self._samples(), self.limit):
+                batch.append(self.read(sample_id, sample, where))
+                if len(batch) == self.batch_size:
+                    yield self.collate(batch)
+                    batch = []
+        except DatasetError as exc:  # to the main process as it is (a worker's exception comes wrapped in text)
+            yield exc
+            return
+        if batch:
+            yield self.collate(batch)
+
+    def _samples(self) -> Iterator[tuple[int, dict, str]]:
+        """(id, sample, where) of this worker's shards: id = the shard's index << 32 | the sample's position."""
         from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
         info = get_worker_info()
-        shards = self.shards[info.id::info.num_workers] if info else self.shards
-        samples = group_by_keys(tar_file_expander(url_opener({"url": s} for s in shards)))
-        images, labels, seen = [], [], 0
-        for sample in samples:
-            if self.limit is not None and seen >= self.limit:
-                break
-            key = next(k for k in WDS_IMAGE_KEYS if k in sample)
-            images.append(self.transform(Image.open(io.BytesIO(sample[key])).convert("RGB")))
-            labels.append(int(sample["cls"]))
-            seen += 1
-            if len(images) == self.batch_size:
-                yield torch.stack(images), torch.tensor(labels)
-                images, labels = [], []
-        if images:
-            yield torch.stack(images), torch.tensor(labels)
+        for index, url in self.shards[info.id::info.num_workers] if info else self.shards:
+            for position, sample in enumerate(group_by_keys(tar_file_expander(url_opener([{"url": url}])))):
+                yield index << 32 | position, sample, f"{url}: sample {sample['__key__']}"
+
+    def image(self, sample: dict, where: str) -> torch.Tensor:
+        from PIL import Image
+
+        key = next((k for k in WDS_IMAGE_KEYS if k in sample), None)
+        if key is None:
+            raise DatasetError(f"{where} has no image ({', '.join('.' + k for k in WDS_IMAGE_KEYS)})")
+        return self.transform(Image.open(io.BytesIO(sample[key])).convert("RGB"))
+
+    def read(self, sample_id: int, sample: dict, where: str) -> tuple:
+        raise NotImplementedError
+
+    def collate(self, batch: list[tuple]) -> tuple:
+        raise NotImplementedError
+
+
+class _ClassShards(_Shards):
+    """(images, labels) from classification shards (an image and a .cls label)."""
+
+    def read(self, sample_id: int, sample: dict, where: str) -> tuple:
+        return self.image(sample, where), int(sample["cls"])
+
+    def collate(self, batch: list[tuple]) -> tuple:
+        images, labels = zip(*batch)
+        return torch.stack(images), torch.tensor(labels)
+
+
+class _CaptionShards(_Shards):
+    """(images, ids, captions) from retrieval shards (an image and a .txt of captions, one per line)."""
+
+    def read(self, sample_id: int, sample: dict, where: str) -> tuple:
+        captions = _captions(sample["txt"].decode("utf-8")) if "txt" in sample else []
+        if not captions:
+            raise DatasetError(f"{where} has no captions (.txt, one per line)")
+        return self.image(sample, where), sample_id, captions
+
+    def collate(self, batch: list[tuple]) -> tuple:
+        return _collate_captioned(batch)
+
+
+class _CaptionedImages(Dataset):
+    """(image, index, captions) of image files with their captions."""
+
+    def __init__(self, pairs: list[tuple[Path, list[str]]], transform: Callable):
+        self.pairs, self.transform = pairs, transform
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> tuple:
+        from PIL import Image
+
+        path, captions = self.pairs[index]
+        with Image.open(path) as image:
+            return self.transform(image.convert("RGB")), index, captions
+
+
+def _collate_captioned(batch: list[tuple]) -> tuple:
+    images, ids, captions = zip(*batch)
+    return torch.stack(images), torch.tensor(ids, dtype=torch.int64), list(captions)
+
+
+def _captions(text: str) -> list[str]:
+    """The captions of a caption file: one per non-empty line."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------- datasets
@@ -121,13 +243,9 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
     root = Path(spec.path)
     if not root.is_dir():
         raise DatasetError(f"dataset folder not found: {root}")
-    wds_split = next((d for d in (root / "test", root) if (d / "nshards.txt").is_file()), None)
-    if wds_split is not None:
+    shards = _wds_shards(root)
+    if shards is not None:
         classnames, templates = _names_and_templates(spec, root)
-        shards = [str(wds_split / f"{i}.tar") for i in range(int((wds_split / "nshards.txt").read_text()))]
-        missing = [s for s in shards if not Path(s).is_file()]
-        if missing:
-            raise DatasetError(f"{wds_split}/nshards.txt names {len(shards)} shards but {missing[0]} is missing")
         return ZeroShotSet(spec.label, classnames, templates, shards=shards, transform=transform,
                            max_samples=spec.max_samples)
     from torchvision.datasets import ImageFolder
@@ -153,6 +271,59 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
     if spec.max_samples is not None and spec.max_samples < len(images):
         images = torch.utils.data.Subset(images, range(spec.max_samples))
     return ZeroShotSet(spec.label, classnames, templates, images=images, folder_classes=folder_classes)
+
+
+def _wds_shards(root: Path) -> Optional[list[str]]:
+    """The test shards of a CLIP_benchmark webdataset (ROOT/test/nshards.txt, or ROOT/nshards.txt), or None."""
+    split = next((d for d in (root / "test", root) if (d / "nshards.txt").is_file()), None)
+    if split is None:
+        return None
+    count = (split / "nshards.txt").read_text().strip()
+    if not count.isdigit() or int(count) == 0:
+        raise DatasetError(f"{split}/nshards.txt should hold the number of shards, not {count!r}")
+    shards = [str(split / f"{i}.tar") for i in range(int(count))]
+    missing = [s for s in shards if not Path(s).is_file()]
+    if missing:
+        raise DatasetError(f"{split}/nshards.txt names {len(shards)} shards but {missing[0]} is missing")
+    return shards
+
+
+def load_retrieval_set(spec: RetrievalSpec, transform: Callable) -> RetrievalSet:
+    """A retrieval set: CLIP_benchmark retrieval shards, or a folder of image/caption pairs (every image
+    below it, in sorted order, with the .txt of the same name beside it)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    root = Path(spec.path)
+    if not root.is_dir():
+        raise DatasetError(f"retrieval dataset folder not found: {root}")
+    shards = _wds_shards(root)
+    if shards is not None:
+        kind_file = root / "dataset_type.txt"
+        kind = kind_file.read_text().strip().lower() if kind_file.is_file() else "retrieval"
+        if kind != "retrieval":
+            raise DatasetError(f"{kind_file} says {kind!r}: CLIP_benchmark retrieval sets say 'retrieval' "
+                               "(their samples carry captions, .txt, not labels)")
+        return RetrievalSet(spec.label, shards=shards, transform=transform, max_samples=spec.max_samples)
+    images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    if not images:
+        raise DatasetError(f"{root} holds no images: a retrieval set is a folder of image/caption pairs (x.jpg with "
+                           "x.txt, one caption per line) or CLIP_benchmark retrieval shards (test/nshards.txt)")
+    missing = [p for p in images if not p.with_suffix(".txt").is_file()]
+    if missing:
+        others = f" (and {len(missing) - 1} other images lack theirs)" if len(missing) > 1 else ""
+        raise DatasetError(f"{missing[0]} has no caption file {missing[0].with_suffix('.txt').name}{others}")
+    pairs = [(p, _captions(p.with_suffix(".txt").read_text())) for p in images[:spec.max_samples]]
+    empty = next((p for p, captions in pairs if not captions), None)
+    if empty is not None:
+        raise DatasetError(f"{empty.with_suffix('.txt')} holds no caption (one per line)")
+    return RetrievalSet(spec.label, pairs=pairs, transform=transform, max_samples=spec.max_samples)
+
+
+def load_eval_set(spec: Union[ZeroShotSpec, RetrievalSpec], transform: Callable) -> EvalSet:
+    """The zero-shot or retrieval set a spec describes."""
+    if isinstance(spec, RetrievalSpec):
+        return load_retrieval_set(spec, transform)
+    return load_zeroshot_set(spec, transform)
 
 
 def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[list[str], list[Callable]]:
@@ -187,11 +358,11 @@ def _shares(batches: Iterator, limit: Optional[int], rank: int, world: int, devi
     """This rank's batches with the images all ranks take in that round, ending on every rank at once:
     when all ranks' batches are done or `limit` images are taken. Each round the ranks take images
     in rank order up to the limit, so the count is exact for any number of ranks and data workers;
-    a rank with nothing to take gets (None, None) and runs a padding forward."""
+    a rank with nothing to take gets None and runs a padding forward."""
     taken = 0
     while True:
         batch = next(batches, None)
-        size = 0 if batch is None else len(batch[1])
+        size = 0 if batch is None else len(batch[0])
         sizes = [size]
         if world > 1:
             gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
@@ -202,7 +373,7 @@ def _shares(batches: Iterator, limit: Optional[int], rank: int, world: int, devi
             return
         share = max(0, min(size, left - sum(sizes[:rank])))
         taken += left
-        yield ((batch[0][:share], batch[1][:share]) if share else (None, None)), left
+        yield (tuple(part[:share] for part in batch) if share else None), left
 
 
 @torch.no_grad()
@@ -224,9 +395,8 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
     top5 = torch.zeros((), dtype=torch.float64, device=device)
     padding = (torch.zeros(1, *image_shape(model)), torch.tensor([-1]))
     shares = _shares(zs.batches(rank, world, batch_size, workers), zs.max_samples, rank, world, device)
-    for (images, labels), taken in shares:
-        if images is None:
-            images, labels = padding
+    for batch, taken in shares:
+        images, labels = batch or padding
         if int(labels.max()) >= classes:
             raise DatasetError(f"{zs.name}: label {int(labels.max())} but only {classes} class names")
         features = F.normalize(model.encode_image(images.to(device)).float(), dim=-1)
@@ -254,10 +424,90 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
             "mean_per_class_recall": per_class[present].mean().item(), "samples": int(total.item())}
 
 
-def clip_benchmark_record(dataset: str, model: str, pretrained: str, metrics: dict) -> dict:
-    """The JSON CLIP_benchmark writes for one zero-shot classification result."""
-    return {"dataset": dataset, "model": model, "pretrained": pretrained, "task": "zeroshot_classification",
-            "metrics": {k: metrics[k] for k in ("acc1", "acc5", "mean_per_class_recall")}, "language": "en"}
+@torch.no_grad()
+def retrieval_metrics(model: nn.Module, tokenizer: Callable, rs: RetrievalSet, device: torch.device,
+                      batch_size: int, workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Text→image and image→text recall@1/5/10 over the whole set, identical on every rank."""
+    from fsdpclip.model import image_shape
+    from fsdpclip.parallelize import reshard
+
+    was_training = model.training
+    model.eval()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    padding = (torch.zeros(1, *image_shape(model)), torch.tensor([-1]), [[""]])  # id -1: dropped below
+    images, image_ids, texts, owners = [], [], [], []
+    for batch, taken in _shares(rs.batches(rank, world, batch_size, workers), rs.max_samples, rank, world, device):
+        pixels, ids, captions = batch or padding
+        images.append(F.normalize(model.encode_image(pixels.to(device)).float(), dim=-1))
+        tokens = tokenizer([caption for group in captions for caption in group]).to(device)
+        texts.append(F.normalize(model.encode_text(tokens).float(), dim=-1))
+        image_ids.append(ids.to(device))
+        owners.append(ids.repeat_interleave(torch.tensor([len(group) for group in captions])).to(device))
+        if progress is not None:
+            progress(taken)
+    reshard(model)
+    model.train(was_training)
+    if not images:  # not one round: the set is empty (every rank knows)
+        raise DatasetError(f"{rs.name}: no images found")
+    images, image_ids, texts, owners = (_gather_rows(torch.cat(parts), device)
+                                        for parts in (images, image_ids, texts, owners))
+    real_images, real_texts = image_ids >= 0, owners >= 0
+    return _recalls(images[real_images], image_ids[real_images], texts[real_texts], owners[real_texts])
+
+
+def _gather_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """This rank's rows and every other rank's, in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(rows)], dtype=torch.int64, device=device))
+    counts = torch.cat(counts).tolist()
+    padded = torch.zeros((max(counts), *rows.shape[1:]), dtype=rows.dtype, device=device)
+    padded[:len(rows)] = rows
+    gathered = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[:n] for g, n in zip(gathered, counts)])
+
+
+def _recalls(images: torch.Tensor, image_ids: torch.Tensor, texts: torch.Tensor, owners: torch.Tensor) -> dict:
+    """Recall@k both ways from normalised image and caption features; `owners` holds each caption's image id.
+    Images are put in set order and captions in their images' order (stable), as CLIP_benchmark reads them."""
+    order = image_ids.argsort()
+    images, image_ids = images[order], image_ids[order]
+    owner = torch.searchsorted(image_ids, owners)  # each caption's image, as a row of `images`
+    caption_order = owner.argsort(stable=True)
+    texts, owner = texts[caption_order], owner[caption_order]
+    scores = texts @ images.T  # (captions, images), as CLIP_benchmark computes it
+    image_rows = torch.arange(len(images), device=images.device)[:, None]
+    metrics = {}
+    for k in RECALL_K:
+        best_images = scores.topk(min(k, len(images)), dim=1).indices
+        best_captions = scores.T.topk(min(k, len(texts)), dim=1).indices
+        metrics[f"image_retrieval_recall@{k}"] = (best_images == owner[:, None]).any(dim=1).float().mean().item()
+        metrics[f"text_retrieval_recall@{k}"] = (owner[best_captions] == image_rows).any(dim=1).float().mean().item()
+    return metrics | {"samples": len(images), "texts": len(texts)}
+
+
+def evaluate_set(model: nn.Module, tokenizer: Callable, dataset: EvalSet, device: torch.device, batch_size: int,
+                 workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
+    """The metrics of a zero-shot or a retrieval set (every rank calls it; every rank gets them)."""
+    measure = retrieval_metrics if isinstance(dataset, RetrievalSet) else zeroshot_metrics
+    return measure(model, tokenizer, dataset, device, batch_size, workers, progress)
+
+
+def recalls_by_direction(metrics: dict) -> dict[str, list[float]]:
+    """A retrieval result's recall@RECALL_K, per direction ('text→image', 'image→text')."""
+    names = {"text→image": "image_retrieval", "image→text": "text_retrieval"}  # CLIP_benchmark's names
+    return {direction: [metrics[f"{name}_recall@{k}"] for k in RECALL_K] for direction, name in names.items()}
+
+
+COUNTS = ("samples", "texts")  # in a set's metrics next to the scores: how many images and captions
+
+
+def clip_benchmark_record(task: str, dataset: str, model: str, pretrained: str, metrics: dict) -> dict:
+    """The JSON CLIP_benchmark writes for one result."""
+    return {"dataset": dataset, "model": model, "pretrained": pretrained, "task": task,
+            "metrics": {k: v for k, v in metrics.items() if k not in COUNTS}, "language": "en"}
 
 
 # ------------------------------------------------------------------------ models
@@ -335,11 +585,12 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
     return model.eval()
 
 
-def evaluate_checkpoint(path: Path, spec: ZeroShotSpec, model_name: Optional[str], model_config: Optional[str],
-                        precision: str, batch_size: int, workers: Optional[int],
+def evaluate_checkpoint(path: Path, spec: Union[ZeroShotSpec, RetrievalSpec], model_name: Optional[str],
+                        model_config: Optional[str], precision: str, batch_size: int, workers: Optional[int],
                         progress: Callable[[str, Optional[int]], Callable[[int], None]]) -> Optional[dict]:
-    """Zero-shot metrics of a checkpoint as CLIP_benchmark records them, on one process or sharded over
-    the ranks torchrun started (every rank calls it; the record comes back on rank 0, None elsewhere).
+    """Zero-shot or retrieval metrics of a checkpoint as CLIP_benchmark records them (with the counts of
+    images and captions), on one process or sharded over the ranks torchrun started (every rank calls
+    it; the record comes back on rank 0, None elsewhere).
 
     `progress(set name, images or None)` is called once and returns a callback taking images done."""
     import os
@@ -354,17 +605,19 @@ def evaluate_checkpoint(path: Path, spec: ZeroShotSpec, model_name: Optional[str
     device = env.device if env else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model = load_eval_model(source, device, env.mesh if env else None, precision)
-        zs = load_zeroshot_set(spec, image_transform(model, train=False))
-        advance = progress(zs.name, zs.size)
+        dataset = load_eval_set(spec, image_transform(model, train=False))
+        advance = progress(dataset.name, dataset.size)
         # One process: autocast gives bf16; sharded: FSDP's mixed precision does.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16" and env is None):
-            metrics = zeroshot_metrics(model, build_tokenizer(source.config), zs, device, batch_size, workers,
-                                       progress=advance)
+            metrics = evaluate_set(model, build_tokenizer(source.config), dataset, device, batch_size, workers,
+                                   progress=advance)
     finally:
         if env is not None:
             dist.destroy_process_group()
     if env is not None and not env.is_main:
         return None
-    dataset = {"imagenet": "imagenet1k"}.get(zs.name, zs.name)
-    record = clip_benchmark_record(dataset, source.label, str(path), metrics) | {"samples": metrics["samples"]}
-    return record | ({"folder_classes": zs.folder_classes} if zs.folder_classes else {})
+    name = {"imagenet": "imagenet1k"}.get(dataset.name, dataset.name)
+    record = clip_benchmark_record(dataset.task, name, source.label, str(path), metrics)
+    record |= {k: metrics[k] for k in COUNTS if k in metrics}
+    folder_classes = getattr(dataset, "folder_classes", None)
+    return record | ({"folder_classes": folder_classes} if folder_classes else {})

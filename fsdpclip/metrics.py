@@ -1,11 +1,13 @@
-"""Throughput, MFU, memory, metrics.jsonl, TensorBoard and the progress display (rank 0)."""
+"""Throughput, MFU, memory, metrics.jsonl, TensorBoard, Weights & Biases and the progress display (rank 0)."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +15,8 @@ import torch
 from torch import nn
 
 from fsdpclip.model import fake_batch
+from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE, write_atomically
+from fsdpclip.spec import WandbSpec
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
@@ -71,11 +75,13 @@ class Window:
 
 
 class MetricsLog:
-    """metrics.jsonl (and TensorBoard) in the run directory, and a progress display; rank 0 only."""
+    """metrics.jsonl (and TensorBoard, and a W&B run with `config` as its config) in the run directory, and
+    a progress display; rank 0 only."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, enabled: bool):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, enabled: bool,
+                 wandb: Optional[WandbSpec] = None, config: Optional[dict] = None):
         self.enabled, self.total_steps = enabled, total_steps
-        self.file = self.writer = self.progress = None
+        self.file = self.writer = self.progress = self.wandb = None
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -83,6 +89,8 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb is not None and wandb.mode != "disabled":
+            self.wandb = WandbRun(wandb, run_dir, config or {})
         from rich.console import Console
 
         self.console = Console(file=sys.stdout)
@@ -102,6 +110,8 @@ class MetricsLog:
             for key, value in _flat(record).items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.writer.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record)
         line = " ".join(f"{k} {_short(v)}" for k, v in record.items() if k in SHOWN and v is not None)
         if self.progress is not None:
             self.progress.update(self.task, completed=record.get("step", 0), description=line)
@@ -113,13 +123,46 @@ class MetricsLog:
         if self.enabled:
             self.console.print(text, highlight=False, soft_wrap=True)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = EXIT_OK) -> None:
+        """Close every sink; the W&B run ends with the run's exit code."""
         if self.progress is not None:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code)
+
+
+class WandbRun:
+    """The run's Weights & Biases run: the scalars of metrics.jsonl (nested keys joined with '/') against
+    our own `step`, the resolved spec as its config. Its id is kept in RUN_DIR/wandb-id, so a relaunch
+    (a resume) continues the same W&B run. Its files go to RUN_DIR/wandb/ unless WANDB_DIR says otherwise."""
+
+    def __init__(self, spec: WandbSpec, run_dir: Path, config: dict):
+        import wandb
+
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        write_atomically(id_file, run_id + "\n")
+        if spec.mode == "offline":  # nothing reaches the network: no error reports either
+            os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        self.run = wandb.init(project=spec.project, entity=spec.entity, name=spec.name or run_dir.name,
+                              tags=spec.tags, mode=spec.mode, id=run_id, resume="allow", config=config,
+                              dir=None if "WANDB_DIR" in os.environ else str(run_dir))
+        # Our step, not W&B's own counter: a run resumed from a checkpoint before its last logged step
+        # logs those steps again instead of having them dropped.
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict) -> None:
+        self.run.log({key: value for key, value in _flat(record).items() if isinstance(value, (int, float))})
+
+    def finish(self, exit_code: int) -> None:
+        """End the W&B run (a preempted one marked so; any code but 0 shows it as failed)."""
+        if exit_code == EXIT_PREEMPTED:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=exit_code)
 
 
 SHOWN = ("loss", "lr", "samples_per_s_per_gpu", "mfu", "peak_memory_gib")

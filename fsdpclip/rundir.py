@@ -9,6 +9,8 @@ job's, and how each launch ended.
     lock           who runs in it now (pid, host, since; refreshed while it runs)
     stop           a request to checkpoint and stop, from `fsdpclip launch` or the Slurm script
     logs/          Slurm's and each node's output; a report from each rank that crashed
+    wandb-id       the Weights & Biases run this run logs to (a relaunch continues it)
+    wandb/         that W&B run's local files (unless WANDB_DIR puts them elsewhere)
 
 Pure file handling, no torch: the launcher imports it before any rank starts.
 """
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import Optional
 
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
+WANDB_ID_FILE = "wandb-id"
 # How a run ends (the trainer's exit code, in exit.json): fsdpclip.train says when each is used.
-EXIT_OK, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 65, 75
+EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 1, 2, 65, 75
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.
 LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
 # The lock token of the launch that started the ranks (they hold the lock through it).

@@ -403,11 +403,31 @@ class ZeroShotSpec(Section):
         return self.name or (Path(self.path).name if self.dataset == "folder" else self.dataset)
 
 
+class RetrievalSpec(Section):
+    path: str = Field(
+        description="A folder of image/caption pairs (x.jpg with x.txt, one caption per line; subfolders too) or "
+                    "CLIP_benchmark retrieval shards (dataset_type.txt 'retrieval', test/nshards.txt, .txt captions).")
+    name: Optional[str] = Field(None, description="Name in logs and results; default: the folder's name.")
+    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images (with all "
+                                                              "their captions).")
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).name
+
+
 class EvalSpec(Section):
     zeroshot: list[ZeroShotSpec] = Field(default_factory=list, description="Zero-shot classification sets.")
+    retrieval: list[RetrievalSpec] = Field(
+        default_factory=list, description="Image-text retrieval sets (recall@1/5/10 both ways, as CLIP_benchmark).")
     every_steps: Optional[int] = Field(None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
     at_end: bool = Field(True, description="Evaluate after the last step.")
     batch_per_gpu: int = Field(64, gt=0, description="Images per GPU and forward during evaluation.")
+
+    @property
+    def sets(self) -> list[Union[ZeroShotSpec, RetrievalSpec]]:
+        """Every set to evaluate, zero-shot first."""
+        return [*self.zeroshot, *self.retrieval]
 
 
 # -------------------------------------------------------------------- checkpoint
@@ -422,11 +442,23 @@ class CheckpointSpec(Section):
 
 
 # ----------------------------------------------------------------------- logging
+class WandbSpec(Section):
+    project: Optional[str] = Field(None, description="W&B project (default: W&B's own, or WANDB_PROJECT).")
+    entity: Optional[str] = Field(None, description="W&B team or user (default: the logged-in user's).")
+    name: Optional[str] = Field(None, description="Display name of the W&B run; default: run.name.")
+    tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="'online' syncs as it trains; 'offline' writes the W&B run locally, never touching "
+                              "the network (`wandb sync` uploads it later); 'disabled' turns W&B off.")
+
+
 class LoggingSpec(Section):
     every_steps: int = Field(10, gt=0, description="Write metrics.jsonl (and TensorBoard) every N optimizer steps.")
     tensorboard: bool = Field(False, description="Also write TensorBoard event files (needs `tensorboard`).")
     peak_tflops: Optional[float] = Field(
         None, gt=0, description="Peak dense TFLOP/s of one device for MFU; default: a table of known GPUs.")
+    wandb: Optional[WandbSpec] = Field(
+        None, description="Also log to Weights & Biases (rank 0; needs `pip install 'fsdpclip[wandb]'`).")
 
 
 # ------------------------------------------------------------------------ launch
@@ -474,9 +506,10 @@ class Job(Section):
     data: DataSpec = Field(description="Training data: webdataset shards or a synthetic source.")
     batch: BatchSpec = Field(description="Batch sizes and gradient accumulation.")
     loss: LossSpec = Field(default_factory=ClipLossSpec, description="Contrastive loss: CLIP or SigLIP.")
-    eval: EvalSpec = Field(default_factory=EvalSpec, description="Zero-shot evaluation during and after training.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Zero-shot and retrieval evaluation during and after "
+                                                                 "training.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Sharded checkpoints and resume.")
-    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics and TensorBoard.")
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics, TensorBoard and Weights & Biases.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="Nodes, processes per node and Slurm options.")
 
     @property

@@ -35,7 +35,7 @@ from fsdpclip.checkpoint import (
 from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed, shard_mesh
 from fsdpclip.estimate import GIB
-from fsdpclip.evaluate import ZeroShotSet, load_zeroshot_set, zeroshot_metrics
+from fsdpclip.evaluate import RECALL_K, EvalSet, evaluate_set, load_eval_set, recalls_by_direction
 from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
@@ -46,8 +46,8 @@ from fsdpclip.parallelize import (
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
 from fsdpclip.rundir import (
-    EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, launch_time, lock_token, record_launch,
-    stop_requested, write_crash_report, write_exit_report,
+    EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, launch_time, lock_token,
+    record_launch, stop_requested, write_crash_report, write_exit_report,
 )
 from fsdpclip.spec import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
@@ -104,7 +104,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(self.model_config)
         self.batches = self._batches()
         self.batch_iter: Iterator = iter(self.batches)
-        self.zeroshot_sets: Optional[list[ZeroShotSet]] = None
+        self.eval_sets: Optional[list[EvalSet]] = None
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
@@ -230,15 +230,17 @@ class Trainer:
     def fit(self) -> int:
         """Train to the end (or to a stop); returns the exit code."""
         job, env = self.job, self.env
-        metrics = MetricsLog(job.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main)
+        metrics = MetricsLog(job.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main,
+                             wandb=job.logging.wandb, config=json.loads(job.to_json()))
         window, window_loss = Window(), torch.zeros((), device=env.device)
         first_step_s, first_step_done = None, False
         if self.step >= self.total_steps:
             message = f"already finished: step {self.step} of {self.total_steps}, nothing to train"
             metrics.announce(message)
-            metrics.close()
+            metrics.close(EXIT_OK)
             self._report_exit(EXIT_OK, message)
             return EXIT_OK
+        code = EXIT_CRASH  # unless the loop ends as planned
         try:
             while self.step < self.total_steps:
                 loss, grad_norm = self.train_step(window)
@@ -254,8 +256,8 @@ class Trainer:
                     metrics.write(record)
                     window.reset()
                     window_loss.zero_()
-                if job.eval.zeroshot and ((job.eval.every_steps and self.step % job.eval.every_steps == 0 and not last)
-                                          or (last and job.eval.at_end)):
+                if job.eval.sets and ((job.eval.every_steps and self.step % job.eval.every_steps == 0 and not last)
+                                      or (last and job.eval.at_end)):
                     self._evaluate_and_report(metrics)
                 self.checkpointer.finish_pending(wait=False)
                 every = job.checkpoint.every_steps
@@ -267,14 +269,15 @@ class Trainer:
                 self.save()
             self.checkpointer.finish_pending(wait=True)
             self._report_exit(EXIT_OK, f"finished {self.step} steps")
-            return EXIT_OK
+            code = EXIT_OK
         except Stop as stop:
             self.checkpointer.finish_pending(wait=True)
             metrics.announce(f"[bold red]{stop.message}[/bold red]")
             self._report_exit(stop.code, stop.message)
-            return stop.code
+            code = stop.code
         finally:
-            metrics.close()
+            metrics.close(code)
+        return code
 
     def _stop_if_asked(self) -> None:
         """Agree with the other ranks on a stop (a signal to any rank, or a request file seen by rank 0);
@@ -310,20 +313,18 @@ class Trainer:
 
     def _evaluate_and_report(self, metrics: MetricsLog) -> None:
         results = self.evaluate()
-        metrics.write({"step": self.step, **{f"zeroshot/{k}": v for k, v in results.items()}})
-        for name, values in results.items():
-            metrics.announce(f"step {self.step} zero-shot {name}: acc1 {values['acc1']:.3f}, acc5 "
-                             f"{values['acc5']:.3f}, mean per-class recall {values['mean_per_class_recall']:.3f} "
-                             f"({values['samples']} images)")
+        metrics.write({"step": self.step, **results})
+        for key, values in results.items():
+            metrics.announce(f"step {self.step} {_result_line(key, values)}")
 
     def evaluate(self) -> dict[str, dict]:
-        """Zero-shot metrics per configured set, by set name (all ranks take part)."""
-        if self.zeroshot_sets is None:
+        """Metrics per configured set, by 'zeroshot/NAME' or 'retrieval/NAME' (all ranks take part)."""
+        if self.eval_sets is None:
             transform = image_transform(self.model, train=False)
-            self.zeroshot_sets = [load_zeroshot_set(spec, transform) for spec in self.job.eval.zeroshot]
-        return {zs.name: zeroshot_metrics(self.model, self.tokenizer, zs, self.env.device,
-                                          self.job.eval.batch_per_gpu)
-                for zs in self.zeroshot_sets}
+            self.eval_sets = [load_eval_set(spec, transform) for spec in self.job.eval.sets]
+        return {f"{s.kind}/{s.name}": evaluate_set(self.model, self.tokenizer, s, self.env.device,
+                                                   self.job.eval.batch_per_gpu)
+                for s in self.eval_sets}
 
     # ------------------------------------------------------------ checkpoints
     def save(self, asynchronous: bool = False) -> Path:
@@ -389,6 +390,18 @@ class Trainer:
         if self.env.is_main:
             write_exit_report(self.job.run_dir, code, message, self.step, str(latest_checkpoint(self.job.run_dir) or ""))
         dist.barrier()
+
+
+def _result_line(key: str, values: dict) -> str:
+    """One evaluation result for the log: 'zero-shot digits: acc1 ...' or 'retrieval digits: ...'."""
+    kind, name = key.split("/", 1)
+    if kind == "zeroshot":
+        return (f"zero-shot {name}: acc1 {values['acc1']:.3f}, acc5 {values['acc5']:.3f}, mean per-class recall "
+                f"{values['mean_per_class_recall']:.3f} ({values['samples']} images)")
+    recalls = ", ".join(f"{direction} {'/'.join(f'{r:.3f}' for r in by_k)}"
+                        for direction, by_k in recalls_by_direction(values).items())
+    return (f"retrieval {name}: recall@{'/'.join(map(str, RECALL_K))} {recalls} "
+            f"({values['samples']} images, {values['texts']} captions)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -27,8 +27,8 @@ def digits_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, digits_dir):
     """The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps on
-    the session's digits, evaluated at step 20 and at the end (37 images per forward), units kept
-    gathered after forward, checkpointed at the end: (run directory, launch output)."""
+    the session's digits, evaluated (zero-shot and retrieval) at step 20 and at the end (37 images per
+    forward), units kept gathered after forward, checkpointed at the end: (run directory, launch output)."""
     import sys
 
     from ranks import run_group
@@ -39,6 +39,7 @@ def demo_run(tmp_path_factory, digits_dir):
         "schedule": json.dumps({"warmup_steps": 10, "steps": 40}),
         "data.urls": str(digits_dir / "train-{000000..000007}.tar"),
         "eval": json.dumps({"zeroshot": [{"dataset": "digits", "path": str(digits_dir / "test")}],
+                            "retrieval": [{"path": str(digits_dir / "test"), "name": "digits"}],
                             "every_steps": 20, "batch_per_gpu": 37}),
         "fsdp.reshard_after_forward": "false",
         "launch.collective_timeout_s": "60",
