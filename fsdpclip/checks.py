@@ -180,6 +180,11 @@ def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
                      hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+    if job.epoch_samples(world) == 0 and (isinstance(job.data, WebDatasetSpec) or job.schedule.steps is None):
+        report.error("data.samples", f"fewer samples than one micro batch on every rank (batch.per_gpu "
+                     f"{batch.per_gpu} × world size {world} = {batch.per_gpu * world}): an epoch holds no batch",
+                     job.data.samples)
+        return None
     steps = job.total_steps(world)
     if steps is None:
         report.error("schedule", "the length is unknown: set schedule.steps, or data.samples with schedule.epochs")
@@ -238,9 +243,10 @@ def _check_data(job: Job, report: Report, check_paths: bool) -> None:
                      hint="check the path and the brace range" if len(missing) < len(urls) else
                      "paths are relative to the directory you run fsdpclip in")
     needed = report.world_size * max(1, data.workers)
-    if not data.resampled and len(urls) < needed:
+    if not data.resampled and len(urls) < needed:  # each worker of each rank reads shards of its own
         report.error("data.urls", f"{len(urls)} shards for {report.world_size} ranks × {max(1, data.workers)} "
-                     f"workers: some would get none", len(urls),
+                     f"workers: some workers would get none (shards must be ≥ world size × data.workers, as "
+                     f"OpenCLIP requires)", len(urls),
                      hint=f"use ≥ {needed} shards, fewer workers, or data.resampled")
 
 

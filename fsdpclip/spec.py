@@ -314,7 +314,8 @@ class ScheduleSpec(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
     steps: Optional[int] = Field(None, gt=0, description="Total optimizer steps (instead of `epochs`).")
     epochs: Optional[int] = Field(
-        None, gt=0, description="Epochs of `data.samples` samples (instead of `steps`; default 1 when neither is set).")
+        None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on every "
+                                "rank (instead of `steps`; default 1 when neither is set).")
     min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule.")
 
     @field_validator("epochs")
@@ -330,12 +331,25 @@ class WebDatasetSpec(Section):
     source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
     urls: Union[str, list[str]] = Field(
         description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'.")
-    samples: int = Field(gt=0, description="Samples in one epoch (the sum over all shards).")
-    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, equal epochs per rank).")
+    samples: int = Field(
+        gt=0, description="Samples in one epoch (the sum over all shards). An epoch is samples ÷ (world size × "
+                          "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
+                          "workers; a worker whose shards hold fewer reads them again in another order (as "
+                          "OpenCLIP's with_epoch).")
+    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
     shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
-    workers: int = Field(4, ge=0, description="DataLoader workers per rank.")
+    workers: int = Field(4, ge=0, description="DataLoader workers per rank; each reads its own shards, so "
+                                               "without `resampled` there must be ≥ world size × workers shards.")
     image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
     text_key: str = Field("txt", description="Sample key of the caption.")
+    decode: Literal["cpu", "gpu", "auto"] = Field(
+        "cpu", description="Where images are decoded and augmented. 'cpu': on the data workers (the batch crosses "
+                            "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
+                            "cropped and resized on the device ahead of the step; the workers read their headers "
+                            "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
+                            "the workers). 'auto': 'gpu' when training on CUDA with a torchvision that decodes "
+                            "JPEGs there, else 'cpu'. The default stays 'cpu' until a GPU run shows the device "
+                            "path ending as cleanly as it trains (docs/benchmarks.md).")
 
 
 class SyntheticSpec(Section):
@@ -350,6 +364,12 @@ def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) ->
         return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
 
     return Annotated[Union[tuple(Annotated[m, Tag(t)] for t, m in members.items())], Discriminator(tag)]
+
+
+def batches_per_epoch(samples: int, world_size: int, per_gpu: int) -> int:
+    """Micro batches every rank draws in an epoch of `samples`: as many as fill all ranks, the rest of
+    the epoch left out (as OpenCLIP's with_epoch), so that each rank is in the same epoch at each step."""
+    return samples // (world_size * per_gpu)
 
 
 DATA_SOURCES = {"webdataset": WebDatasetSpec, "synthetic": SyntheticSpec}
@@ -521,15 +541,23 @@ class Job(Section):
         """The global batch: samples of one optimizer step over all ranks."""
         return self.batch.per_gpu * self.batch.grad_accum * world_size
 
+    def epoch_samples(self, world_size: int) -> Optional[int]:
+        """Samples one epoch draws over all ranks: `data.samples` rounded down to whole micro batches on
+        every rank (`batches_per_epoch`); None without `data.samples`."""
+        if self.data.samples is None:
+            return None
+        return batches_per_epoch(self.data.samples, world_size, self.batch.per_gpu) * world_size * self.batch.per_gpu
+
     def total_steps(self, world_size: int, step: int = 0, samples_seen: int = 0) -> Optional[int]:
         """Optimizer steps of the whole run: `schedule.steps`, or as many whole steps as `schedule.epochs`
-        epochs of `data.samples` hold (None when neither gives the length). A run resumed at `step`
+        epochs hold (`epoch_samples`; None when neither gives the length). A run resumed at `step`
         with `samples_seen` (perhaps at another global batch) keeps its length in samples."""
         if self.schedule.steps is not None:
             return self.schedule.steps
-        if self.data.samples is None:
+        epoch = self.epoch_samples(world_size)
+        if epoch is None:
             return None
-        left = max(0, self.data.samples * (self.schedule.epochs or 1) - samples_seen)
+        left = max(0, epoch * (self.schedule.epochs or 1) - samples_seen)
         return step + left // self.samples_per_step(world_size)
 
     def to_json(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fsdpclip.decode import decode_mode
 from fsdpclip.estimate import GIB, MemoryEstimate
 from fsdpclip.model import SHARED_PARAMETERS, Tower, count
 from fsdpclip.plan import MemoryModel, auto_shard_degree, memory_model, shard_degree_problem, traffic, \
@@ -35,7 +36,9 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                                 "parameters": count(params[n] for n in g.names)} for g in groups]
     world, batch = report.world_size, job.batch
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
-                        "global": job.samples_per_step(world), "steps": steps}
+                        "global": job.samples_per_step(world), "steps": steps,
+                        "decode": decode_mode(job.data.decode, job.launch.device) if job.data.source == "webdataset"
+                        else None}
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback

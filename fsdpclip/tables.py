@@ -52,6 +52,9 @@ def summary_tables(summary: dict) -> list:
     steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
     batch_line = (f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
                   f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+    if batch["decode"]:
+        where = "on the device (nvJPEG on CUDA)" if batch["decode"] == "gpu" else "by the data workers"
+        batch_line += f"; images decoded {where}"
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line]
 
 

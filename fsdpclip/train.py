@@ -23,6 +23,7 @@ import math
 import signal
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -33,6 +34,7 @@ from fsdpclip.checkpoint import (
     CheckpointError, Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
 )
 from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
+from fsdpclip.decode import TrainImages, decode_mode
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed, shard_mesh
 from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import RECALL_K, EvalSet, evaluate_set, load_eval_set, recalls_by_direction
@@ -173,22 +175,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _batches(self):
+        """The rank's data source; also sets `images` (what turns a webdataset micro batch into the model's
+        input on the device: decode.TrainImages; None for synthetic data, made there already)."""
         job, env, model = self.job, self.env, self.model
+        self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
         if isinstance(job.data, SyntheticSpec):
+            self.images = None
             context, vocab = text_shape(model)
             return SyntheticBatches(image_shape(model), context, vocab, job.batch.per_gpu, env.device,
                                     job.run.seed, env.rank)
-        stream = ShardStream(job.data, image_transform(model, train=True), self.tokenizer,
-                             job.batch.per_gpu, env.rank, env.world_size, job.run.seed)
+        decode = decode_mode(job.data.decode, env.device.type)
+        self.images = TrainImages(image_transform(model, train=True), decode, env.device)
+        if env.is_main:
+            log.info("data: images decoded %s", "on the device (nvJPEG)" if decode == "gpu" else "by the data workers")
+        stream = ShardStream(job.data.model_copy(update={"decode": decode}), self.images.worker_transform,
+                             self.tokenizer, job.batch.per_gpu, env.rank, env.world_size, job.run.seed)
         return WebDatasetBatches(stream, job.data.workers, pin_memory=env.device.type == "cuda")
 
     def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
+        """The next micro batch, on the device; `window.data_wait` gets how long the step waited for it.
+
+        On CUDA that is the span on the training stream from just before the batch is asked for to the
+        end of the work queued for it (host→device copies, decoding, cropping, normalisation): the
+        device's time on the batch, and its idle time while the host fetched the batch and queued that
+        work. Waiting for the workers while the device is still busy with earlier steps is no wait. CUDA
+        events mark the span; they are read once the device has passed them, never waited for, so a span
+        counts in the log window in which it is seen done. Elsewhere it is the host's time in here."""
+        if self.env.device.type != "cuda":
+            began = time.perf_counter()
+            batch = self._fetch()
+            window.data_wait += time.perf_counter() - began
+            return batch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        batch = self._fetch()
+        end.record()
+        self.data_spans.append((start, end))
+        while self.data_spans and self.data_spans[0][1].query():
+            start, end = self.data_spans.popleft()
+            window.data_wait += start.elapsed_time(end) / 1e3
+        return batch
+
+    def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         images, texts = next(self.batch_iter)
-        images = images.to(self.env.device, non_blocking=True)
-        texts = texts.to(self.env.device, non_blocking=True)
-        window.data_wait += time.perf_counter() - start
-        return images, texts
+        if self.images is not None:
+            images = self.images(images)
+        return images, texts.to(self.env.device, non_blocking=True)
 
     def close(self) -> None:
         """Stop the data workers (before the process exits, so none outlives it)."""
@@ -367,7 +399,7 @@ class Trainer:
             if isinstance(self.batches, SyntheticBatches):
                 self.batches.index = self.step * self.job.batch.grad_accum
             else:
-                self.batches.position = StreamPosition(epoch=self.samples_seen // self.job.data.samples)
+                self.batches.position = StreamPosition(epoch=self.samples_seen // self.job.epoch_samples(self.env.world_size))
         for change in self.changes:
             log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)

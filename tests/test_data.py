@@ -1,30 +1,39 @@
-"""The webdataset stream: broken samples, uneven shards over several epochs, exact positions."""
+"""The webdataset stream: broken samples, equal batches per epoch on every rank and worker over uneven
+shards, exact positions that resume by (shard, offset), the validation of shard counts."""
 
 from __future__ import annotations
 
 import io
 import json
 import sys
+from collections import Counter
 
+import pytest
 import torch
 import webdataset as wds
 
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
+from fsdpclip import data as data_module
+from fsdpclip.checkpoint import CheckpointError
 from fsdpclip.data import ShardStream, WebDatasetBatches
 from fsdpclip.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 from fsdpclip.spec import WebDatasetSpec
 
 
-def write_shards(directory, sizes: list[int], broken: dict[int, str] | None = None) -> str:
-    """Shards of digit pairs with the given sizes; `broken` maps a global sample index to a defect."""
+def write_shards(directory, sizes: list[int], broken: dict[int, str] | None = None,
+                 damaged: dict[int, str] | None = None) -> str:
+    """Shards of digit pairs with the given sizes, each caption ending in the sample's global index;
+    `broken` maps a global sample index to a defect ('image', 'caption'), `damaged` a shard to one
+    ('garbage': not a tar at all, 'truncated': cut after about 60% of its bytes)."""
     images, labels = load_sklearn_digits()
     index = 0
     for shard, size in enumerate(sizes):
-        with wds.TarWriter(str(directory / f"s-{shard:03d}.tar")) as sink:
+        path = directory / f"s-{shard:03d}.tar"
+        with wds.TarWriter(str(path)) as sink:
             for _ in range(size):
                 sample = {"__key__": f"{index:06d}", "jpg": to_jpeg(images[index]),
-                          "txt": f"the digit {CLASSNAMES[labels[index]]}."}
+                          "txt": f"the digit {CLASSNAMES[labels[index]]}, sample {index}."}
                 defect = (broken or {}).get(index)
                 if defect == "image":
                     sample["jpg"] = b"this is not a jpeg"
@@ -32,16 +41,35 @@ def write_shards(directory, sizes: list[int], broken: dict[int, str] | None = No
                     del sample["txt"]
                 sink.write(sample)
                 index += 1
+        damage = (damaged or {}).get(shard)
+        if damage == "garbage":
+            path.write_bytes(b"no tar here " * 100)
+        elif damage == "truncated":
+            path.write_bytes(path.read_bytes()[: int(path.stat().st_size * 0.6)])
     return str(directory / f"s-{{000..{len(sizes) - 1:03d}}}.tar")
 
 
-def _stream(urls: str, batch: int, workers: int = 0, **spec) -> WebDatasetBatches:
+def index_tokens(captions: list[str]) -> torch.Tensor:
+    """A 'tokenizer' that gives each caption one token: the index of its sample."""
+    return torch.tensor([[int(c.rsplit(" ", 1)[-1].rstrip("."))] for c in captions])
+
+
+def _stream(urls: str, batch: int, workers: int = 0, rank: int = 0, world_size: int = 1, samples: int = 100,
+            tokenize=None, **spec) -> WebDatasetBatches:
     import torchvision.transforms as T
 
-    spec = WebDatasetSpec(urls=urls, samples=100, workers=workers, **spec)
-    tokenize = lambda texts: torch.zeros(len(texts), 4, dtype=torch.long)  # noqa: E731
-    stream = ShardStream(spec, T.ToTensor(), tokenize, batch, rank=0, world_size=1, seed=0)
+    spec = WebDatasetSpec(urls=urls, samples=samples, workers=workers, **spec)
+    tokenize = tokenize or (lambda texts: torch.zeros(len(texts), 4, dtype=torch.long))  # noqa: E731
+    stream = ShardStream(spec, T.ToTensor(), tokenize, batch, rank=rank, world_size=world_size, seed=0)
     return WebDatasetBatches(stream, workers, pin_memory=False)
+
+
+def _saved(batches: WebDatasetBatches) -> dict:
+    """The position as a checkpoint keeps it: torch.save of the state dict, loaded again."""
+    saved = io.BytesIO()
+    torch.save(batches.state_dict(), saved)
+    saved.seek(0)
+    return torch.load(saved, weights_only=False)
 
 
 def test_broken_samples_are_skipped_and_counted(tmp_path):
@@ -54,8 +82,9 @@ def test_broken_samples_are_skipped_and_counted(tmp_path):
     assert batches.position.broken == 2
 
 
-def test_image_and_text_keys(tmp_path):
-    """data.image_key (';'-separated, first found) and data.text_key choose the sample's members."""
+def test_image_and_text_keys(tmp_path, monkeypatch):
+    """data.image_key (';'-separated, first found) and data.text_key choose the sample's members; a
+    stream whose samples all lack them stops with an error that says so (it would never yield)."""
     images, labels = load_sklearn_digits()
     with wds.TarWriter(str(tmp_path / "k-000.tar")) as sink:
         for i in range(6):
@@ -64,35 +93,189 @@ def test_image_and_text_keys(tmp_path):
     taken = _stream(urls, batch=6, shuffle_buffer=0, image_key="webp;png", text_key="caption")
     batch_images, batch_texts = next(iter(taken))
     assert batch_images.shape == (6, 3, 32, 32) and taken.position.broken == 0
+    monkeypatch.setattr(data_module, "UNUSABLE_IN_A_ROW", 50)
     default = _stream(urls, batch=1, shuffle_buffer=0)  # jpg/txt: every sample lacks them
-    stream = default.stream
-    stream.epoch = 0
-    assert list(stream) == []
+    with pytest.raises(RuntimeError, match="50 samples in a row could not be used .* check data.image_key"):
+        next(iter(default))
 
 
 def test_position_continues_exactly(tmp_path):
     urls = write_shards(tmp_path, [9, 12, 7, 11])
-    full = _stream(urls, batch=4, workers=2, shuffle_buffer=5)
+    full = _stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5)  # 9 batches an epoch
     iterator = iter(full)
     reference = [next(iterator)[0] for _ in range(12)]  # crosses into the second epoch
-    first = _stream(urls, batch=4, workers=2, shuffle_buffer=5)
+    first = _stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5)
     iterator = iter(first)
     head = [next(iterator)[0] for _ in range(5)]
-    saved = io.BytesIO()  # as a checkpoint keeps it: torch.save of the state dict, loaded into a new stream
-    torch.save(first.state_dict(), saved)
-    saved.seek(0)
-    resumed = _stream(urls, batch=4, workers=2, shuffle_buffer=5)
-    resumed.load_state_dict(torch.load(saved, weights_only=False))
+    resumed = _stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5)
+    resumed.load_state_dict(_saved(first))
     iterator = iter(resumed)
     tail = [next(iterator)[0] for _ in range(7)]
     for got, want in zip(head + tail, reference):
         assert torch.equal(got, want)
 
 
+UNEVEN = [3, 25, 7, 14, 30, 2, 9, 18]  # 108 samples in 8 shards: 2 ranks × 2 workers × 2 shards each
+
+
+def test_every_rank_and_worker_yields_its_quota_each_epoch(tmp_path):
+    """2 ranks × 2 workers over shards of 2 to 30 samples, 108 samples an epoch, batch 4: every rank
+    yields 13 batches an epoch (108 // 8), its workers 7 and 6, for several epochs; a worker whose
+    shards run out reads them again, and only then does a sample come twice in a rank's epoch. The
+    rank's stream (real DataLoader workers) takes the workers' batches in turn and turns the epoch
+    after exactly 13."""
+    urls = write_shards(tmp_path, UNEVEN)
+    offsets = [sum(UNEVEN[:i]) for i in range(len(UNEVEN) + 1)]
+    shard_of = {index: shard for shard in range(len(UNEVEN)) for index in range(offsets[shard], offsets[shard + 1])}
+    again, once = 0, 0
+    for rank in range(2):
+        batches = _stream(urls, batch=4, workers=2, rank=rank, world_size=2, samples=108, shuffle_buffer=6,
+                          tokenize=index_tokens)
+        stream = batches.stream
+        assert stream.batches_per_epoch == 13 and [stream.quota(w, 2) for w in (0, 1)] == [7, 6]
+        expected = []
+        for epoch in range(3):
+            stream.epoch, stream.resume = epoch, {}
+            ids = Counter()
+            per_worker = {w: list(stream.worker_batches(w, 2)) for w in (0, 1)}
+            for worker, got in per_worker.items():
+                assert len(got) == stream.quota(worker, 2)
+                mine = set(stream._pass_shards(worker, 2, 0))  # indices into the URL list
+                samples = torch.cat([b["texts"][:, 0] for b in got]).tolist()
+                assert {shard_of[i] for i in samples} <= mine  # its own shards only
+                passes = got[-1]["position"].passes
+                if passes == 0:
+                    assert len(set(samples)) == len(samples), (rank, epoch, worker)
+                    once += 1
+                else:  # more samples wanted than its shards hold: it read them again
+                    assert sum(UNEVEN[s] for s in mine) < len(samples) + stream.spec.shuffle_buffer
+                    again += 1
+                ids.update(samples)
+            twice = {i for i, n in ids.items() if n > 1}
+            repeating = {shard for w, got in per_worker.items() if got[-1]["position"].passes
+                         for shard in stream._pass_shards(w, 2, 0)}
+            assert {shard_of[i] for i in twice} <= repeating
+            expected += [per_worker[j % 2][j // 2]["texts"] for j in range(13)]
+        iterator = iter(batches)
+        for j, want in enumerate(expected):
+            assert torch.equal(next(iterator)[1], want), j
+            assert (batches.position.epoch, batches.position.batches) == (j // 13, j % 13 + 1)
+        iterator.close()
+    assert again and once  # both kinds of worker were seen
+
+
+def _cases(tmp_path, **spec):
+    """Uneven shards with broken samples, a shard that is no tar and a truncated one, on rank 1 of 2."""
+    urls = write_shards(tmp_path, UNEVEN, broken={30: "image", 47: "caption", 80: "image"},
+                        damaged={5: "garbage", 7: "truncated"})
+    return lambda: _stream(urls, batch=4, rank=1, world_size=2, samples=108, tokenize=index_tokens, **spec)
+
+
+@pytest.mark.parametrize("workers,buffer,resampled", [(0, 0, False), (0, 6, False), (2, 6, False), (2, 6, True)])
+def test_resume_gives_the_batches_of_the_uninterrupted_stream(tmp_path, workers, buffer, resampled):
+    """Stopped after a batch of the first 2 epochs (every other one; with 2 workers: a few) and resumed
+    from its saved position, the stream gives exactly the batches of one never stopped, and counts the
+    same broken samples and shards; the positions cover a shard left half-read, a full shuffle
+    buffer and a worker in its second pass over its shards (resampled: none ends)."""
+    make = _cases(tmp_path, workers=workers, shuffle_buffer=buffer, resampled=resampled)
+    full = make()
+    iterator = iter(full)
+    reference, broken = [], []
+    for _ in range(30):
+        reference.append(next(iterator))
+        broken.append(full.position.broken)
+    iterator.close()
+    assert broken[-1] > 0
+    cuts = range(1, 29, 2) if workers == 0 else (3, 9, 14, 22)
+    seen = set()
+    for cut in cuts:
+        first = make()
+        iterator = iter(first)
+        for _ in range(cut):
+            next(iterator)
+        iterator.close()
+        state = _saved(first)
+        for worker in state["workers"].values():
+            seen.add("inside a shard" if worker["offset"] else "shard start")
+            seen.add("full buffer" if buffer and len(worker["buffer"]) == buffer - 1 else "no buffer")
+            seen.add("another pass" if worker["passes"] else "first pass")
+        resumed = make()
+        resumed.load_state_dict(state)
+        iterator = iter(resumed)
+        for j in range(cut, 30):
+            images, texts = next(iterator)
+            assert torch.equal(images, reference[j][0]) and torch.equal(texts, reference[j][1]), (cut, j)
+            assert resumed.position.broken == broken[j], (cut, j)
+        iterator.close()
+    assert {"inside a shard", "first pass" if resampled else "another pass",
+            "full buffer" if buffer else "no buffer"} <= seen, seen
+
+
+def test_resume_reads_only_the_shards_it_needs(tmp_path, monkeypatch):
+    """Resumed deep into an epoch (the 40th of 50 batches, in the 9th of 10 shards), the stream reads the
+    tar members of the shards its shuffle buffer holds samples of and of the current one (up to where
+    they are needed), not every shard from the start of the epoch as a replay would."""
+    urls = write_shards(tmp_path, [20] * 10)
+    make = lambda: _stream(urls, batch=4, samples=200, shuffle_buffer=8)  # noqa: E731
+    first = make()
+    iterator = iter(first)
+    for _ in range(40):
+        next(iterator)
+    iterator.close()
+    state = _saved(first)
+
+    read = []
+    expand = data_module.tar_file_expander
+
+    def counting(sources, **kw):
+        for member in expand(sources, **kw):
+            if "fname" in member:
+                read.append((member["__url__"], member["fname"]))
+            yield member
+
+    monkeypatch.setattr(data_module, "tar_file_expander", counting)
+    resumed = make()
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    next(iterator)
+    iterator.close()
+    assert 0 < len(read) <= 2 * (2 * 20 + 4), len(read)  # 2 members a sample; 160 samples lie before
+    worker = state["workers"][0]
+    needed = {index for index, _ in worker["buffer"]} | {int(worker["cursor"])}
+    assert {url for url, _ in read} <= {resumed.stream.urls[i] for i in needed} | {resumed.stream.urls[worker["cursor"] + 1]}
+
+
+def test_an_old_position_is_a_clear_error(tmp_path):
+    """A checkpoint's data position from the version that replayed (samples emitted per worker)."""
+    batches = _stream(write_shards(tmp_path, [10, 10]), batch=4)
+    with pytest.raises(CheckpointError, match="older version"):
+        batches.load_state_dict({"epoch": 0, "emitted": {0: 12}, "next_worker": 1, "broken": 0})
+
+
+def test_validate_wants_a_shard_for_every_worker(cli, tiny_job, tmp_path):
+    """8 shards for 2 ranks: 4 workers each can have their own, 5 cannot (unless shards are drawn with
+    replacement); an epoch must hold a micro batch for every rank."""
+    def validate(**data):
+        job = dict(tiny_job, data={**tiny_job["data"], **data})
+        return cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
+
+    assert validate(workers=4)[0] == 0
+    code, out = validate(workers=5)
+    assert code == 2 and out["errors"][0]["location"] == "data.urls"
+    assert "8 shards for 2 ranks × 5 workers" in out["errors"][0]["message"]
+    assert "shards must be ≥ world size × data.workers" in out["errors"][0]["message"]
+    assert "≥ 10 shards" in out["errors"][0]["hint"]
+    assert validate(workers=5, resampled=True)[0] == 0
+    code, out = validate(samples=31)
+    assert code == 2 and out["errors"][0]["location"] == "data.samples"
+    assert "fewer samples than one micro batch on every rank" in out["errors"][0]["message"]
+
+
 def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
-    """Shards of 3, 60, 5 and 40 samples over 2 ranks: every rank runs every step, each running through
-    its shards at least once and going on into the next epoch; the broken sample is skipped and counted
-    each time a rank reads it, and the logged total is the sum of the ranks' counts."""
+    """Shards of 3, 60, 5 and 40 samples over 2 ranks, 108 samples an epoch, 4 per rank and step: both
+    ranks run 13 steps an epoch, 39 in 3 epochs, the one whose shards hold fewer than its 52 samples
+    an epoch reading them again; the broken sample is skipped and counted each time a rank reads it,
+    and the logged total is the sum of the ranks' counts."""
     urls = write_shards(tmp_path, [3, 60, 5, 40], broken={70: "image"})
     job = {
         "run": {"name": "uneven", "output_dir": str(tmp_path / "runs")},
@@ -108,9 +291,10 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "uneven" / "metrics.jsonl").read_text().splitlines()]
-    steps = (108 * 3) // 8  # the run's length in samples: 3 epochs of 108, 8 per step
+    steps = 3 * (108 // 8)  # 3 epochs of 13 micro batches on each rank, 1 per step
     assert records[-1]["step"] == steps
     final = tmp_path / "runs" / "uneven" / "checkpoints" / f"step-{steps:08d}"
     positions = [torch.load(final / f"rank-{rank:05d}.pt", weights_only=False)["data"] for rank in (0, 1)]
-    assert all(p["epoch"] >= 1 and p["emitted"] for p in positions), positions  # both went on past their shards
+    assert all((p["epoch"], p["batches"]) == (2, 13) for p in positions), positions
+    assert any(p["workers"][0]["passes"] >= 1 for p in positions), positions  # its shards hold < 52 samples
     assert records[-1]["broken_samples"] == sum(p["broken"] for p in positions) >= 1

@@ -232,7 +232,7 @@ def test_relaunches_of_one_run(tmp_path, cli):
 
 
 def test_a_crashing_rank_is_reported(tmp_path):
-    """A rank that fails (here: its shards hold fewer samples than one batch) ends the launch with one
+    """A rank that fails (here: its shard is no tar, so it holds no sample to read) ends the launch with one
     ✗ line naming it and its error, written to exit.json over the previous launch's report."""
     import webdataset as wds
 
@@ -243,6 +243,7 @@ def test_a_crashing_rank_is_reported(tmp_path):
         with wds.TarWriter(str(tmp_path / f"s-{shard}.tar")) as sink:
             for i in range(count):
                 sink.write({"__key__": f"{shard}-{i:03d}", "jpg": to_jpeg(images[i]), "txt": "a digit"})
+    (tmp_path / "s-1.tar").write_bytes(b"not a tar " * 100)
     job = _short_job(tmp_path, data={"urls": str(tmp_path / "s-{0..1}.tar"), "samples": 43, "workers": 1},
                      schedule={"steps": 5})
     run_dir = tmp_path / "runs" / "story"
@@ -251,7 +252,7 @@ def test_a_crashing_rank_is_reported(tmp_path):
     crashed = _launch(write_job(tmp_path, job))
     report = _exit_report(run_dir)
     assert crashed.returncode == 1 and report["code"] == 1, crashed.stdout[-3000:]
-    assert "failed: RuntimeError: rank" in report["message"] and "got no complete batch" in report["message"]
+    assert "failed: RuntimeError: rank" in report["message"] and "hold no readable sample" in report["message"]
     assert f"✗ {report['message'][:60]}" in crashed.stdout
 
 

@@ -1,0 +1,249 @@
+"""Training images from encoded bytes to the model's input, split between the data workers and the device.
+
+OpenCLIP's train transform is a random resized crop, RGB, ToTensor and Normalize. The workers run it up
+to ToTensor and hand over uint8 pixels (a quarter of float32's bytes through shared memory, pinning and
+the host→device copy); the device does ToTensor's `/ 255` and Normalize, as they do it.
+
+With `data.decode` "gpu" the workers only read each JPEG's header and draw its crop with the random
+numbers the crop would draw; the batch's JPEGs are decoded with nvJPEG (`torchvision.io.decode_jpeg` on the
+device, one call), then cropped and resized all at once as PIL's antialiased bicubic does: separable weight
+matrices, two batched matrix products whatever the crops. On CUDA that happens in the DataLoader's pinning
+thread (in the rank's main process, ahead of the step, on a stream of its own; nvJPEG releases the GIL), so
+the step does not wait for it. Progressive and CMYK JPEGs, JPEGs that do not end where a JPEG ends, and
+other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and merged into the batch.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+log = logging.getLogger("fsdpclip.decode")
+DEVICE_MODES = ("RGB", "L")  # JPEG modes the device decodes to the RGB that PIL's convert("RGB") gives
+
+
+def device_jpeg_decoder() -> bool:
+    """Whether this torchvision decodes JPEGs on CUDA devices (a CUDA build with its image ops: nvJPEG)."""
+    import torchvision
+    import torchvision.io  # noqa: F401  (loads the image ops)
+
+    return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
+
+
+def decode_mode(requested: str, device_type: str) -> str:
+    """Where training images are decoded: `data.decode`, with "auto" settled as "gpu" when training on
+    CUDA with a torchvision that decodes JPEGs there, else "cpu" (validate and the trainer both ask here)."""
+    if requested != "auto":
+        return requested
+    return "gpu" if device_type == "cuda" and device_jpeg_decoder() else "cpu"
+
+
+# ----------------------------------------------------------------------- workers
+@dataclass
+class EncodedJpeg:
+    """A worker's sample for the device to decode: the JPEG, its crop box (top, left, height, width) and the
+    size (height, width) the crop is resized to."""
+
+    data: bytes
+    box: tuple[int, int, int, int]
+    size: tuple[int, int]
+
+
+def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
+    """`data` with the crop box the worker transform's random resized crop draws for it (the same draws, so
+    the same box, as running the transform), if the device decodes it; None: decode it on the worker.
+    `image` is `data` opened by PIL, its header read and its pixels not."""
+    if image.format != "JPEG" or image.mode not in DEVICE_MODES or image.info.get("progressive") or \
+            not data.rstrip(b"\0").endswith(b"\xff\xd9"):  # progressive: nvJPEG decodes those on the host
+        return None
+    crop = _crop(worker_transform.transforms)
+    return EncodedJpeg(data, crop.get_params(image, crop.scale, crop.ratio), crop.size)
+
+
+def collate(items: list) -> Union[torch.Tensor, "EncodedBatch"]:
+    """One micro batch: the images stacked, or with JPEGs for the device an EncodedBatch."""
+    jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+    if not jpegs:
+        return torch.stack(items)
+    decoded = [i for i, item in enumerate(items) if not isinstance(item, EncodedJpeg)]
+    order = [0] * len(items)
+    for row, index in enumerate(jpegs + decoded):
+        order[index] = row
+    data = [items[i].data for i in jpegs]
+    return EncodedBatch(torch.frombuffer(bytearray().join(data), dtype=torch.uint8), [len(d) for d in data],
+                        torch.tensor([items[i].box for i in jpegs]), items[jpegs[0]].size,
+                        torch.stack([items[i] for i in decoded]) if decoded else None, torch.tensor(order))
+
+
+@dataclass
+class EncodedBatch:
+    """A micro batch whose JPEGs the device decodes: their bytes end to end (one tensor crosses from the
+    worker, not one per image), crop boxes and output size, the pixels of the images decoded on the
+    worker, and `order`: sample i is row order[i] of the JPEGs followed by the decoded images."""
+
+    data: torch.Tensor  # uint8
+    lengths: list[int]
+    boxes: torch.Tensor  # (jpegs, 4) int64: top, left, height, width
+    size: tuple[int, int]
+    pixels: Optional[torch.Tensor]  # (decoded, 3, *size) uint8
+    order: torch.Tensor  # (batch,) int64
+
+    def pin_memory(self) -> "DecodedBatch":
+        """What the DataLoader's pinning thread calls on a batch, ahead of the step: decodes it on that
+        thread's CUDA device, on a stream of its own."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        if device.index not in _STREAMS:
+            _STREAMS[device.index] = torch.cuda.Stream(device)
+        stream = _STREAMS[device.index]
+        with torch.cuda.stream(stream):
+            pixels = decoded_pixels(self, device).to(torch.uint8)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return DecodedBatch(pixels, ready)
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}  # the pinning thread's decoding stream, per device
+
+
+@dataclass
+class DecodedBatch:
+    """A micro batch decoded on the device by the pinning thread: its pixels, there once `ready` is."""
+
+    pixels: torch.Tensor  # (batch, 3, H, W) uint8
+    ready: torch.cuda.Event
+
+
+def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
+    """The batch's pixels on `device` in sample order: float (batch, 3, H, W), integers in 0..255."""
+    jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
+    pixels = resized_crops(jpegs, batch.boxes.to(device, non_blocking=True), batch.size)
+    if batch.pixels is not None:
+        pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
+    return pixels[batch.order.to(device, non_blocking=True)]
+
+
+def _decode_jpegs(jpegs: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """The JPEGs decoded to RGB on `device`, in one call. One the decoder refuses fails that call: then they
+    go one by one, and one it refuses is decoded by PIL, as a worker would; one PIL cannot decode either
+    (it passed the worker's checks of its header and end) becomes a black image covering its box."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        decoded = []
+        for jpeg, box in zip(jpegs, boxes.tolist()):
+            try:
+                decoded.append(decode_jpeg(jpeg, mode=ImageReadMode.RGB, device=device))
+            except RuntimeError as exc:
+                decoded.append(_decode_on_host(jpeg, box, exc).to(device))
+        return decoded
+
+
+def _decode_on_host(jpeg: torch.Tensor, box: list[int], refused: Exception) -> torch.Tensor:
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+
+    try:
+        image = Image.open(io.BytesIO(jpeg.numpy().tobytes())).convert("RGB")
+        log.warning("the JPEG decoder refused an image (%s); PIL decoded it", refused)
+        return pil_to_tensor(image)
+    except Exception as exc:  # a broken sample must never stop the run
+        log.warning("an undecodable JPEG (%s; PIL: %s) is a black image in its batch", refused, exc)
+        top, left, height, width = box
+        return torch.zeros(3, top + height, left + width, dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------------ device
+class TrainImages:
+    """OpenCLIP's train transform for one rank, cut at ToTensor: `worker_transform` (PIL image → uint8
+    tensor) for the data workers, and the call that turns a micro batch into the model's input on
+    `device`, bit for bit what the whole transform gives for the worker's pixels."""
+
+    def __init__(self, transform, decode: str, device: torch.device):
+        from torchvision.transforms import Compose, Normalize, PILToTensor, ToTensor
+
+        steps = list(getattr(transform, "transforms", ()))
+        cut = next((i for i, step in enumerate(steps) if isinstance(step, ToTensor)), None)
+        if cut is None or len(steps) != cut + 2 or not isinstance(steps[-1], Normalize):
+            raise ValueError(f"the model's train transform is not <PIL steps>, ToTensor, Normalize, so it cannot "
+                             f"be split between the data workers and the device: {transform}")
+        self.worker_transform = Compose(steps[:cut] + [PILToTensor()])
+        self.device = device
+        normalize = steps[-1]
+        self.mean, self.std = (torch.as_tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
+                               for v in (normalize.mean, normalize.std))
+        if decode == "gpu":
+            crop = _crop(steps[:cut])
+            extra = [step for step in steps[:cut] if step is not crop and not _to_rgb(step)]
+            if extra:
+                raise ValueError(f"data.decode 'gpu' crops and resizes on the device, but the model's train "
+                                 f"transform also does {extra}: use data.decode 'cpu'")
+
+    def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch]) -> torch.Tensor:
+        """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
+        if isinstance(batch, DecodedBatch):
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(batch.ready)
+            batch.pixels.record_stream(stream)  # made on the pinning thread's stream, used on this one
+            pixels = batch.pixels
+        elif isinstance(batch, EncodedBatch):  # no pinning thread (not on CUDA): decode here
+            pixels = decoded_pixels(batch, self.device)
+        else:
+            pixels = batch.to(self.device, non_blocking=True)
+        return pixels.float().div_(255).sub_(self.mean).div_(self.std)  # ToTensor's scaling, then Normalize
+
+
+def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Each uint8 (3, h, w) image's box (top, left, height, width) resized to `size` as PIL's bicubic
+    resize of the crop does (a horizontal pass rounded to 8 bits, then a vertical one): float
+    (n, 3, *size), integers in 0..255. Images of different sizes share one zero-padded batch (a box lies
+    inside its image, and the weights outside the box are 0)."""
+    count, height, width = len(images), max(i.shape[1] for i in images), max(i.shape[2] for i in images)
+    if all(image.shape[1:] == (height, width) for image in images):
+        batch = torch.stack(images)
+    else:
+        batch = images[0].new_zeros(count, 3, height, width)
+        for slot, image in zip(batch, images):
+            slot[:, :image.shape[1], :image.shape[2]] = image
+    across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1])  # (n, out width, width)
+    down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0])  # (n, out height, height)
+    rows = torch.bmm(batch.float().view(count, 3 * height, width), across.transpose(1, 2))
+    rows = rows.round_().clamp_(0, 255).view(count, 3, height, size[1])
+    return torch.matmul(down.unsqueeze(1), rows).round_().clamp_(0, 255)
+
+
+def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out: int) -> torch.Tensor:
+    """(n, out, extent) weights taking each row's [start, start + length) of `extent` pixels to `out`
+    samples: PIL's ImagingResample coefficients for bicubic (a = -0.5), its support widened by the
+    downscaling factor, the taps inside the crop normalised to sum to 1."""
+    start, length = start.float()[:, None, None], length.float()[:, None, None]
+    scale = length / out
+    centres = start + (torch.arange(out, device=start.device)[None, :, None] + 0.5) * scale
+    pixels = torch.arange(extent, device=start.device)[None, None, :] + 0.5
+    distance = ((pixels - centres) / scale.clamp(min=1)).abs()
+    a = -0.5
+    weights = torch.where(distance < 1, ((a + 2) * distance - (a + 3)) * distance * distance + 1,
+                          torch.where(distance < 2, (((distance - 5) * distance + 8) * distance - 4) * a, 0.0))
+    weights = weights * ((pixels > start) & (pixels < start + length))
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def _crop(steps: list):
+    """The random resized crop among the worker's steps (it must be bicubic, as OpenCLIP's is)."""
+    from torchvision.transforms import InterpolationMode, RandomResizedCrop
+
+    crops = [step for step in steps if isinstance(step, RandomResizedCrop)]
+    if len(crops) != 1 or crops[0].interpolation != InterpolationMode.BICUBIC:
+        raise ValueError(f"data.decode 'gpu' needs one bicubic random resized crop in the model's train transform; "
+                         f"it has {steps}: use data.decode 'cpu'")
+    return crops[0]
+
+
+def _to_rgb(step) -> bool:
+    """Whether a step only converts the image to RGB (which the device's decode to RGB already did)."""
+    return getattr(step, "mode", None) == "RGB" or getattr(step, "__name__", "") == "_convert_to_rgb"

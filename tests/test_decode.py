@@ -1,0 +1,235 @@
+"""Training images: OpenCLIP's train transform split between the data workers (uint8) and the device, and
+data.decode "gpu" (workers draw the crops, the device decodes, crops, resizes) against the "cpu" path."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+from conftest import TINY_CONFIG, write_job
+from fsdpclip.data import ShardStream, WebDatasetBatches
+from fsdpclip.decode import EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder
+from fsdpclip.spec import WebDatasetSpec
+
+SIZE = 48  # the model's image size in these tests
+
+
+def picture(rng, height: int, width: int) -> Image.Image:
+    """A smooth random RGB image (JPEG-friendly, like a photo)."""
+    coarse = rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+
+
+def encoded(image: Image.Image, fmt: str = "JPEG") -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def train_transform(size: int = SIZE):
+    """OpenCLIP's train transform, as fsdpclip.model.image_transform builds it for a model of this size."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    return image_transform_v2(PreprocessCfg(size=size), is_train=True)
+
+
+def batches(tmp_path, images: list[tuple[str, bytes]], decode: str, transform, batch: int, workers: int = 0):
+    """The first micro batch of `batch` samples of a shard of (key, image) samples, whose captions are
+    their indices, decoded as `decode` says, through a real stream; and the stream."""
+    path = tmp_path / f"shard-{decode}.tar"
+    with wds.TarWriter(str(path)) as sink:
+        for index, (key, data) in enumerate(images):
+            sink.write({"__key__": f"{index:04d}", key: data, "txt": f"sample {index}"})
+    spec = WebDatasetSpec(urls=str(path), samples=batch, workers=workers, shuffle_buffer=0, decode=decode)
+    tokenize = lambda captions: torch.tensor([[int(c.split()[-1])] for c in captions])  # noqa: E731
+    worker_transform = TrainImages(transform, decode, torch.device("cpu")).worker_transform
+    stream = WebDatasetBatches(ShardStream(spec, worker_transform, tokenize, batch, rank=0, world_size=1, seed=3),
+                               workers, pin_memory=False)
+    return next(iter(stream)), stream
+
+
+def levels(a: torch.Tensor, b: torch.Tensor, transform) -> torch.Tensor:
+    """|a - b| of two normalised batches, in 8-bit levels of the pixels they were made from."""
+    std = torch.tensor(transform.transforms[-1].std, device=a.device).view(-1, 1, 1)
+    return ((a - b).abs() * std * 255).cpu()
+
+
+def test_the_split_transform_is_open_clips_bit_for_bit():
+    """Workers run OpenCLIP's train transform up to ToTensor and give uint8; the device's /255 and
+    Normalize then give exactly what the whole transform gives, for the same seed (crops of several
+    sizes, grayscale, upscaled)."""
+    from fsdpclip.model import build_model, image_transform
+    from fsdpclip.spec import ModelSpec
+
+    transform = image_transform(build_model(ModelSpec(config=str(TINY_CONFIG))), train=True)
+    split = TrainImages(transform, "cpu", torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    sources = [picture(rng, 64, 64), picture(rng, 90, 50), picture(rng, 20, 24), picture(rng, 70, 80).convert("L")]
+    for seed, image in enumerate(sources):
+        image = image.convert("RGB")
+        torch.manual_seed(seed)
+        want = transform(image)
+        torch.manual_seed(seed)
+        pixels = split.worker_transform(image)
+        assert pixels.dtype == torch.uint8
+        got = split(pixels[None])[0]
+        assert got.dtype == torch.float32 and torch.equal(got, want), seed
+
+
+def test_a_transform_the_split_cannot_express_is_refused():
+    from torchvision import transforms as T
+
+    with pytest.raises(ValueError, match="cannot be split"):
+        TrainImages(T.Compose([T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3), T.RandomErasing()]), "cpu", "cpu")
+    jitter = train_transform()
+    jitter.transforms.insert(1, T.ColorJitter(0.4))
+    TrainImages(jitter, "cpu", "cpu")  # the workers can do it
+    with pytest.raises(ValueError, match="also does .*ColorJitter.*use data.decode 'cpu'"):
+        TrainImages(jitter, "gpu", "cpu")
+
+
+def _both_paths(tmp_path) -> tuple[list[bytes], torch.Tensor, EncodedBatch]:
+    """JPEGs of several sizes (up- and downscaled, grayscale) through the "cpu" and "gpu" streams with the
+    same seed: the JPEGs, the cpu path's uint8 batch and the gpu path's encoded one, whose crop boxes give,
+    cropped and resized by PIL, exactly the cpu path's pixels."""
+    rng = np.random.default_rng(1)
+    shapes = [(64, 64), (80, 52), (40, 36), (64, 100), (30, 30), (120, 90)]
+    data = [encoded(picture(rng, *shape)) for shape in shapes] + [encoded(picture(rng, 60, 70).convert("L"))]
+    transform = train_transform()
+    (cpu_images, cpu_texts), _ = batches(tmp_path, [("jpg", d) for d in data], "cpu", transform, len(data))
+    (encoded_batch, texts), _ = batches(tmp_path, [("jpg", d) for d in data], "gpu", transform, len(data))
+    assert isinstance(encoded_batch, EncodedBatch) and encoded_batch.pixels is None
+    assert torch.equal(texts, cpu_texts) and cpu_images.dtype == torch.uint8
+    decoded = [Image.open(io.BytesIO(d)).convert("RGB") for d in data]
+    assert torch.equal(pil_crops(decoded, encoded_batch), cpu_images)
+    return data, cpu_images, encoded_batch
+
+
+def pil_crops(images: list[Image.Image], batch: EncodedBatch) -> torch.Tensor:
+    """The batch's crop boxes cut from `images` and resized by PIL, as the cpu path does."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.functional import pil_to_tensor, resized_crop
+
+    boxes = [batch.boxes[row].tolist() for row in batch.order.tolist()]
+    return torch.stack([pil_to_tensor(resized_crop(image, *box, list(batch.size), InterpolationMode.BICUBIC))
+                        for image, box in zip(images, boxes)])
+
+
+def test_gpu_decode_on_the_cpu_gives_the_cpu_paths_crops_and_pixels(tmp_path):
+    """The device part run on the CPU (torchvision's libjpeg-turbo decoder, the same as PIL's) is PIL's
+    bicubic resize in floating point: within 2 levels of PIL's 22-bit fixed-point one, mean 0.1 (PIL
+    rounds between its two passes, and newer Pillows choose which pass comes first)."""
+    _, cpu_images, batch = _both_paths(tmp_path)
+    transform, device = train_transform(), torch.device("cpu")
+    got = TrainImages(transform, "gpu", device)(batch)
+    error = levels(got, TrainImages(transform, "cpu", device)(cpu_images), transform)
+    assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_decode_on_cuda_matches_the_cpu_path(tmp_path):
+    """On CUDA, as the trainer runs it (decoded by the DataLoader's pinning thread: EncodedBatch.pin_memory,
+    on a stream of its own): the crops and resizes are PIL's, within 2 levels, of the pixels nvJPEG
+    decoded; those differ from PIL's libjpeg-turbo (chroma upsampling, IDCT): on H200 by up to 26 levels,
+    mean 1.8, on these images after the resize."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data, cpu_images, batch = _both_paths(tmp_path)
+    transform, cuda = train_transform(), torch.device("cuda")
+    got = TrainImages(transform, "gpu", cuda)(batch.pin_memory())
+    assert got.device.type == "cuda"
+    nvjpeg = [Image.fromarray(decode_jpeg(torch.frombuffer(bytearray(d), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                                          device=cuda).permute(1, 2, 0).cpu().numpy()) for d in data]
+    cpu = TrainImages(transform, "cpu", cuda)
+    error = levels(got, cpu(pil_crops(nvjpeg, batch)), transform)
+    assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+    assert levels(got, cpu(cpu_images), transform).mean() <= 4
+
+
+def test_a_batch_of_mixed_images(tmp_path):
+    """JPEGs of two sizes and a grayscale one go to the device; a PNG and a CMYK JPEG are decoded on the
+    worker and take their places among them; an image that is no JPEG and a truncated JPEG are skipped
+    and counted as broken, as the cpu path does. Through a real DataLoader worker process."""
+    rng = np.random.default_rng(2)
+    jpeg = encoded(picture(rng, 64, 64))
+    shard = [("jpg", jpeg), ("png", encoded(picture(rng, 50, 70), "PNG")), ("jpg", encoded(picture(rng, 90, 60))),
+             ("jpg", b"this is not a jpeg"), ("jpg", encoded(picture(rng, 56, 56).convert("CMYK"))),
+             ("jpg", jpeg[: len(jpeg) // 2]), ("jpg", encoded(picture(rng, 64, 48).convert("L")))]
+    good = [0, 1, 2, 4, 6]
+    transform = train_transform()
+
+    def run(decode):
+        (images, texts), stream = batches(tmp_path, shard, decode, transform, len(good), workers=1)
+        return images, texts, stream.position.broken
+
+    cpu_images, cpu_texts, cpu_broken = run("cpu")
+    batch, texts, broken = run("gpu")
+    assert texts[:, 0].tolist() == cpu_texts[:, 0].tolist() == good
+    assert broken == cpu_broken == 2
+    assert isinstance(batch, EncodedBatch) and len(batch.lengths) == 3 and batch.pixels.shape == (2, 3, SIZE, SIZE)
+    on_worker = [sample for sample, row in enumerate(batch.order.tolist()) if row >= 3]
+    assert [good[i] for i in on_worker] == [1, 4]  # the PNG and the CMYK JPEG
+    assert torch.equal(batch.pixels, cpu_images[on_worker])
+    device = torch.device("cpu")
+    error = levels(TrainImages(transform, "gpu", device)(batch), TrainImages(transform, "cpu", device)(cpu_images),
+                   transform)
+    assert error.amax(dim=(1, 2, 3)).tolist() <= [2] * len(good)
+    assert error[on_worker].max() == 0
+
+
+def test_decode_mode_is_settled_in_one_place(cli, tiny_job, tmp_path):
+    """'auto' is 'gpu' on CUDA where torchvision decodes JPEGs there, else 'cpu'; validate reports what
+    the trainer will do."""
+    assert decode_mode("auto", "cpu") == "cpu" and decode_mode("gpu", "cpu") == "gpu"
+    assert decode_mode("auto", "cuda") == ("gpu" if device_jpeg_decoder() else "cpu")
+    for asked, settled in (("auto", "cpu"), ("gpu", "gpu"), ("cpu", "cpu")):
+        job = dict(tiny_job, data={**tiny_job["data"], "decode": asked})
+        code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
+        assert code == 0 and out["summary"]["batch"]["decode"] == settled, out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_data_wait_is_what_the_step_waits_for(device):
+    """data_wait counts a batch that takes 0.3 s to come while the device is idle, and (on CUDA) not one
+    that takes as long while the device still works through a second of earlier steps."""
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    from fsdpclip.metrics import Window
+    from fsdpclip.train import Trainer
+
+    def slow_batches():
+        while True:
+            time.sleep(0.3)
+            yield torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.long)
+
+    trainer = Trainer.__new__(Trainer)  # just its data path
+    trainer.env, trainer.images, trainer.data_spans = SimpleNamespace(device=torch.device(device)), None, deque()
+    trainer.batch_iter = slow_batches()
+
+    def waited(window: Window) -> float:
+        """The window's data wait once the device has passed every span (those not yet seen done too)."""
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return window.data_wait + sum(start.elapsed_time(end) / 1e3 for start, end in trainer.data_spans)
+
+    idle = Window()
+    trainer._next_batch(idle)
+    assert 0.29 <= waited(idle) <= 0.5, waited(idle)
+    if device == "cuda":
+        trainer.data_spans.clear()
+        busy, work = Window(), torch.randn(8192, 8192, device=device)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(60):
+            work = work @ work / 8192
+        trainer._next_batch(busy)
+        assert waited(busy) < 0.05, waited(busy)
+        assert time.perf_counter() - began > 0.6  # the device was busy for longer than the fetch took
