@@ -18,8 +18,10 @@ from fsdpclip.spec import Job
 FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules")
 # Fields that describe where to resume from, not what to train.
 IGNORED = ("checkpoint.resume", "$schema")
-# Fields whose change means the saved data position no longer applies (the stream restarts its epoch).
+# Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
+# less those that change how the same samples are made, not which (the crops are drawn alike either way).
 DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
+SAME_STREAM = ("data.decode",)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def is_fixed(change: Change) -> bool:
 
 def keeps_data_position(changes: list[Change]) -> bool:
     """Whether the saved data position still describes the new data stream."""
-    return not any(c.field.startswith(DATA_STREAM) for c in changes)
+    return not any(c.field.startswith(DATA_STREAM) and not c.field.startswith(SAME_STREAM) for c in changes)
 
 
 def _short(value: Any, limit: int = 80) -> str:

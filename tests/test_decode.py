@@ -233,3 +233,17 @@ def test_data_wait_is_what_the_step_waits_for(device):
         trainer._next_batch(busy)
         assert waited(busy) < 0.05, waited(busy)
         assert time.perf_counter() - began > 0.6  # the device was busy for longer than the fetch took
+
+
+def test_changing_where_images_are_decoded_keeps_the_data_position(tiny_job):
+    """A relaunch with another data.decode continues the stream where it stopped (the same samples and
+    crops); another shuffle buffer restarts the epoch."""
+    import json
+
+    from fsdpclip.jobfile import parse_job
+    from fsdpclip.resume import keeps_data_position, spec_changes
+
+    saved = json.loads(parse_job(dict(tiny_job, data={**tiny_job["data"], "decode": "cpu"})).to_json())
+    for changed, keeps in (({"decode": "gpu"}, True), ({"shuffle_buffer": 7}, False)):
+        job = parse_job(dict(tiny_job, data={**tiny_job["data"], "decode": "cpu", **changed}))
+        assert keeps_data_position(spec_changes(saved, job)) is keeps, changed
