@@ -134,6 +134,9 @@ def resume_candidates(run_dir: Path, resume: Optional[str]) -> tuple[list[Path],
     if resume is None:
         return [], []
     if resume != "latest":
+        if Path(resume).is_file():
+            raise CheckpointError(f"{resume} is a file, not a checkpoint directory: an open_clip_train checkpoint "
+                                  f"(epoch_N.pt) is continued with `fsdpclip import {resume} JOB_FILE`")
         checkpoint = resolve_checkpoint(Path(resume))
         problem = checkpoint_problem(checkpoint)
         if problem:
@@ -172,6 +175,35 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def publish(partial: Path, final: Path, meta: dict) -> None:
+    """Complete a written checkpoint: meta.json last, rename into place, point `latest` at it."""
+    write_atomically(partial / META, json.dumps(meta, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    write_atomically(final.parent / LATEST, final.name + "\n")
+
+
+def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
+    """Write checkpoint `step` of a model and optimizer that this one process holds whole, without a
+    process group: the layout of a sharded save, which any world size resumes (`Checkpointer.load`
+    gives each rank its rows); no rank-local state. Returns its path; nothing is left on failure."""
+    final = Path(run_dir) / CHECKPOINTS / checkpoint_name(step)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), no_dist=True)
+        publish(partial, final, {**meta, "step": step, "world_size": 1, "saved_at": time.time()})
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
 
 
 class Checkpointer:
@@ -229,14 +261,10 @@ class Checkpointer:
         self._finalize(partial, final, meta)
 
     def _finalize(self, partial: Path, final: Path, meta: dict) -> None:
-        """Rank 0: meta.json last, rename into place, point `latest` at it, drop old ones."""
+        """Rank 0: publish the checkpoint (`publish`), drop old ones."""
         if self.rank != 0:
             return
-        write_atomically(partial / META, json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-        write_atomically(self.root / LATEST, final.name + "\n")
+        publish(partial, final, meta)
         for old in complete_checkpoints(self.root.parent)[:-self.spec.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

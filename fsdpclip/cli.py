@@ -258,6 +258,43 @@ def export(
     console.print(f"[green]✓[/green] {source} (step {meta['step']}) → {written}")
 
 
+@app.command("import")
+def import_command(
+    checkpoint: Path = typer.Argument(..., help="open_clip_train's epoch_N.pt or epoch_latest.pt."),
+    job_file: Path = typer.Argument(..., help="The job spec that continues it (its run directory holds no checkpoint)."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+) -> None:
+    """Continue an open_clip_train run: write its checkpoint (weights, AdamW moments, step) into the job's run
+    directory, which `fsdpclip launch` then resumes."""
+    from fsdpclip.checkpoint import CheckpointError
+    from fsdpclip.checks import check_job
+    from fsdpclip.jobfile import load_job
+    from fsdpclip.launch import resolve_paths
+    from fsdpclip.open_clip_import import import_open_clip_train
+    from fsdpclip.problems import ModelError
+    from fsdpclip.rundir import IMPORT_FILE, RunLocked
+
+    try:
+        job = load_job(job_file, overrides)
+        report = check_job(job)
+        if report.errors:
+            _fail(report.problems)
+    except SpecError as exc:
+        _fail(exc.problems)
+    job = resolve_paths(job, Path.cwd())
+    try:
+        imported = import_open_clip_train(checkpoint, job)
+    except (CheckpointError, ModelError, RunLocked) as exc:
+        _stop(str(exc))
+    except OSError as exc:
+        _stop(f"cannot write into {job.run_dir}: {exc.strerror or exc}")
+    for note in imported.notes:
+        console.print(f"[yellow]![/yellow] {note}", highlight=False, soft_wrap=True)
+    console.print(f"[green]✓[/green] {checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step "
+                  f"{imported.step} of {imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with "
+                  f"`fsdpclip launch {job_file}`", highlight=False, soft_wrap=True)
+
+
 class ZeroShotKind(str, Enum):
     imagenet = "imagenet"
     digits = "digits"

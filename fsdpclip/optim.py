@@ -123,10 +123,14 @@ class Schedule:
         self.set_step(self.current + 1)
 
 
+def scales_loss(fsdp: FsdpSpec) -> bool:
+    """Whether the job scales its loss (fp16, unless `grad_scaler.enabled` says otherwise)."""
+    return fsdp.param_dtype == "fp16" if fsdp.grad_scaler.enabled == "auto" else fsdp.grad_scaler.enabled
+
+
 def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
     """A dynamic loss scaler that agrees across ranks on sharded (and CPU-offloaded) gradients, or None."""
-    enabled = fsdp.param_dtype == "fp16" if fsdp.grad_scaler.enabled == "auto" else fsdp.grad_scaler.enabled
-    if not enabled:
+    if not scales_loss(fsdp):
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -11,6 +11,7 @@ job's, and how each launch ended.
     logs/          Slurm's and each node's output; a report from each rank that crashed
     wandb-id       the Weights & Biases run this run logs to (a relaunch continues it)
     wandb/         that W&B run's local files (unless WANDB_DIR puts them elsewhere)
+    imported.json  the open_clip_train checkpoint the run continues, and what the spec changes (`fsdpclip import`)
 
 Pure file handling, no torch: the launcher imports it before any rank starts.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
-WANDB_ID_FILE = "wandb-id"
+WANDB_ID_FILE, IMPORT_FILE = "wandb-id", "imported.json"
 # How a run ends (the trainer's exit code, in exit.json): fsdpclip.train says when each is used.
 EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 1, 2, 65, 75
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.

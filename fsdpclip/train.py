@@ -394,8 +394,10 @@ class Trainer:
             set_rng_state(rank_state["rng"], self.env.device)
             self.batches.load_state_dict(rank_state["data"])
         else:
-            log.warning("%s: the data stream restarts at its epoch (saved by %d ranks, this run has %d%s)", checkpoint,
-                        meta["world_size"], self.env.world_size, "; data or batch changed" if rank_state else "")
+            saved_by = f"imported from {meta['imported']['source']}" if "imported" in meta else \
+                f"saved by {meta['world_size']} ranks, this run has {self.env.world_size}"
+            log.warning("%s: the data stream restarts at its epoch (%s%s)", checkpoint, saved_by,
+                        "; data or batch changed" if rank_state else "")
             if isinstance(self.batches, SyntheticBatches):
                 self.batches.index = self.step * self.job.batch.grad_accum
             else:

@@ -14,6 +14,8 @@ from fsdpclip.problems import ModelError
 from fsdpclip.spec import ModelSpec
 from fsdpclip.towers import hf_encoder_state, timm_trunk_state
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
 
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows."""
@@ -27,22 +29,29 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelError(f"{path} holds no state dict of tensors")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
+    return unwrapped(state)
+
+
+def unwrapped(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict without the prefixes that wrappers put on every key: `module.` (DDP) and `_orig_mod.`
+    (torch.compile), in any nesting."""
+    while state and (prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)):
+        state = {k[len(prefix):]: v for k, v in state.items()}
     return state
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None,
                  module: Optional[str] = None) -> None:
-    """Load one tower's state dict (keys relative to the tower) or one submodule's (keys relative
-    to `module`, e.g. 'visual.trunk'), strictly. OpenCLIP has no loader for parts of a model."""
-    prefix = f"{module}." if module is not None else {"image": "visual.", "text": "text."}[tower]
+    """Load a state dict strictly (every key, no other, the same shapes): one tower's (keys relative to
+    the tower), one submodule's (keys relative to `module`, e.g. 'visual.trunk') or, given neither, the
+    whole model's. OpenCLIP has no loader for parts of a model, and its whole-model loader resizes."""
+    prefix = f"{module}." if module is not None else {"image": "visual.", "text": "text."}.get(tower, "")
     if tower == "text" and not hasattr(model, "text"):  # OpenCLIP's own text tower sits on the root
         prefix = ""
     state = {prefix + k: v for k, v in state.items()}
     own = model.state_dict()
     expected = {k for k in own if k.startswith(prefix)} if module is not None else \
-        {k for k in own if tower_of(k) == tower}
+        {k for k in own if tower_of(k) == tower} if tower is not None else set(own)
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ModelError(f"{where} does not match the model: {len(missing)} missing keys "

@@ -212,6 +212,21 @@ def _average_into(model, copies, reduce_dtype: torch.dtype, world: int) -> None:
         param.grad = sum((g.to(reduce_dtype) / world for g in grads), torch.zeros_like(grads[0], dtype=reduce_dtype)).float()
 
 
+def open_clip_train_no_decay(name: str, param: torch.Tensor) -> bool:
+    """open_clip_train's own exclusion from weight decay (its main.py), which the default rules follow."""
+    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+
+
+def open_clip_train_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float], eps: float,
+                              wd: float) -> torch.optim.AdamW:
+    """AdamW as open_clip_train's main.py builds it: the trained parameters without weight decay, then the
+    rest, each in `named_parameters()` order."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for n, p in named if open_clip_train_no_decay(n, p)], "weight_decay": 0.0},
+                              {"params": [p for n, p in named if not open_clip_train_no_decay(n, p)], "weight_decay": wd}],
+                             lr=lr, betas=betas, eps=eps)
+
+
 def open_clip_model(config_path: Path, seed: int) -> torch.nn.Module:
     """OpenCLIP's own model for a config file, initialised as the trainer initialises it for `seed`."""
     import open_clip

@@ -19,7 +19,7 @@ import torch
 
 from conftest import TINY_CONFIG
 from ranks import torchrun
-from reference import open_clip_model, reference_run
+from reference import open_clip_model, open_clip_train_no_decay, reference_run
 
 SEED, WORLD, PER_GPU, STEPS = 7, 2, 8, 6
 # fp32: the same arithmetic up to summation order (measured: losses within 2e-6, gradient norms 5e-6
@@ -38,13 +38,8 @@ FP32 = {"loss": 1e-5, "norm": 2e-5, "weights": 1e-2}
 LOW = {"first_loss": 2e-5, "first_norm": 1e-4, "loss": 3e-2, "norm": 1e-1}
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
-    """open_clip_train's own exclusion from weight decay (its main.py), which the default rules follow."""
-    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
-
-
 def default_decay(wd: float):
-    return lambda name, param: 0.0 if _no_decay(name, param) else wd
+    return lambda name, param: 0.0 if open_clip_train_no_decay(name, param) else wd
 
 
 def custom_decay(name: str, param: torch.Tensor) -> float:
