@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp_step import ddp_rate  # noqa: E402
+from throughput import matmul_peak_tflops  # noqa: E402
 
 from fsdpclip.distributed import init_distributed  # noqa: E402
 from fsdpclip.metrics import Window, training_flops_per_sample  # noqa: E402
@@ -68,19 +69,6 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
     return result
 
 
-def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 50) -> float:
-    """The bf16 matmul rate of this GPU, measured now (the MFU denominator)."""
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(5):
-        a @ b
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * repeats / (time.perf_counter() - began) / 1e12
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -95,7 +83,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     env = init_distributed("cuda", timeout_s=180)
-    peak = args.peak_tflops or matmul_tflops(env.device)
+    peak = args.peak_tflops or matmul_peak_tflops()
     rows = []
     for kind in [k for k in args.ddp.split(",") if k != "none"]:
         rows.append({"variant": f"DDP {kind}", **ddp_rate(args.model, args.batch, args.warmup, args.steps,

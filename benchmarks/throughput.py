@@ -1,10 +1,10 @@
 """The throughput benchmark: fsdpclip beside a plain DDP step, per model and GPU count.
 
     python benchmarks/throughput.py --gpus 1 2 --cases ViT-B-32:256 ViT-L-14:128 ViT-H-14:64 ViT-bigG-14:32 \\
-        --startup ViT-bigG-14:32 --out results/
+        --ddp eager,compile --startup ViT-bigG-14:32 --out results/
 
 For every GPU count and model (per-GPU batch): one torchrun process runs the DDP reference
-(benchmarks/ddp_step.py: autocast bf16, fused AdamW) and fsdpclip's trainer side by side on
+(benchmarks/ddp_step.py: autocast bf16, fused AdamW; eager and whole-model compiled) and fsdpclip's trainer side by side on
 device-resident synthetic data (benchmarks/sidebyside.py). --startup cases also go through
 `fsdpclip launch` to time launch → first step. MFU is against the bf16 matmul rate measured
 here first. Writes throughput.jsonl, throughput.json, throughput.md, throughput.png (÷ DDP bars)
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -58,7 +59,7 @@ def side_by_side(model: str, batch: int, gpus: int, peak: float, args, rows: Pat
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                str(HERE / "sidebyside.py"), "--model", model, "--batch", str(batch), "--variants", args.variants,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--peak-tflops", str(peak),
-               "--out", str(rows)]
+               "--ddp", args.ddp, "--out", str(rows)]
     code = run(command, args.out / f"sidebyside-{model}-{gpus}gpu.log", args.timeout)
     if code != 0:
         print(f"{model} on {gpus} GPUs failed ({code}); see the log", flush=True)
@@ -85,24 +86,29 @@ def startup(model: str, batch: int, gpus: int, args) -> dict:
 def markdown(rows: list[dict], starts: list[dict], peak: float) -> str:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 matmul peak {peak:.0f} TFLOP/s; "
              "samples/s per GPU, MFU, peak memory per GPU (`torch.cuda.max_memory_allocated`)", "",
-             "| model | batch/GPU | GPUs | side | samples/s/GPU | MFU | peak GiB | ÷ DDP | memory ÷ DDP |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch/GPU | GPUs | side | samples/s/GPU | MFU | peak GiB | ÷ DDP | ÷ DDP compile | memory ÷ DDP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
-                         f"{row['error']} | | | | |")
+                         f"{row['error']} | | | | | |")
             continue
-        ddp = next(r for r in rows if r["model"] == row["model"] and r["gpus"] == row["gpus"]
-                   and r["variant"] == "DDP eager")
+        ddp, compiled = (next((r for r in rows if r["model"] == row["model"] and r["gpus"] == row["gpus"]
+                               and r["variant"] == side and "error" not in r), None)
+                         for side in ("DDP eager", "DDP compile"))
         lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
                      f"{row['samples_per_s_per_gpu']:.1f} | {row['mfu']:.1%} | {row['peak_memory_gib']:.1f} | "
-                     f"{row['samples_per_s_per_gpu'] / ddp['samples_per_s_per_gpu']:.2f} | "
-                     f"{row['peak_memory_gib'] / ddp['peak_memory_gib']:.2f} |")
+                     f"{_ratio(row, ddp, 'samples_per_s_per_gpu')} | {_ratio(row, compiled, 'samples_per_s_per_gpu')} | "
+                     f"{_ratio(row, ddp, 'peak_memory_gib')} |")
     if starts:
         lines += ["", "| model | GPUs | launch → first step (fsdpclip launch) |", "|---|---|---|"]
         lines += [f"| {s['model']} | {s['gpus']} | {s.get('time_to_first_step_s', s.get('error')):.1f} s |"
                   if "error" not in s else f"| {s['model']} | {s['gpus']} | {s['error']} |" for s in starts]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(row: dict, reference: Optional[dict], key: str) -> str:
+    return f"{row[key] / reference[key]:.2f}" if reference else ""
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -167,6 +173,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cases", nargs="+", default=["ViT-B-32:256", "ViT-L-14:128", "ViT-H-14:64", "ViT-bigG-14:32"])
     parser.add_argument("--variants", default='{"fsdpclip": {}}', help="JSON: name -> the spec's fsdp block")
+    parser.add_argument("--ddp", default="eager,compile", help="DDP references beside it: eager, compile (whole model)")
     parser.add_argument("--startup", nargs="*", default=[], help="cases also timed launch → first step")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=15)
