@@ -501,6 +501,18 @@ def recalls_by_direction(metrics: dict) -> dict[str, list[float]]:
     return {direction: [metrics[f"{name}_recall@{k}"] for k in RECALL_K] for direction, name in names.items()}
 
 
+def result_line(key: str, values: dict) -> str:
+    """One evaluation result for the log: 'zero-shot digits: acc1 ...' or 'retrieval digits: ...'."""
+    kind, name = key.split("/", 1)
+    if kind == "zeroshot":
+        return (f"zero-shot {name}: acc1 {values['acc1']:.3f}, acc5 {values['acc5']:.3f}, mean per-class recall "
+                f"{values['mean_per_class_recall']:.3f} ({values['samples']} images)")
+    recalls = ", ".join(f"{direction} {'/'.join(f'{r:.3f}' for r in by_k)}"
+                        for direction, by_k in recalls_by_direction(values).items())
+    return (f"retrieval {name}: recall@{'/'.join(map(str, RECALL_K))} {recalls} "
+            f"({values['samples']} images, {values['texts']} captions)")
+
+
 COUNTS = ("samples", "texts")  # in a set's metrics next to the scores: how many images and captions
 
 

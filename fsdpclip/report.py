@@ -13,6 +13,7 @@ from typing import Optional
 from fsdpclip.rundir import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES, lock_holder
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
+EVAL_KINDS = ("zeroshot/", "retrieval/")  # prefixes of the evaluation results in metrics.jsonl
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),
           ("samples_per_s_per_gpu", "samples/s per GPU"), ("mfu", "MFU"), ("data_wait_fraction", "data wait fraction"))
 RATE_WINDOW = 5  # log records the ETA's rate is taken over
@@ -28,7 +29,7 @@ class Run:
 
     path: Path
     records: list[dict]  # training log records, in the order written
-    evaluations: list[dict]  # zero-shot records
+    evaluations: list[dict]  # evaluation records (zero-shot and retrieval)
     restarts: list[int] = field(default_factory=list)  # steps a later launch resumed from
     launches: int = 0
     exit: Optional[dict] = None
@@ -56,7 +57,7 @@ def read_run(run_dir: Path) -> Run:
     from fsdpclip.checkpoint import complete_checkpoints
 
     checkpoints = complete_checkpoints(run_dir)
-    return Run(run_dir, [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith("zeroshot/") for k in r)],
+    return Run(run_dir, [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith(EVAL_KINDS) for k in r)],
                restarts, len(launches), ended if isinstance(ended, dict) and "code" in ended else None,
                f"pid {holder.pid} on {holder.host}" if holder else None,
                checkpoints[-1].name if checkpoints else None)
@@ -72,7 +73,7 @@ def _json(text: str):
 
 def summary(run: Run, now: Optional[float] = None) -> dict:
     """Steps done of the total, the state (running, finished, stopped, failed), an ETA while running, the
-    last complete checkpoint, launches and restarts, and the last zero-shot results."""
+    last complete checkpoint, launches and restarts, and the last result of each evaluation set."""
     last = run.records[-1] if run.records else {}
     done, total = last.get("step", 0), last.get("total_steps")
     if run.running:
@@ -87,24 +88,25 @@ def summary(run: Run, now: Optional[float] = None) -> dict:
     if run.running and total and len(timed) >= 2 and timed[-1]["step"] > timed[0]["step"]:
         per_step = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
         eta = max(0.0, (total - done) * per_step - ((now or time.time()) - timed[-1]["time"]))
-    zeroshot = {k.removeprefix("zeroshot/"): v for k, v in (run.evaluations[-1] if run.evaluations else {}).items()
-                if k.startswith("zeroshot/")}
+    latest = run.evaluations[-1] if run.evaluations else {}
+    results = {kind.rstrip("/"): {k.removeprefix(kind): v for k, v in latest.items() if k.startswith(kind)}
+               for kind in EVAL_KINDS}
     return {"run_dir": str(run.path), "state": state, "holder": run.running, "step": done, "total_steps": total,
             "eta_s": eta, "last_checkpoint": run.last_checkpoint, "launches": run.launches,
-            "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), "zeroshot": zeroshot}
+            "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), **results}
 
 
 def plot(run: Run, png: Path) -> list[str]:
-    """One PNG: a panel per logged curve against step (zero-shot acc1 per set too), restarts as dashed
-    lines; returns the panels drawn."""
+    """One PNG: a panel per logged curve against step (zero-shot acc1 and retrieval recall@1 per set too),
+    restarts as dashed lines; returns the panels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in run.records)]
-    sets = sorted({k for r in run.evaluations for k in r if k.startswith("zeroshot/")})
-    count = len(panels) + bool(sets)
+    evaluated = [(title, curves) for title, curves in _evaluation_curves(run) if curves]
+    count = len(panels) + len(evaluated)
     if not count:
         raise ReportError(f"{run.path}: no training step logged yet")
     columns = min(3, count)
@@ -115,12 +117,10 @@ def plot(run: Run, png: Path) -> list[str]:
         points = [(r["step"], r[key]) for r in run.records if r.get(key) is not None]
         axis.plot(*zip(*points), linewidth=1)
         axis.set(title=title, xlabel="step")
-    if sets:
-        axis = flat[len(panels)]
-        for name in sets:
-            points = [(r["step"], r[name]["acc1"]) for r in run.evaluations if name in r]
-            axis.plot(*zip(*points), marker="o", markersize=3, label=name.removeprefix("zeroshot/"))
-        axis.set(title="zero-shot acc1", xlabel="step")
+    for axis, (title, curves) in zip(flat[len(panels):], evaluated):
+        for label, points in curves.items():
+            axis.plot(*zip(*points), marker="o", markersize=3, label=label)
+        axis.set(title=title, xlabel="step")
         axis.legend(fontsize=8)
     for axis in flat[:count]:
         for step in run.restarts:
@@ -133,4 +133,20 @@ def plot(run: Run, png: Path) -> list[str]:
     png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png, dpi=100)
     plt.close(figure)
-    return [title for _, title in panels] + (["zero-shot acc1"] if sets else [])
+    return [title for _, title in panels] + [title for title, _ in evaluated]
+
+
+def _evaluation_curves(run: Run) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """(panel title, {label: [(step, value)]}): zero-shot acc1 per set, retrieval recall@1 per set and direction."""
+    from fsdpclip.evaluate import recalls_by_direction
+
+    zeroshot, retrieval = {}, {}
+    for record in run.evaluations:
+        for key, values in record.items():
+            if key.startswith("zeroshot/"):
+                zeroshot.setdefault(key.removeprefix("zeroshot/"), []).append((record["step"], values["acc1"]))
+            elif key.startswith("retrieval/"):
+                for direction, recalls in recalls_by_direction(values).items():
+                    label = f"{key.removeprefix('retrieval/')} {direction}"
+                    retrieval.setdefault(label, []).append((record["step"], recalls[0]))
+    return [("zero-shot acc1", zeroshot), ("retrieval recall@1", retrieval)]

@@ -119,8 +119,9 @@ def report_lines(info: dict) -> list[str]:
     lines.append(f"launches: {info['launches']}{restarts}")
     if info["exit"] and not info["holder"]:
         lines.append(f"last exit: code {info['exit']['code']}: {info['exit']['message']}")
-    for name, metrics in info["zeroshot"].items():
-        lines.append(f"zero-shot {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                      if isinstance(v, float)))
+    from fsdpclip.evaluate import result_line
+
+    lines += [result_line(f"{kind}/{name}", values) for kind in ("zeroshot", "retrieval")
+              for name, values in info[kind].items()]
     lines.append(f"curves ({', '.join(info['panels'])}): {info['png']}")
     return lines

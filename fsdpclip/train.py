@@ -37,7 +37,7 @@ from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebData
 from fsdpclip.decode import TrainImages, decode_mode
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, init_distributed, shard_mesh
 from fsdpclip.estimate import GIB
-from fsdpclip.evaluate import RECALL_K, EvalSet, evaluate_set, load_eval_set, recalls_by_direction
+from fsdpclip.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
 from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
@@ -347,7 +347,7 @@ class Trainer:
         results = self.evaluate()
         metrics.write({"step": self.step, **results})
         for key, values in results.items():
-            metrics.announce(f"step {self.step} {_result_line(key, values)}")
+            metrics.announce(f"step {self.step} {result_line(key, values)}")
 
     def evaluate(self) -> dict[str, dict]:
         """Metrics per configured set, by 'zeroshot/NAME' or 'retrieval/NAME' (all ranks take part)."""
@@ -424,18 +424,6 @@ class Trainer:
         if self.env.is_main:
             write_exit_report(self.job.run_dir, code, message, self.step, str(latest_checkpoint(self.job.run_dir) or ""))
         dist.barrier()
-
-
-def _result_line(key: str, values: dict) -> str:
-    """One evaluation result for the log: 'zero-shot digits: acc1 ...' or 'retrieval digits: ...'."""
-    kind, name = key.split("/", 1)
-    if kind == "zeroshot":
-        return (f"zero-shot {name}: acc1 {values['acc1']:.3f}, acc5 {values['acc5']:.3f}, mean per-class recall "
-                f"{values['mean_per_class_recall']:.3f} ({values['samples']} images)")
-    recalls = ", ".join(f"{direction} {'/'.join(f'{r:.3f}' for r in by_k)}"
-                        for direction, by_k in recalls_by_direction(values).items())
-    return (f"retrieval {name}: recall@{'/'.join(map(str, RECALL_K))} {recalls} "
-            f"({values['samples']} images, {values['texts']} captions)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -18,13 +18,16 @@ def test_report_of_the_demo_run(demo_run, cli, tmp_path):
     assert info["state"] == "finished" and info["step"] == info["total_steps"] == 40
     assert info["last_checkpoint"] == "step-00000040" and info["launches"] == 1 and info["restarts_at"] == []
     assert info["zeroshot"]["digits"] == evaluations[-1]["zeroshot/digits"] and len(evaluations) == 2
+    assert info["retrieval"]["digits"] == evaluations[-1]["retrieval/digits"]
     assert info["panels"] == ["loss", "learning rate", "logit scale (1 / temperature)", "samples/s per GPU",
-                              "data wait fraction", "zero-shot acc1"]  # no MFU on CPU: no peak
+                              "data wait fraction", "zero-shot acc1", "retrieval recall@1"]  # no MFU on CPU: no peak
     with Image.open(tmp_path / "report.png") as image:
         assert image.size[0] > 1000 and image.size[1] > 500
 
     shown = cli("report", run_dir, "--png", tmp_path / "again.png")
     assert shown.exit_code == 0 and "finished" in shown.stdout and "step 40/40" in shown.stdout
+    recall = evaluations[-1]["retrieval/digits"]["text_retrieval_recall@1"]
+    assert "retrieval digits: recall@1/5/10" in shown.stdout and f"image→text {recall:.3f}/" in shown.stdout
 
 
 def test_report_of_what_is_not_a_run(cli, tmp_path):
