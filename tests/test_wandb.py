@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,11 +69,12 @@ def _scalars(record: dict, prefix: str = "") -> dict:
 
 
 def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir, monkeypatch):
-    """A run stopped at step 10 (exit 75) and started again (to step 12) writes two offline pieces of one W&B
+    """A run preempted as schedulers do it (SIGTERM to its whole process group, W&B's own service process
+    included) stops at step 10 (exit 75) and, started again (to step 12) writes two offline pieces of one W&B
     run (the id kept in RUN_DIR/wandb-id): every scalar of metrics.jsonl, training and evaluation, in order;
     the resolved spec as config; the preemption marked and each exit code recorded. Files go to RUN_DIR/wandb
     by default and to WANDB_DIR when set. No connection reaches the W&B server or any HTTP(S) proxy."""
-    from fsdpclip.rundir import WANDB_ID_FILE, request_stop
+    from fsdpclip.rundir import WANDB_ID_FILE
 
     for name in [name for name in os.environ if name.startswith("WANDB_")]:  # W&B settings: this test's own only
         monkeypatch.delenv(name)
@@ -98,9 +100,7 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
         env = {"WANDB_BASE_URL": url, "HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
                "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
         train = [sys.executable, "-m", "fsdpclip.train", str(path)]
-        started = time.time()
-        request_stop(run_dir)  # seen at the stop agreement of step 10
-        first = run_group(train, timeout=240, env=env | {"FSDPCLIP_LAUNCH_TIME": str(started)})
+        first = _preempted(train, run_dir, env | {"FSDPCLIP_LAUNCH_TIME": str(time.time())})
         assert first.returncode == 75, first.stdout[-3000:]
         second = run_group(train, timeout=240, env=env | {"FSDPCLIP_LAUNCH_TIME": str(time.time()),
                                                           "WANDB_DIR": str(elsewhere)})
@@ -126,6 +126,25 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
     assert logged == records
     assert "retrieval/digits/image_retrieval_recall@1" in logged[-1] and "zeroshot/digits/acc1" in logged[-1]
     assert logged[-1]["retrieval/digits/samples"] == 20 and logged[-1]["retrieval/digits/texts"] == 40  # max_samples
+
+
+def _preempted(command: list[str], run_dir, env: dict) -> subprocess.CompletedProcess:
+    """Run `command` in its own process group and send SIGTERM to the whole group once a step is logged."""
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert process.poll() is None and time.time() < deadline, "the run ended or hung before its first step"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
 
 
 def test_validate_names_a_missing_wandb(tiny_job, tmp_path, cli, monkeypatch):
