@@ -54,14 +54,21 @@ def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
 # change 11; single runs): TFLOP per block forward over a micro batch -> compiled vs eager: ViT-B-32 at 256/GPU
 # 0.16 -> 0.90x, ViT-H-14 at 64/GPU 0.44 -> 0.77x, ViT-L-14 at 128/GPU 0.62 -> 1.10x (1.18x in an earlier run).
 COMPILE_MIN_BLOCK_TFLOP = 0.5
+# The blocks that rule was measured on: OpenCLIP's own. Other towers' blocks (timm, Hugging Face) stay eager
+# under 'auto': the 10B example (EVA02-E-14 + mT5-XXL) ran 1.09x faster compiled but took 311 s instead of
+# 28.5 s from launch to its first step (docs/benchmarks.md).
+COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttentionBlock"})
 
 
-def resolve_compile(fsdp: FsdpSpec, device_type: str, block_forward_flops: float) -> FsdpSpec:
-    """`fsdp` with `compile: 'auto'` decided: on for CUDA when one block's forward over a micro batch
+def resolve_compile(fsdp: FsdpSpec, device_type: str, block_forward_flops: float,
+                    block_classes: frozenset[str] = COMPILE_AUTO_BLOCKS) -> FsdpSpec:
+    """`fsdp` with `compile: 'auto'` decided: on for CUDA when every block is one of OpenCLIP's
+    (`block_classes`, COMPILE_AUTO_BLOCKS) and one block's forward over a micro batch
     (`block_forward_flops`) is at least COMPILE_MIN_BLOCK_TFLOP; `parallelize` compiles only on True."""
     if fsdp.compile != "auto":
         return fsdp
-    pays = device_type == "cuda" and block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12
+    pays = (device_type == "cuda" and block_classes <= COMPILE_AUTO_BLOCKS
+            and block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
     return fsdp.model_copy(update={"compile": pays})
 
 

@@ -143,7 +143,8 @@ class Trainer:
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
             block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
-            decided[0] = resolve_compile(job.fsdp, env.device.type, block_flops)
+            classes = frozenset(c for tower in towers.values() for c in tower.block_classes)
+            decided[0] = resolve_compile(job.fsdp, env.device.type, block_flops, classes)
             if job.fsdp.compile == "auto":
                 log.info("compile 'auto': %s (%.2f TFLOP per block forward)",
                          "on" if decided[0].compile else "off", block_flops / 1e12)

@@ -72,6 +72,9 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     assert resolve_compile(FsdpSpec(), "cpu", large).compile is False
     assert resolve_compile(FsdpSpec(compile=True), "cpu", small).compile is True
     assert resolve_compile(FsdpSpec(compile=False), "cuda", large).compile is False
+    # Towers of other libraries' blocks stay eager under 'auto', as asked they compile.
+    assert resolve_compile(FsdpSpec(), "cuda", large, frozenset({"Block", "T5Block"})).compile is False
+    assert resolve_compile(FsdpSpec(compile=True), "cuda", small, frozenset({"T5Block"})).compile is True
     calls = []
 
     def fake_compile(fn, **options):
