@@ -101,3 +101,28 @@ def plan_units(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> li
     units = [unit(names, tower, owned[i]) for i, (names, tower) in enumerate(groups)]
     units.sort(key=lambda u: -u.modules[0].count("."))  # stable: registration order within a depth
     return units + [unit(("",), None, owned[-1])]
+
+
+def whole_tower_wraps(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> Optional[dict[str, list[str]]]:
+    """The wrap classes that make each tower's block container (the module holding exactly its
+    blocks, OpenCLIP's `Transformer`) one unit, where `fsdp`'s defaults (no wrap classes, 'auto'
+    unit size, no activation checkpointing or offload) already put each tower's blocks into one
+    unit; None otherwise. Such a unit can be compiled whole: FSDP's hooks stay outside it."""
+    if (fsdp.wrap.image is not None or fsdp.wrap.text is not None or fsdp.unit_size != "auto" or fsdp.cpu_offload
+            or fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text):
+        return None
+    wraps = {}
+    for name, tower in towers.items():
+        blocks = tower.blocks
+        if not blocks or blocks[0].count(".") < 2 or blocks_per_unit(model, blocks[0], "auto") < len(blocks):
+            return None
+        container = blocks[0].rsplit(".", 2)[0]
+        module = model.get_submodule(container)
+        cls = type(module).__name__
+        in_blocks = sum(p.numel() for block in blocks for p in model.get_submodule(block).parameters())
+        if (not all(block.startswith(container + ".") for block in blocks)
+                or sum(p.numel() for p in module.parameters()) != in_blocks
+                or instances(model.named_modules(), name, [cls]) != [container]):
+            return None
+        wraps[name] = [cls]
+    return wraps

@@ -142,6 +142,12 @@ class ModelSpec(Section):
     pretrained: Optional[str] = Field(
         None, description="Local OpenCLIP checkpoint (.pt, .bin or .safetensors) for the whole model. No hub downloads.")
     quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
+    init: Literal["auto", "openclip", "parallel"] = Field(
+        "auto", description="Initial weights for the run's seed (before any pretrained weights load). 'openclip': "
+                            "OpenCLIP's own, from one random stream drawn on one core (~30M values/s: minutes for "
+                            "billions of parameters); 'parallel': the same distributions, each draw from its own "
+                            "stream in chunks spread over every core (the same numbers on any machine and core "
+                            "count, not OpenCLIP's); 'auto': 'openclip' up to 1B parameters, 'parallel' above.")
     image: ImageTowerSpec = Field(default_factory=ImageTowerSpec, description="Image tower options.")
     text: TextTowerSpec = Field(default_factory=TextTowerSpec, description="Text tower options.")
 
@@ -210,18 +216,22 @@ class FsdpSpec(Section):
                             "replicate across nodes; a group of several nodes only when the estimated memory does not "
                             "fit a GPU (launch.gpu_memory_gib, else the GPU's own memory, at start) with a 10% margin; "
                             "full sharding when neither is known (CPU).")
-    reshard_after_forward: bool = Field(
-        True, description="Free unsharded parameters after forward (less memory, one more all-gather in backward).")
+    reshard_after_forward: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Free unsharded parameters after forward (less memory, one more all-gather in backward). "
+                            "'auto': true, except where compile 'auto' compiles whole towers (small models): those "
+                            "stay gathered.")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
     reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")
     cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
     activation_checkpointing: ActivationCheckpointSpec = Field(
         default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in backward.")
     compile: Union[bool, Literal["auto"]] = Field(
-        "auto", description="torch.compile each block of the FSDP units (static shapes) before sharding; evaluation "
-                            "stays eager. 'auto': on for CUDA where one block's forward over a micro batch is at least "
-                            "0.5 TFLOP (compile paid for such blocks and slowed smaller, host-bound ones: "
-                            "docs/performance.md), off on CPU.")
+        "auto", description="torch.compile each module of the FSDP units (static shapes) before sharding; evaluation "
+                            "stays eager. 'auto' (CUDA, OpenCLIP's own blocks; off on CPU and for timm/Hugging Face "
+                            "towers): each block where one block's forward over a micro batch is at least 0.5 TFLOP; "
+                            "below that, where each tower's blocks fit one unit (default wrap and unit size, no "
+                            "activation checkpointing or offload), the tower's block container as one unit and one "
+                            "graph; otherwise off (docs/performance.md).")
     direct_attention: bool = Field(
         True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")

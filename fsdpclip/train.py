@@ -130,12 +130,16 @@ class Trainer:
         self.mesh = shard_mesh(env, self.shard_degree)
         if env.is_main:
             log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
-        source = initial_model(job.model, job.run.seed) if env.is_main else None
-        parallelize(model, self._resolve_compile(towers), self.mesh, job.model.block_classes)
+        source = None
+        if env.is_main:
+            began = time.perf_counter()
+            source = initial_model(job.model, job.run.seed)
+            log.info("initial weights (model.init %r) in %.1f s", job.model.init, time.perf_counter() - began)
+        parallelize(model, self._resolve_compile(model, towers), self.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
 
-    def _resolve_compile(self, towers) -> FsdpSpec:
+    def _resolve_compile(self, model: torch.nn.Module, towers) -> FsdpSpec:
         """job.fsdp with `compile: 'auto'` decided on rank 0 from the work of one block's forward over a
         micro batch (the model's FLOPs spread over its blocks), the same on every rank."""
         job, env = self.job, self.env
@@ -143,11 +147,13 @@ class Trainer:
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
             block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
-            classes = frozenset(c for tower in towers.values() for c in tower.block_classes)
-            decided[0] = resolve_compile(job.fsdp, env.device.type, block_flops, classes)
+            decided[0] = resolve_compile(job.fsdp, model, towers, env.device.type, block_flops)
             if job.fsdp.compile == "auto":
-                log.info("compile 'auto': %s (%.2f TFLOP per block forward)",
-                         "on" if decided[0].compile else "off", block_flops / 1e12)
+                fsdp = decided[0]
+                how = "off" if not fsdp.compile else "blocks" if fsdp.wrap == job.fsdp.wrap else \
+                    f"whole towers ({fsdp.wrap.image[0]}, {fsdp.wrap.text[0]}; reshard_after_forward " \
+                    f"{str(fsdp.reshard_after_forward).lower()})"
+                log.info("compile 'auto': %s (%.2f TFLOP per block forward)", how, block_flops / 1e12)
         dist.broadcast_object_list(decided, src=0)
         return decided[0]
 

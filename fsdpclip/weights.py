@@ -3,6 +3,7 @@ OpenCLIP-style checkpoints into a model or into one of its towers."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -81,20 +82,28 @@ def load_model_weights(model: nn.Module, path: str) -> None:
         raise ModelError(f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
 
 
-def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
-    """The full model with its starting weights, on the CPU: OpenCLIP's init for `seed`, then local weights.
+# 'auto' init draws OpenCLIP's own weights (one serial random stream) up to this size, in parallel above.
+OPENCLIP_INIT_MAX_PARAMETERS = 1_000_000_000
 
-    Always the CPU's generator, so a seed gives the same weights on every machine (a GPU's
+
+def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The full model with its starting weights, on the CPU: the init `spec.init` asks for with `seed`,
+    then local weights.
+
+    Always the CPU's generators, so a seed gives the same weights on every machine (a GPU's
     generator draws other numbers, and whether a model fits a GPU must not change it); with
-    every core this process may use, which gives the same numbers as one thread, only faster
-    (torchrun leaves each rank one thread, and the other ranks wait for this one).
+    every core this process may use (torchrun leaves each rank one thread, and the other ranks
+    wait for this one).
     """
     threads = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(threads, cores))
+    torch.set_num_threads(max(threads, usable_cores()))
     try:
         torch.manual_seed(seed)
-        model = build_model(spec, device="cpu")
+        if init_kind(spec) == "parallel":
+            with ParallelDraws(seed, usable_cores()):
+                model = build_model(spec, device="cpu")
+        else:
+            model = build_model(spec, device="cpu")
     finally:
         torch.set_num_threads(threads)
     if spec.pretrained:
@@ -109,3 +118,92 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
     if spec.text.hf is not None and spec.text.hf.pretrained:
         load_weights(model, hf_encoder_state(spec.text.hf), spec.text.hf.path, module="text.transformer")
     return model
+
+
+def init_kind(spec: ModelSpec) -> str:
+    """spec.init with 'auto' decided by the model's size (counted on the meta device)."""
+    if spec.init != "auto":
+        return spec.init
+    parameters = sum(p.numel() for p in build_model(spec).parameters())
+    return "openclip" if parameters <= OPENCLIP_INIT_MAX_PARAMETERS else "parallel"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class ParallelDraws:
+    """While active, the random draws of a model's constructors are parallel and still deterministic.
+
+    The CPU generator draws serially (single-threaded ~0.3G values/s: a 10B-parameter model draws
+    minutes). Inside, every random fill or creation called without a generator (`Tensor.normal_`,
+    `uniform_`, ... as nn.init, timm and Hugging Face call them; `torch.randn`, ...) gets its own,
+    seeded from (seed, call number); a fill of a large contiguous tensor is split into chunks of
+    CHUNK values with a generator each, drawn on `workers` threads. The numbers depend on the seed
+    and the model's calls only, not on the core count, thread timing or machine. The methods are
+    swapped on torch.Tensor and torch for the duration (one thread builds the model meanwhile).
+    """
+
+    CHUNK = 1 << 22
+    IN_PLACE = ("normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_",
+                "geometric_")
+    CREATING = ("randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial")
+
+    def __init__(self, seed: int, workers: int):
+        self.seed, self.calls, self.workers = seed, 0, max(1, workers)
+        self.saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> "ParallelDraws":
+        for owner, names, wrap in ((torch.Tensor, self.IN_PLACE, self._fill), (torch, self.CREATING, self._create)):
+            for name in names:
+                self.saved.append((owner, name, owner.__dict__.get(name)))
+                setattr(owner, name, self._through(wrap, getattr(owner, name)))
+        return self
+
+    @staticmethod
+    def _through(wrap, original):
+        """A plain function (a method once set on torch.Tensor) that calls wrap(original, ...)."""
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            return wrap(original, *args, **kwargs)
+        return call
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, own in reversed(self.saved):
+            if own is None:
+                delattr(owner, name)  # inherited (torch.Tensor's come from the C base class)
+            else:
+                setattr(owner, name, own)
+        self.saved.clear()
+
+    def _generator(self, *key: int) -> torch.Generator:
+        mixed = self.seed
+        for part in key:
+            mixed = (mixed * 6364136223846793005 + part + 1442695040888963407) % (1 << 63)
+        return torch.Generator().manual_seed(mixed)
+
+    def _create(self, original, *args, **kwargs):
+        if kwargs.get("generator") is not None:
+            return original(*args, **kwargs)
+        self.calls += 1
+        return original(*args, **{**kwargs, "generator": self._generator(self.calls)})
+
+    def _fill(self, original, tensor, *args, **kwargs):
+        if kwargs.get("generator") is not None:
+            return original(tensor, *args, **kwargs)
+        self.calls += 1
+        kwargs.pop("generator", None)
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() <= self.CHUNK:
+            return original(tensor, *args, **kwargs, generator=self._generator(self.calls))
+        from concurrent.futures import ThreadPoolExecutor
+
+        chunks = tensor.view(-1).split(self.CHUNK)
+        draw, grad = self.calls, torch.is_grad_enabled()  # grad mode is per thread
+
+        def fill(index: int) -> None:
+            with torch.set_grad_enabled(grad):
+                original(chunks[index], *args, **kwargs, generator=self._generator(draw, index))
+
+        with ThreadPoolExecutor(min(self.workers, len(chunks))) as pool:
+            list(pool.map(fill, range(len(chunks))))
+        return tensor

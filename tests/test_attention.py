@@ -62,19 +62,44 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
 
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):
+    """compile 'auto': per block for large OpenCLIP blocks, whole towers (their `Transformer` as the
+    unit, kept gathered unless the spec says otherwise) for small ones that fit a unit, off for
+    towers too large for one unit, on CPU and for other libraries' blocks; what the spec sets stays.
+    Then a compiled unit module trains compiled and evaluates eager."""
+    from fsdpclip.model import build_model, find_towers
     from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_compile
-    from fsdpclip.shard import Unit
-    from fsdpclip.spec import FsdpSpec
+    from fsdpclip.shard import Unit, plan_units
+    from fsdpclip.spec import FsdpSpec, ModelSpec
 
     large, small = 2 * COMPILE_MIN_BLOCK_TFLOP * 1e12, COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
-    assert resolve_compile(FsdpSpec(), "cuda", large).compile is True
-    assert resolve_compile(FsdpSpec(), "cuda", small).compile is False
-    assert resolve_compile(FsdpSpec(), "cpu", large).compile is False
-    assert resolve_compile(FsdpSpec(compile=True), "cpu", small).compile is True
-    assert resolve_compile(FsdpSpec(compile=False), "cuda", large).compile is False
-    # Towers of other libraries' blocks stay eager under 'auto', as asked they compile.
-    assert resolve_compile(FsdpSpec(), "cuda", large, frozenset({"Block", "T5Block"})).compile is False
-    assert resolve_compile(FsdpSpec(compile=True), "cuda", small, frozenset({"T5Block"})).compile is True
+    b32 = build_model(ModelSpec(name="ViT-B-32"))
+    b32_towers = find_towers(b32)
+    h14 = build_model(ModelSpec(name="ViT-H-14"))  # its image tower needs two ~400M units
+    h14_towers = find_towers(h14)
+
+    def resolved(fsdp=FsdpSpec(), device="cuda", flops=small, model=b32, towers=b32_towers):
+        return resolve_compile(fsdp, model, towers, device, flops)
+
+    per_block = resolved(flops=large)
+    assert (per_block.compile, per_block.wrap.image, per_block.reshard_after_forward) == (True, None, True)
+    whole = resolved()
+    assert (whole.compile, whole.wrap.image, whole.wrap.text, whole.reshard_after_forward) == \
+        (True, ["Transformer"], ["Transformer"], False)
+    units = plan_units(b32, b32_towers, whole)
+    assert [u.modules for u in units] == [("visual.transformer",), ("transformer",), ("",)]
+    assert resolved(FsdpSpec(reshard_after_forward=True)).reshard_after_forward is True
+    for fsdp, device, model, towers in [(FsdpSpec(), "cpu", b32, b32_towers),
+                                        (FsdpSpec(unit_size=2), "cuda", b32, b32_towers),
+                                        (FsdpSpec(activation_checkpointing={"image": True}), "cuda", b32, b32_towers),
+                                        (FsdpSpec(), "cuda", h14, h14_towers)]:
+        off = resolved(fsdp, device, model=model, towers=towers)
+        assert (off.compile, off.wrap, off.reshard_after_forward) == (False, fsdp.wrap, True)
+    assert resolved(FsdpSpec(compile=True), "cpu").compile is True
+    assert resolved(FsdpSpec(compile=False), flops=large).compile is False
+    # Towers of other libraries' blocks stay eager under 'auto'; asked, they compile.
+    timm_like = {name: type(tower)(tower.name, ("Block",), tower.blocks) for name, tower in b32_towers.items()}
+    assert resolved(flops=large, towers=timm_like).compile is False
+    assert resolved(FsdpSpec(compile=True), towers=timm_like).compile is True
     calls = []
 
     def fake_compile(fn, **options):

@@ -151,3 +151,39 @@ def test_tensorboard_and_peak_tflops(tmp_path):
     assert [e.value for e in events.Scalars("loss")] == [2.5, 2.0]
     assert [e.step for e in events.Scalars("zeroshot/digits/acc1")] == [2]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_parallel_init_is_deterministic_and_draws_the_same_distributions(monkeypatch):
+    """model.init 'parallel': the same weights for a seed whatever the core count (chunks forced small
+    so the tiny model's tensors are split), other weights for another seed, OpenCLIP's distributions
+    tensor by tensor (constant inits equal, random ones of the same spread), and torch's methods back
+    afterwards. 'auto' keeps OpenCLIP's own init below its size threshold."""
+    from fsdpclip import weights
+    from fsdpclip.weights import ParallelDraws, init_kind, initial_model
+
+    monkeypatch.setattr(ParallelDraws, "CHUNK", 100)
+    spec = ModelSpec(config=str(TINY_CONFIG), init="parallel")
+    by_cores = []
+    for cores in (1, 3):
+        monkeypatch.setattr(weights, "usable_cores", lambda cores=cores: cores)
+        by_cores.append(initial_model(spec, seed=4).state_dict())
+    assert "normal_" not in torch.Tensor.__dict__ and torch.randn is torch._C._VariableFunctions.randn
+    parallel, again = by_cores
+    assert all(torch.equal(parallel[k], again[k]) for k in parallel)
+    other_seed = initial_model(spec, seed=5).state_dict()
+    openclip = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=4).state_dict()
+    random_tensors = 0
+    for key, reference in openclip.items():
+        if reference.numel() < 1000 or not reference.is_floating_point():
+            continue
+        if reference.std() == 0:  # a constant init
+            assert torch.equal(parallel[key], reference), key
+            continue
+        random_tensors += 1
+        assert not torch.equal(parallel[key], reference) and not torch.equal(parallel[key], other_seed[key]), key
+        assert abs(parallel[key].std() / reference.std() - 1) < 0.15, key
+        assert abs(parallel[key].mean() - reference.mean()) < 0.2 * reference.std() + 1e-3, key
+    assert random_tensors >= 10
+    assert init_kind(ModelSpec(config=str(TINY_CONFIG))) == "openclip"
+    monkeypatch.setattr(weights, "OPENCLIP_INIT_MAX_PARAMETERS", 1000)
+    assert init_kind(ModelSpec(config=str(TINY_CONFIG))) == "parallel"

@@ -88,6 +88,8 @@ CASES = {  # name -> (job overrides, low precision?, decay, frozen, poisoned (st
     "cosine-floor": ({"schedule": {"min_lr": 5e-4}}, False, None, None, None),
     "cpu-offload": ({"fsdp": {"cpu_offload": True}}, False, None, None, None),
     "compile": ({"fsdp": {"compile": True}}, False, None, None, None),  # through aot_eager: see docs/options.md
+    "compile-whole-towers": ({"fsdp": {"compile": True, "wrap": {"image": ["Transformer"], "text": ["Transformer"]},
+                                       "reshard_after_forward": False}}, False, None, None, None),  # aot_eager too
     "activation-checkpointing": ({"fsdp": {"activation_checkpointing": {"image": True, "text": ["ResidualAttentionBlock"]}}},
                                  False, None, None, None),
     "bf16": ({"fsdp": {"param_dtype": "bf16"}}, True, None, None, None),
@@ -156,7 +158,7 @@ def trained(tmp_path_factory, digits_dir):
     for world in sorted({world_of(name) for name in CASES}):
         names = [name for name in CASES if world_of(name) == world]
         cases = {name: {"job": case_job(name, tmp, digits_dir), "poison": CASES[name][4],
-                        "compile_backend": "aot_eager" if name == "compile" else None} for name in names}
+                        "compile_backend": "aot_eager" if name.startswith("compile") else None} for name in names}
         (tmp / f"cases-{world}.json").write_text(json.dumps(cases))
         proc = torchrun(["tests/workers/parity.py", str(tmp / f"cases-{world}.json"), str(tmp)], nproc=world,
                         timeout=600)
