@@ -37,4 +37,5 @@ def upto(k):
 for k in range(1, len(steps)+1):
     t(f"transform steps[:{k}] ({type(steps[k-1]).__name__})", upto(k))
 t("tokenize one caption", lambda s: tok([s["txt"].decode()]))
-t("fork_rng + manual_seed", lambda s: (lambda: [None for _ in [torch.random.fork_rng(devices=[]).__enter__(), torch.manual_seed(1)]])())
+t("fork_rng + torch.manual_seed (before)", lambda s: (lambda: [None for _ in [torch.random.fork_rng(devices=[]).__enter__(), torch.manual_seed(1)]])())
+t("fork_rng + default_generator.manual_seed (now)", lambda s: (lambda: [None for _ in [torch.random.fork_rng(devices=[]).__enter__(), torch.default_generator.manual_seed(1)]])())

@@ -239,7 +239,7 @@ class ShardStream(IterableDataset):
         image = Image.open(io.BytesIO(sample[key]))
         caption = sample[self.spec.text_key].decode("utf-8")
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
             pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
             if pixels is None:
                 image.load()
