@@ -106,7 +106,7 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     optimizer = 2 * grads
     root, blocks = units[-1], units[:-1]
     largest = max((u.numel for u in blocks), default=0)
-    gathered_blocks = sum(u.numel for u in blocks) if not fsdp.reshard_after_forward else 2 * largest
+    gathered_blocks = sum(u.numel for u in blocks) if not fsdp.reshards else 2 * largest
     unsharded = (root.numel + gathered_blocks) * param_bytes + max(largest, root.numel) * (param_bytes + reduce_bytes)
     logits = 3 * micro * micro * accum * world_size * 4
     activations = activations_per_sample * micro * param_bytes + logits

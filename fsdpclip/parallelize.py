@@ -69,7 +69,7 @@ def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type:
     each tower fits one unit: the tower's block container becomes the unit, compiled as one graph,
     and stays gathered after forward unless the spec says `reshard_after_forward: true` (ViT-B-32 on
     2×H200: 1.04x and 1.01x compiled DDP in two runs, eager blocks 0.87x and 0.92x; docs/performance.md)."""
-    update = {"reshard_after_forward": fsdp.reshard_after_forward is not False}
+    update = {"reshard_after_forward": fsdp.reshards}
     if fsdp.compile == "auto":
         ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
         large = block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12
@@ -122,8 +122,7 @@ def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh: Device
         kept = {name: model._parameters.pop(name) for name in SHARED_PARAMETERS
                 if unit.is_root and model._parameters.get(name) is not None}
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                    reshard_after_forward=fsdp.reshard_after_forward is not False, mp_policy=policy,
-                    offload_policy=offload)
+                    reshard_after_forward=fsdp.reshards, mp_policy=policy, offload_policy=offload)
         for name, parameter in kept.items():
             model.register_parameter(name, parameter)
     register_forward_methods(model)

@@ -116,7 +116,7 @@ def traffic(job: Job, units: list[Unit], world: int, degree: int) -> Traffic:
     param, reduce = DTYPE_BYTES[fsdp.param_dtype], DTYPE_BYTES[fsdp.reduce_dtype]
     inside, replicas = (degree - 1) / degree, world // degree
     forwards = 2 * accum if accum > 1 else 1
-    gathered = sum(u.numel * (forwards + (accum if fsdp.reshard_after_forward and not u.is_root else 0))
+    gathered = sum(u.numel * (forwards + (accum if fsdp.reshards and not u.is_root else 0))
                    for u in units)
     trainable = sum(u.trainable for u in units)
     return Traffic(all_gather=inside * gathered * param, reduce_scatter=inside * accum * trainable * reduce,

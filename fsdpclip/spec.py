@@ -237,6 +237,12 @@ class FsdpSpec(Section):
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
+    @property
+    def reshards(self) -> bool:
+        """Whether units free their gathered parameters after forward: 'auto' not yet decided by compile
+        'auto' (parallelize.resolve_compile) reshards."""
+        return self.reshard_after_forward is not False
+
 
 # ------------------------------------------------------------------------ freeze
 class TowerFreezeSpec(Section):
