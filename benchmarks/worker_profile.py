@@ -1,41 +1,69 @@
 """Per-sample host cost of the data workers' steps on one core: tar reading, JPEG decode, each step of
-OpenCLIP's ViT-B-32 train transform, tokenising, and the per-sample RNG fork (fsdpclip.data seeds each
-sample's augmentation). Writes one shard of 400 benchmark JPEGs (benchmarks/jpeg_data.py) first.
+OpenCLIP's ViT-B-32 train transform, tokenising, and seeding each sample's augmentation (fsdpclip.data
+forks the CPU generator per sample; `torch.manual_seed` beside the CPU generator's own seeding).
+Writes one shard of 400 benchmark JPEGs (benchmarks/jpeg_data.py) under --dir first.
 
-    python benchmarks/worker_profile.py
+    python benchmarks/worker_profile.py [--dir /tmp/profshard]
 """
-import io, sys, time, torch
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import time
 from pathlib import Path
-sys.path.insert(0, "benchmarks")
-torch.set_num_threads(1)
-from jpeg_data import write_shard
-d = Path("/tmp/profshard"); d.mkdir(exist_ok=True)
-tar = d / "000000.tar"
-if not tar.exists():
-    write_shard((tar, 0, 400, 256))
-import open_clip, webdataset as wds
-from PIL import Image
-pp = open_clip.image_transform(224, is_train=True)
-tok = open_clip.get_tokenizer("ViT-B-32")
-samples = [s for s in wds.WebDataset(str(tar), shardshuffle=False)]
-n = len(samples)
-def t(label, f):
-    b = time.perf_counter(); [f(s) for s in samples]; dt = (time.perf_counter() - b) / n * 1e3
-    print(f"{label:45s} {dt:.3f} ms/sample"); return dt
-b = time.perf_counter(); list(wds.WebDataset(str(tar), shardshuffle=False)); print(f"{'read tar + group':45s} {(time.perf_counter()-b)/n*1e3:.3f} ms/sample")
-t("PIL open + load (decode)", lambda s: Image.open(io.BytesIO(s["jpg"])).load())
-imgs = [Image.open(io.BytesIO(s["jpg"])).convert("RGB") for s in samples]
-i = iter(range(10**9))
-print(pp)
-steps = pp.transforms
-def upto(k):
-    def f(s):
-        x = imgs[next(i) % n]
-        for st in steps[:k]: x = st(x)
-        return x
-    return f
-for k in range(1, len(steps)+1):
-    t(f"transform steps[:{k}] ({type(steps[k-1]).__name__})", upto(k))
-t("tokenize one caption", lambda s: tok([s["txt"].decode()]))
-t("fork_rng + torch.manual_seed (before)", lambda s: (lambda: [None for _ in [torch.random.fork_rng(devices=[]).__enter__(), torch.manual_seed(1)]])())
-t("fork_rng + default_generator.manual_seed (now)", lambda s: (lambda: [None for _ in [torch.random.fork_rng(devices=[]).__enter__(), torch.default_generator.manual_seed(1)]])())
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jpeg_data import write_shard  # noqa: E402
+
+
+def per_sample_ms(label: str, work, items: list) -> None:
+    began = time.perf_counter()
+    for item in items:
+        work(item)
+    print(f"{label:50s} {(time.perf_counter() - began) / len(items) * 1e3:.3f} ms/sample", flush=True)
+
+
+def seeded(seed_with):
+    def work(seed: int) -> None:
+        with torch.random.fork_rng(devices=[]):
+            seed_with(seed)
+    return work
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/profshard"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import open_clip
+    import webdataset as wds
+    from PIL import Image
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    tar = args.dir / "000000.tar"
+    if not tar.exists():
+        write_shard((tar, 0, 400, 256))
+    began = time.perf_counter()
+    samples = list(wds.WebDataset(str(tar), shardshuffle=False))
+    print(f"{'read tar + group':50s} {(time.perf_counter() - began) / len(samples) * 1e3:.3f} ms/sample")
+    per_sample_ms("PIL open + load (decode)", lambda s: Image.open(io.BytesIO(s["jpg"])).load(), samples)
+    images = [Image.open(io.BytesIO(s["jpg"])).convert("RGB") for s in samples]
+    steps = open_clip.image_transform(224, is_train=True).transforms
+    for k in range(1, len(steps) + 1):
+        def through(image, chosen=steps[:k]):
+            for step in chosen:
+                image = step(image)
+        per_sample_ms(f"transform steps 1..{k} (last: {type(steps[k - 1]).__name__})", through, images)
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    per_sample_ms("tokenise one caption", lambda s: tokenizer([s["txt"].decode()]), samples)
+    seeds = list(range(len(samples)))
+    per_sample_ms("fork_rng + torch.manual_seed", seeded(torch.manual_seed), seeds)
+    per_sample_ms("fork_rng + default_generator.manual_seed (fsdpclip)", seeded(torch.default_generator.manual_seed), seeds)
+
+
+if __name__ == "__main__":
+    main()
