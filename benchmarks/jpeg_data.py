@@ -94,13 +94,17 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
     spec = args.out / f"{name}.json"
     spec.write_text(json.dumps(job))
     shutil.rmtree(args.out / "runs" / name, ignore_errors=True)
+    launched = time.time()
     code = run([sys.executable, "-m", "fsdpclip", "launch", str(spec)], args.out / f"{name}.log", args.timeout)
-    records = read_run(args.out / "runs" / name).records if code == 0 else []
-    if not records:
+    ended = time.time()
+    records = read_run(args.out / "runs" / name).records if (args.out / "runs" / name).exists() else []
+    if len(records) < 2:
         return {"error": f"exit {code}; see {name}.log"}
     return {"samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
             "data_wait_fraction": second_half([r["data_wait_fraction"] for r in records]),
-            "time_to_first_step_s": records[0]["time_to_first_step_s"]}
+            "time_to_first_step_s": records[0]["time_to_first_step_s"], "exit": code,
+            "last_step_to_exit_s": round(ended - records[-1]["time"], 1), "steps": records[-1]["step"],
+            "launch_s": round(ended - launched, 1)}
 
 
 TRAIN_LINE = re.compile(r"^(\S+) \|.*Train Epoch: .*Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), .*?([\d.]+)/s/gpu")

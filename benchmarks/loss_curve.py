@@ -1,7 +1,7 @@
 """fsdpclip's loss curve beside the DDP reference's, from the same initial weights on the same batches.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/loss_curve.py --model ViT-B-32 --batch 128 --steps 200 \\
-        --lr 1e-4 --warmup 50 --compile --out curves.json
+        --lr 1e-4 --warmup 50 --compile auto true --out curves.json
     python benchmarks/loss_curve.py --plot-only curves.json --png curves.png     # redraw, no GPU
 
 In one process group, each run on K fixed batches per rank of scikit-learn's handwritten digits with
@@ -9,7 +9,8 @@ their captions (the demo's data at the model's resolution), cycled, so the loss 
 open_clip_train's weight-decay split and cosine schedule, ClipLoss with local loss and gathered
 gradients) with seed A, again with seed A (the spread of one seed: nondeterministic kernels), and
 with seed B (the spread between seeds); fsdpclip's trainer (bf16 parameters, fp32 reduction) with
-seed A; with --compile also fsdpclip with fsdp.compile. A seed fixes the initial weights (OpenCLIP's
+seed A; with --compile also fsdpclip with each fsdp.compile given ('auto', the default: whole towers
+compiled for small blocks on CUDA; 'true': every block). A seed fixes the initial weights (OpenCLIP's
 CPU init) and the batches. Rank 0 writes every run's per-step losses and a summary of the differences.
 """
 
@@ -92,8 +93,8 @@ def ddp_curve(name: str, batch: int, steps: int, seed: int, count: int, lr: floa
 
 
 def fsdpclip_curve(name: str, batch: int, steps: int, seed: int, count: int, lr: float, warmup: int, env,
-                   run_root: str, compile_: bool) -> list[float]:
-    job = parse_job({"run": {"name": f"curve{int(compile_)}", "output_dir": run_root, "seed": seed},
+                   run_root: str, compile_: bool | str) -> list[float]:
+    job = parse_job({"run": {"name": f"curve-{compile_}", "output_dir": run_root, "seed": seed},
                      "model": {"name": name}, "fsdp": {"compile": compile_},
                      "optimizer": {"lr": lr, "weight_decay": WD, "betas": list(BETAS), "eps": EPS},
                      "schedule": {"kind": "cosine", "warmup_steps": warmup, "steps": steps},
@@ -156,7 +157,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--seeds", type=int, nargs=2, default=(0, 1))
     parser.add_argument("--repeat", action="store_true", help="also DDP with seed A a second time")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", nargs="*", default=[], choices=["auto", "true"],
+                        help="also fsdpclip with these fsdp.compile settings (eager is always run)")
     parser.add_argument("--out", help="where to write the curves (JSON)")
     parser.add_argument("--plot-only", help="redraw the plot of a saved JSON (no GPU)")
     parser.add_argument("--png", help="with --plot-only: the picture to write")
@@ -175,8 +177,10 @@ def main() -> None:
     plan.append(("DDP seed B", lambda: ddp_curve(*common, seed_b, *shape)))
     with tempfile.TemporaryDirectory() as root:
         plan.append(("fsdpclip seed A", lambda: fsdpclip_curve(*common, seed_a, *shape, env, root, False)))
-        if args.compile:
-            plan.append(("fsdpclip compile seed A", lambda: fsdpclip_curve(*common, seed_a, *shape, env, root, True)))
+        for setting in args.compile:
+            value = True if setting == "true" else setting
+            plan.append((f"fsdpclip compile {setting} seed A",
+                         lambda value=value: fsdpclip_curve(*common, seed_a, *shape, env, root, value)))
         for name, run in plan:
             began = time.perf_counter()
             runs[name] = run()

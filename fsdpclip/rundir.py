@@ -59,7 +59,33 @@ def launch_time() -> float:
     return float(os.environ.get(LAUNCH_TIME_ENV, _PROCESS_START))
 
 
-_PROCESS_START = time.time()
+def _process_start() -> float:
+    """When this process started (Linux: from /proc, so before its imports), else now."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: clock ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+_PROCESS_START = _process_start()
+
+
+class StartupClock:
+    """Seconds from the launch to the end of each start-up phase on this rank, in order: what the first
+    metrics record reports as `startup_s` (with `fsdpclip launch`, "process" includes its validation)."""
+
+    def __init__(self):
+        self.phases = {"process": round(_PROCESS_START - launch_time(), 2)}
+
+    def mark(self, phase: str) -> None:
+        """The end of `phase`, the first time it is marked."""
+        if phase not in self.phases:
+            self.phases[phase] = round(time.time() - launch_time(), 2)
+
+    def summary(self) -> str:
+        return ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.phases.items())
 
 
 # ---------------------------------------------------------------------- the lock

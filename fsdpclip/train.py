@@ -48,8 +48,8 @@ from fsdpclip.parallelize import (
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
 from fsdpclip.rundir import (
-    EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, launch_time, lock_token,
-    record_launch, stop_requested, write_crash_report, write_exit_report,
+    EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock, launch_time,
+    lock_token, record_launch, stop_requested, write_crash_report, write_exit_report,
 )
 from fsdpclip.spec import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
@@ -90,10 +90,13 @@ class StopSignals:
 class Trainer:
     """One rank's share of a sharded training run, built from the job spec."""
 
-    def __init__(self, job: Job, env: Dist, signals: Optional[StopSignals] = None):
+    def __init__(self, job: Job, env: Dist, signals: Optional[StopSignals] = None,
+                 startup: Optional[StartupClock] = None):
         self.job, self.env, self.signals = job, env, signals
+        self.startup = startup or StartupClock()
         self.model_config = model_config(job.model)
         self.model = self._build_model()
+        self.startup.mark("model")
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.total_steps = job.total_steps(env.world_size)
         self.optimizer = build_optimizer(self.model, self.decay_groups, job.optimizer)
@@ -118,6 +121,7 @@ class Trainer:
             self._resume(candidates)
         if env.is_main:
             record_launch(job.run_dir, job.to_json(), self.changes, self.resumed_from)
+        self.startup.mark("ready")
 
     def _build_model(self) -> torch.nn.Module:
         """The sharded model with its initial weights: built on the meta device on every rank, frozen,
@@ -135,6 +139,7 @@ class Trainer:
             began = time.perf_counter()
             source = initial_model(job.model, job.run.seed)
             log.info("initial weights (model.init %r) in %.1f s", job.model.init, time.perf_counter() - began)
+            self.startup.mark("initial_weights")
         parallelize(model, self._resolve_compile(model, towers), self.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
@@ -225,6 +230,7 @@ class Trainer:
 
     def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         images, texts = next(self.batch_iter)
+        self.startup.mark("first_batch")
         if self.images is not None:
             images = self.images(images)
         return images, texts.to(self.env.device, non_blocking=True)
@@ -287,11 +293,15 @@ class Trainer:
                 if not first_step_done:
                     loss.item()  # wait for the device
                     first_step_s, first_step_done = time.time() - launch_time(), True
+                    self.startup.mark("first_step")
+                    metrics.announce(f"start-up, seconds since launch at the end of each phase (rank {env.rank}): "
+                                     f"{self.startup.summary()}")
                 last = self.step == self.total_steps
                 if self.step % job.logging.every_steps == 0 or last:
                     record = self._log_record(window, window_loss, grad_norm)
                     if first_step_s is not None:
                         record["time_to_first_step_s"], first_step_s = first_step_s, None
+                        record["startup_s"] = self.startup.phases
                     metrics.write(record)
                     window.reset()
                     window_loss.zero_()
@@ -435,6 +445,8 @@ class Trainer:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Train from a job file on this rank (torchrun sets RANK, WORLD_SIZE and the rendezvous)."""
+    startup = StartupClock()
+    startup.mark("imports")
     import argparse
 
     from fsdpclip.problems import SpecError
@@ -451,12 +463,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_SPEC
     signals = StopSignals()
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
+    startup.mark("distributed")
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
     job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _run_lock(job, env):
-            trainer = Trainer(job, env, signals)
+            trainer = Trainer(job, env, signals, startup)
             try:
                 return trainer.fit()
             finally:
