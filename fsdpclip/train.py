@@ -125,21 +125,25 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """The sharded model with its initial weights: built on the meta device on every rank, frozen,
-        decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0."""
+        decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0. The
+        last rank counts the FLOPs while rank 0 draws the initial weights."""
         job, env = self.job, self.env
         model, towers = frozen_meta_model(self.model_config, job)
         self.decay_groups = trainable_decay_groups(model, job.optimizer)
-        self.flops_per_sample = training_flops_per_sample(model) if env.is_main else 0.0
         self.shard_degree = self._shard_degree(model, towers)
         self.mesh = shard_mesh(env, self.shard_degree)
         if env.is_main:
             log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
+        counter = env.world_size - 1
+        flops = [training_flops_per_sample(model) if env.rank == counter else None]
         source = None
         if env.is_main:
             began = time.perf_counter()
             source = initial_model(job.model, job.run.seed)
             log.info("initial weights (model.init %r) in %.1f s", job.model.init, time.perf_counter() - began)
             self.startup.mark("initial_weights")
+        dist.broadcast_object_list(flops, src=counter)
+        self.flops_per_sample = flops[0]
         parallelize(model, self._resolve_compile(model, towers), self.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -144,7 +145,7 @@ class ParallelDraws:
     swapped on torch.Tensor and torch for the duration (one thread builds the model meanwhile).
     """
 
-    CHUNK = 1 << 22
+    CHUNK = 1 << 20  # values: ~3 ms of one core's drawing, so even a 4M-value weight spreads over 4 cores
     IN_PLACE = ("normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_",
                 "geometric_")
     CREATING = ("randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial")
@@ -152,8 +153,10 @@ class ParallelDraws:
     def __init__(self, seed: int, workers: int):
         self.seed, self.calls, self.workers = seed, 0, max(1, workers)
         self.saved: list[tuple[object, str, object]] = []
+        self.pool: Optional[ThreadPoolExecutor] = None
 
     def __enter__(self) -> "ParallelDraws":
+        self.pool = ThreadPoolExecutor(self.workers)
         for owner, names, wrap in ((torch.Tensor, self.IN_PLACE, self._fill), (torch, self.CREATING, self._create)):
             for name in names:
                 self.saved.append((owner, name, owner.__dict__.get(name)))
@@ -175,6 +178,8 @@ class ParallelDraws:
             else:
                 setattr(owner, name, own)
         self.saved.clear()
+        self.pool.shutdown()
+        self.pool = None
 
     def _generator(self, *key: int) -> torch.Generator:
         mixed = self.seed
@@ -195,8 +200,6 @@ class ParallelDraws:
         kwargs.pop("generator", None)
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() <= self.CHUNK:
             return original(tensor, *args, **kwargs, generator=self._generator(self.calls))
-        from concurrent.futures import ThreadPoolExecutor
-
         chunks = tensor.view(-1).split(self.CHUNK)
         draw, grad = self.calls, torch.is_grad_enabled()  # grad mode is per thread
 
@@ -204,6 +207,5 @@ class ParallelDraws:
             with torch.set_grad_enabled(grad):
                 original(chunks[index], *args, **kwargs, generator=self._generator(draw, index))
 
-        with ThreadPoolExecutor(min(self.workers, len(chunks))) as pool:
-            list(pool.map(fill, range(len(chunks))))
+        list(self.pool.map(fill, range(len(chunks))))
         return tensor
