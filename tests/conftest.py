@@ -28,7 +28,8 @@ def digits_dir(tmp_path_factory) -> Path:
 def demo_run(tmp_path_factory, digits_dir):
     """The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps on
     the session's digits, evaluated (zero-shot and retrieval) at step 20 and at the end (37 images per
-    forward), units kept gathered after forward, checkpointed at the end: (run directory, launch output)."""
+    forward), units kept gathered after forward, MFU against 1 TFLOP/s, checkpointed at the end: (run
+    directory, launch output)."""
     import sys
 
     from ranks import run_group
@@ -42,6 +43,7 @@ def demo_run(tmp_path_factory, digits_dir):
                             "retrieval": [{"path": str(digits_dir / "test"), "name": "digits"}],
                             "every_steps": 20, "batch_per_gpu": 37}),
         "fsdp.reshard_after_forward": "false",
+        "logging.peak_tflops": "1",  # MFU on the CPU too: from the FLOPs the last rank counts
         "launch.collective_timeout_s": "60",
     }
     command = [sys.executable, "-m", "fsdpclip", "launch", str(REPO / "examples" / "tiny-cpu.json")]

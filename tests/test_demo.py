@@ -18,4 +18,20 @@ def test_demo_job_learns_digits(demo_run):
     for key in ("samples_per_s", "samples_per_s_per_gpu", "data_wait_fraction", "peak_memory_gib", "lr",
                 "logit_scale", "samples_seen"):
         assert key in train[-1]
-    assert "time_to_first_step_s" in train[0]
+    # start-up: each phase ends after the one before it, the last with the first step
+    phases = train[0]["startup_s"]
+    assert list(phases) == ["process", "imports", "distributed", "initial_weights", "model", "ready",
+                            "first_batch", "first_step"]
+    assert list(phases.values()) == sorted(phases.values()) and phases["process"] >= 0
+    assert abs(phases["first_step"] - train[0]["time_to_first_step_s"]) < 0.05
+    assert "start-up, seconds since launch" in output and "startup_s" not in train[1]
+    # MFU from the FLOPs per sample the last rank counted and sent to rank 0
+    from fsdpclip.jobfile import load_job
+    from fsdpclip.metrics import training_flops_per_sample
+    from fsdpclip.model import model_config
+    from fsdpclip.trainable import frozen_meta_model
+
+    job = load_job(run_dir / "job.json")
+    flops = training_flops_per_sample(frozen_meta_model(model_config(job.model), job)[0])
+    for record in train:
+        assert abs(record["mfu"] - record["samples_per_s_per_gpu"] * flops / 1e12) <= 1e-9 * record["mfu"]
