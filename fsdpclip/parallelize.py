@@ -9,6 +9,8 @@ and the root last. The trainer, evaluation and the benchmarks all go through it.
 from __future__ import annotations
 
 import functools
+import logging
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -17,9 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpclip.attention import use_direct_attention
 from fsdpclip.model import SHARED_PARAMETERS, find_towers
+from fsdpclip.rundir import write_atomically
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units, whole_tower_wraps
 from fsdpclip.spec import FsdpSpec
 
+log = logging.getLogger("fsdpclip")
 
 def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
                 block_classes: Optional[dict[str, Optional[list[str]]]] = None) -> nn.Module:
@@ -92,6 +96,37 @@ def apply_compile(model: nn.Module, units: list[Unit]) -> None:
             module = model.get_submodule(name)
             eager, compiled = module.forward, torch.compile(module.forward, dynamic=False)
             module.forward = functools.partial(_train_compiled, module, eager, compiled)
+
+
+# torch.compile's caches live on the machine (TORCHINDUCTOR_CACHE_DIR, /tmp by default): a job requeued
+# on other nodes compiles again from nothing. Rank 0 keeps the artifacts of its first compiled step in the
+# run directory; every rank of a later launch loads them first. Only a cache: one that cannot be used
+# (another torch, a damaged file, a torch without these functions, < 2.7) is passed over.
+COMPILE_CACHE = "compile-cache.bin"
+
+
+def load_compile_cache(path: Path) -> int:
+    """Load compile artifacts saved by `save_compile_cache` into this process's caches; how many."""
+    if not path.is_file() or not hasattr(torch.compiler, "load_cache_artifacts"):
+        return 0
+    try:
+        info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001  (whatever a foreign or damaged cache raises)
+        log.warning("compile cache %s not used: %s", path, exc)
+        return 0
+    return sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
+
+
+def save_compile_cache(path: Path) -> int:
+    """Write the artifacts this process compiled so far to `path` (whole or not at all); how many."""
+    if not hasattr(torch.compiler, "save_cache_artifacts"):
+        return 0
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return 0
+    content, info = saved
+    write_atomically(path, content)
+    return sum(len(keys) for keys in info.artifacts.values())
 
 
 def _train_compiled(module: nn.Module, eager, compiled, *args, **kwargs):

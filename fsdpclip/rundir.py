@@ -43,12 +43,12 @@ LOCK_REFRESH_S = 30
 LOCK_STALE_S = 600
 
 
-def write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, content: str | bytes) -> None:
     """Write a whole file or nothing: readers never see half of it (also across nodes)."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(partial, "w") as f:
-        f.write(text)
+    with open(partial, "wb" if isinstance(content, bytes) else "w") as f:
+        f.write(content)
         f.flush()
         os.fsync(f.fileno())
     partial.replace(path)

@@ -43,7 +43,8 @@ from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_
 from fsdpclip.loss import backward_micro_batches, build_loss
 from fsdpclip.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 from fsdpclip.parallelize import (
-    average_replicated_gradients, materialize, parallelize, replicated_parameters, resolve_compile,
+    COMPILE_CACHE, average_replicated_gradients, load_compile_cache, materialize, parallelize, replicated_parameters,
+    resolve_compile, save_compile_cache,
 )
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
@@ -144,7 +145,13 @@ class Trainer:
             self.startup.mark("initial_weights")
         dist.broadcast_object_list(flops, src=counter)
         self.flops_per_sample = flops[0]
-        parallelize(model, self._resolve_compile(model, towers), self.mesh, job.model.block_classes)
+        fsdp = self._resolve_compile(model, towers)
+        self.compiled = bool(fsdp.compile)
+        if self.compiled:  # before anything is compiled: a requeue on other nodes starts warm
+            loaded = load_compile_cache(job.run_dir / COMPILE_CACHE)
+            if loaded and env.is_main:
+                log.info("compile cache: %d artifacts from %s", loaded, job.run_dir / COMPILE_CACHE)
+        parallelize(model, fsdp, self.mesh, job.model.block_classes)
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
 
@@ -300,6 +307,9 @@ class Trainer:
                     self.startup.mark("first_step")
                     metrics.announce(f"start-up, seconds since launch at the end of each phase (rank {env.rank}): "
                                      f"{self.startup.summary()}")
+                    if self.compiled and env.is_main:
+                        saved = save_compile_cache(job.run_dir / COMPILE_CACHE)
+                        log.info("compile cache: %d artifacts kept in %s", saved, job.run_dir / COMPILE_CACHE)
                 last = self.step == self.total_steps
                 if self.step % job.logging.every_steps == 0 or last:
                     record = self._log_record(window, window_loss, grad_norm)

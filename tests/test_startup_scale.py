@@ -1,8 +1,10 @@
-"""Per-rank set-up does no work that grows with the world size (fake process group, up to 1024)."""
+"""Start-up: per-rank set-up does no work that grows with the world size (fake process group, up to
+1024), and compile work carries over to a launch on another machine through the run directory."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,3 +29,41 @@ def test_setup_work_does_not_grow_with_world_size():
     # torch's own fully_shard chunks every parameter into world-size pieces (O(world × tensors));
     # measured here, documented in docs/performance.md, not asserted: it is upstream's to change.
     print({"fully_shard calls": (small["fully_shard"], large["fully_shard"])})
+
+
+# One compiled forward and backward on a fresh machine (its own TORCHINDUCTOR_CACHE_DIR), with the run
+# directory's compile cache loaded first ("load") or kept after the step ("save"), as the trainer does.
+COMPILED_STEP = """
+import json, sys
+from pathlib import Path
+import torch
+from torch._dynamo.utils import counters
+from fsdpclip.parallelize import load_compile_cache, save_compile_cache
+mode, path = sys.argv[1], Path(sys.argv[2])
+loaded = load_compile_cache(path) if mode == "load" else 0
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)))
+model(torch.randn(8, 16)).sum().backward()
+saved = save_compile_cache(path) if mode == "save" else 0
+print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
+    from fsdpclip.parallelize import COMPILE_CACHE, load_compile_cache
+
+    cache = tmp_path / COMPILE_CACHE
+
+    def step(mode: str, machine: str) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / machine)}
+        proc = subprocess.run([sys.executable, "-c", COMPILED_STEP, mode, str(cache)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = step("save", "first-machine")
+    assert first["misses"] >= 1 and first["hits"] == 0 and first["saved"] >= 2 and cache.is_file()
+    requeued = step("load", "second-machine")  # its own cache is empty: every graph comes from the file
+    assert requeued["loaded"] == first["saved"] and requeued["hits"] == first["misses"] and requeued["misses"] == 0
+    cache.write_bytes(b"not a compile cache")  # damaged: passed over, never fatal
+    assert load_compile_cache(cache) == 0 and load_compile_cache(tmp_path / "absent.bin") == 0
