@@ -203,6 +203,7 @@ def test_data_wait_is_what_the_step_waits_for(device):
     from types import SimpleNamespace
 
     from fsdpclip.metrics import Window
+    from fsdpclip.rundir import StartupClock
     from fsdpclip.train import Trainer
 
     def slow_batches():
@@ -212,7 +213,7 @@ def test_data_wait_is_what_the_step_waits_for(device):
 
     trainer = Trainer.__new__(Trainer)  # just its data path
     trainer.env, trainer.images, trainer.data_spans = SimpleNamespace(device=torch.device(device)), None, deque()
-    trainer.batch_iter = slow_batches()
+    trainer.batch_iter, trainer.startup = slow_batches(), StartupClock()
 
     def waited(window: Window) -> float:
         """The window's data wait once the device has passed every span (those not yet seen done too)."""
