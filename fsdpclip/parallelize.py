@@ -121,11 +121,15 @@ def save_compile_cache(path: Path) -> int:
     """Write the artifacts this process compiled so far to `path` (whole or not at all); how many."""
     if not hasattr(torch.compiler, "save_cache_artifacts"):
         return 0
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return 0
+        content, info = saved
+        write_atomically(path, content)
+    except Exception as exc:  # noqa: BLE001  (a cache never stops the run)
+        log.warning("compile cache not kept in %s: %s", path, exc)
         return 0
-    content, info = saved
-    write_atomically(path, content)
     return sum(len(keys) for keys in info.artifacts.values())
 
 
