@@ -97,7 +97,8 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
     launched = time.time()
     code = run([sys.executable, "-m", "fsdpclip", "launch", str(spec)], args.out / f"{name}.log", args.timeout)
     ended = time.time()
-    records = read_run(args.out / "runs" / name).records if (args.out / "runs" / name).exists() else []
+    records = read_run(args.out / "runs" / name).records if (args.out / "runs" / name / "metrics.jsonl").is_file() \
+        else []
     if len(records) < 2:
         return {"error": f"exit {code}; see {name}.log"}
     return {"samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
@@ -172,13 +173,13 @@ def main() -> None:
                      "workers": None if side == "synthetic" else args.workers, **sides[side]()})
         print(json.dumps(rows[-1]), flush=True)
     (args.out / "jpeg_data.json").write_text(json.dumps(rows, indent=2))
-    print("\n| side | samples/s/GPU | data wait | launch → first step |\n|---|---|---|---|")
+    print("\n| side | samples/s/GPU | data wait | launch → first step | exit |\n|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['side']} | {row['error']} | | |")
+            print(f"| {row['side']} | {row['error']} | | | |")
         else:
             print(f"| {row['side']} | {row['samples_per_s_per_gpu']:.0f} | {row['data_wait_fraction']:.1%} | "
-                  f"{row['time_to_first_step_s']:.1f} s |")
+                  f"{row['time_to_first_step_s']:.1f} s | {row.get('exit', '')} |")
 
 
 if __name__ == "__main__":

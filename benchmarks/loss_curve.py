@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--seeds", type=int, nargs=2, default=(0, 1))
     parser.add_argument("--repeat", action="store_true", help="also DDP with seed A a second time")
-    parser.add_argument("--compile", nargs="*", default=[], choices=["auto", "true"],
+    parser.add_argument("--compile", nargs="+", default=[], choices=["auto", "true"],
                         help="also fsdpclip with these fsdp.compile settings (eager is always run)")
     parser.add_argument("--out", help="where to write the curves (JSON)")
     parser.add_argument("--plot-only", help="redraw the plot of a saved JSON (no GPU)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -81,8 +82,11 @@ STARTUP_SIDES = (("eager", {"compile": False}, "startup-cache-eager"), ("default
 def startup(model: str, batch: int, gpus: int, args) -> list[dict]:
     """Launch → first step (validation, rendezvous, build, compile, first step) per STARTUP_SIDES."""
     results = []
+    for _, _, cache in STARTUP_SIDES:  # the cold side starts cold, also when --out is used again
+        shutil.rmtree(args.out / cache, ignore_errors=True)
     for index, (side, fsdp, cache) in enumerate(STARTUP_SIDES):
         name = f"startup-{model}-{gpus}-{index}"
+        shutil.rmtree(args.out / "runs" / name, ignore_errors=True)  # its compile-cache.bin and metrics too
         job = {"run": {"name": name, "output_dir": str(args.out / "runs")}, "model": {"name": model}, "fsdp": fsdp,
                "schedule": {"kind": "constant", "steps": 3}, "data": {"source": "synthetic"},
                "batch": {"per_gpu": batch}, "checkpoint": {"at_end": False}, "logging": {"every_steps": 1},

@@ -25,6 +25,7 @@ from fsdpclip.spec import FsdpSpec
 
 log = logging.getLogger("fsdpclip")
 
+
 def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
                 block_classes: Optional[dict[str, Optional[list[str]]]] = None) -> nn.Module:
     """Apply activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp` asks,
@@ -110,11 +111,10 @@ def load_compile_cache(path: Path) -> int:
     if not path.is_file() or not hasattr(torch.compiler, "load_cache_artifacts"):
         return 0
     try:
-        info = torch.compiler.load_cache_artifacts(path.read_bytes())
+        return _artifacts(torch.compiler.load_cache_artifacts(path.read_bytes()))
     except Exception as exc:  # noqa: BLE001  (whatever a foreign or damaged cache raises)
         log.warning("compile cache %s not used: %s", path, exc)
         return 0
-    return sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
 
 
 def save_compile_cache(path: Path) -> int:
@@ -127,10 +127,18 @@ def save_compile_cache(path: Path) -> int:
             return 0
         content, info = saved
         write_atomically(path, content)
+        return _artifacts(info)
     except Exception as exc:  # noqa: BLE001  (a cache never stops the run)
         log.warning("compile cache not kept in %s: %s", path, exc)
         return 0
-    return sum(len(keys) for keys in info.artifacts.values())
+
+
+def _artifacts(info) -> int:
+    """How many artifacts a torch.compiler CacheInfo lists (torch 2.7: one list per kind; 2.8 on: a dict)."""
+    if info is None:
+        return 0
+    lists = getattr(info, "artifacts", None) or {k: v for k, v in vars(info).items() if k.endswith("_artifacts")}
+    return sum(len(keys) for keys in lists.values())
 
 
 def _train_compiled(module: nn.Module, eager, compiled, *args, **kwargs):

@@ -11,6 +11,7 @@ job's, and how each launch ended.
     logs/          Slurm's and each node's output; a report from each rank that crashed
     wandb-id       the Weights & Biases run this run logs to (a relaunch continues it)
     wandb/         that W&B run's local files (unless WANDB_DIR puts them elsewhere)
+    compile-cache.bin  torch.compile's artifacts of the first compiled step, loaded by later launches
     imported.json  the open_clip_train checkpoint the run continues, and what the spec changes (`fsdpclip import`)
 
 Pure file handling, no torch: the launcher imports it before any rank starts.
@@ -47,11 +48,15 @@ def write_atomically(path: Path, content: str | bytes) -> None:
     """Write a whole file or nothing: readers never see half of it (also across nodes)."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(partial, "wb" if isinstance(content, bytes) else "w") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(path)
+    try:
+        with open(partial, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def launch_time() -> float:
@@ -60,13 +65,16 @@ def launch_time() -> float:
 
 
 def _process_start() -> float:
-    """When this process started (Linux: from /proc, so before its imports), else now."""
+    """When this process started (Linux: from /proc, so before its imports), else now (also when /proc
+    disagrees with itself, as a container's own /proc/uptime beside the host's start times does)."""
+    now = time.time()
     try:
         started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: clock ticks
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + started / os.sysconf("SC_CLK_TCK")
+        began = now - uptime + started / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return time.time()
+        return now
+    return began if now - 600 <= began <= now else now
 
 
 _PROCESS_START = _process_start()
@@ -74,7 +82,8 @@ _PROCESS_START = _process_start()
 
 class StartupClock:
     """Seconds from the launch to the end of each start-up phase on this rank, in order: what the first
-    metrics record reports as `startup_s` (with `fsdpclip launch`, "process" includes its validation)."""
+    metrics record reports as `startup_s` ("process": this rank's process started; from `fsdpclip
+    launch`, whose validation comes before its launch time, that is torchrun's start-up)."""
 
     def __init__(self):
         self.phases = {"process": round(_PROCESS_START - launch_time(), 2)}
@@ -85,6 +94,7 @@ class StartupClock:
             self.phases[phase] = round(time.time() - launch_time(), 2)
 
     def summary(self) -> str:
+        """The phases on one line."""
         return ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.phases.items())
 
 

@@ -135,15 +135,15 @@ class Trainer:
         self.mesh = shard_mesh(env, self.shard_degree)
         if env.is_main:
             log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
-        counter = env.world_size - 1
-        flops = [training_flops_per_sample(model) if env.rank == counter else None]
+        flops_rank = env.world_size - 1
+        flops = [training_flops_per_sample(model) if env.rank == flops_rank else None]
         source = None
         if env.is_main:
             began = time.perf_counter()
             source = initial_model(job.model, job.run.seed)
             log.info("initial weights (model.init %r) in %.1f s", job.model.init, time.perf_counter() - began)
             self.startup.mark("initial_weights")
-        dist.broadcast_object_list(flops, src=counter)
+        dist.broadcast_object_list(flops, src=flops_rank)
         self.flops_per_sample = flops[0]
         fsdp = self._resolve_compile(model, towers)
         self.compiled = bool(fsdp.compile)
@@ -309,7 +309,8 @@ class Trainer:
                                      f"{self.startup.summary()}")
                     if self.compiled and env.is_main:
                         saved = save_compile_cache(job.run_dir / COMPILE_CACHE)
-                        log.info("compile cache: %d artifacts kept in %s", saved, job.run_dir / COMPILE_CACHE)
+                        if saved:
+                            log.info("compile cache: %d artifacts kept in %s", saved, job.run_dir / COMPILE_CACHE)
                 last = self.step == self.total_steps
                 if self.step % job.logging.every_steps == 0 or last:
                     record = self._log_record(window, window_loss, grad_norm)

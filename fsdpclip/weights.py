@@ -140,8 +140,8 @@ class ParallelDraws:
     minutes). Inside, every random fill or creation called without a generator (`Tensor.normal_`,
     `uniform_`, ... as nn.init, timm and Hugging Face call them; `torch.randn`, ...) gets its own,
     seeded from (seed, call number); a fill of a large contiguous tensor is split into chunks of
-    CHUNK values with a generator each, drawn on `workers` threads. The numbers depend on the seed
-    and the model's calls only, not on the core count, thread timing or machine. The methods are
+    CHUNK values with a generator each, drawn on `workers` threads. The numbers depend on the seed,
+    the model's calls and CHUNK only, not on the core count, thread timing or machine. The methods are
     swapped on torch.Tensor and torch for the duration (one thread builds the model meanwhile).
     """
 
