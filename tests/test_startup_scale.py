@@ -50,7 +50,14 @@ print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]
 
 
 def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
+    import shutil
+
+    import pytest
+
     from fsdpclip.parallelize import COMPILE_CACHE, load_compile_cache
+
+    if shutil.which("c++") is None:  # inductor compiles CPU kernels with it
+        pytest.skip("needs a C++ compiler for torch.compile on the CPU")
 
     cache = tmp_path / COMPILE_CACHE
 
