@@ -74,3 +74,10 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
     assert requeued["loaded"] == first["saved"] and requeued["hits"] == first["misses"] and requeued["misses"] == 0
     cache.write_bytes(b"not a compile cache")  # damaged: passed over, never fatal
     assert load_compile_cache(cache) == 0 and load_compile_cache(tmp_path / "absent.bin") == 0
+    # torch 2.7's CacheInfo lists each kind in its own field (2.8 on: one dict, as above)
+    from types import SimpleNamespace
+
+    from fsdpclip.parallelize import _artifacts
+
+    assert _artifacts(SimpleNamespace(inductor_artifacts=["a", "b"], autotune_artifacts=[],
+                                      aot_autograd_artifacts=["c"], pgo_artifacts=[])) == 3
