@@ -63,10 +63,32 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
             torch.cuda.synchronize()
         if env.is_main:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+            print(device_time_by_kind(prof, steps=3))
     del trainer
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+# Kernel names -> kind, first match wins (cuBLAS/CUTLASS GEMMs, flash/efficient attention, NCCL, Triton fusions).
+KERNEL_KINDS = (("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")), ("attention", ("flash", "fmha", "attention")),
+                ("collectives", ("nccl",)), ("compiled (triton)", ("triton_",)),
+                ("optimizer", ("multi_tensor", "adam", "foreach")), ("copies", ("memcpy", "memset", "copy")))
+
+
+def device_time_by_kind(prof, steps: int) -> str:
+    """Where the device's time goes per step: kernels grouped by KERNEL_KINDS (the rest: 'other'), ms and %."""
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if getattr(event, "device_type", None) is None or str(event.device_type).endswith("CPU"):
+            continue
+        time_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        name = event.key.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+        totals[kind] = totals.get(kind, 0.0) + time_us
+    whole = sum(totals.values()) or 1.0
+    return "device time per step: " + ", ".join(f"{k} {v / steps / 1e3:.1f} ms ({v / whole:.0%})"
+                                                for k, v in sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
