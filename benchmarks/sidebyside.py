@@ -76,19 +76,20 @@ KERNEL_KINDS = (("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")),
                 ("optimizer", ("multi_tensor", "adam", "foreach")), ("copies", ("memcpy", "memset", "copy")))
 
 
-def device_time_by_kind(prof, steps: int) -> str:
-    """Where the device's time goes per step: kernels grouped by KERNEL_KINDS (the rest: 'other'), ms and %."""
+def device_time_by_kind(prof, steps: int, top: int = 15) -> str:
+    """Where the device's time goes per step: kernels grouped by KERNEL_KINDS (the rest: 'other'), ms and %,
+    then the `top` kernels."""
+    kernels = sorted(((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0), e.key)
+                      for e in prof.key_averages() if str(getattr(e, "device_type", "CPU")).endswith("CUDA")),
+                     reverse=True)
     totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        if getattr(event, "device_type", None) is None or str(event.device_type).endswith("CPU"):
-            continue
-        time_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        name = event.key.lower()
-        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+    for time_us, name in kernels:
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name.lower() for w in words)), "other")
         totals[kind] = totals.get(kind, 0.0) + time_us
     whole = sum(totals.values()) or 1.0
     return "device time per step: " + ", ".join(f"{k} {v / steps / 1e3:.1f} ms ({v / whole:.0%})"
-                                                for k, v in sorted(totals.items(), key=lambda kv: -kv[1]))
+                                                for k, v in sorted(totals.items(), key=lambda kv: -kv[1])) + \
+        "".join(f"\n  {t / steps / 1e3:7.2f} ms  {name[:110]}" for t, name in kernels[:top] if t)
 
 
 def main() -> None:
