@@ -80,7 +80,8 @@ def device_time_by_kind(prof, steps: int, top: int = 15) -> str:
     """Where the device's time goes per step: kernels grouped by KERNEL_KINDS (the rest: 'other'), ms and %,
     then the `top` kernels."""
     kernels = sorted(((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0), e.key)
-                      for e in prof.key_averages() if str(getattr(e, "device_type", "CPU")).endswith("CUDA")),
+                      for e in prof.key_averages() if str(getattr(e, "device_type", "CPU")).endswith("CUDA")
+                      and not getattr(e, "is_user_annotation", False)),  # FSDP's ranges: spans, not kernels
                      reverse=True)
     totals: dict[str, float] = {}
     for time_us, name in kernels:
