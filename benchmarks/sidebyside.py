@@ -108,10 +108,30 @@ def main() -> None:
     args = parser.parse_args()
     env = init_distributed("cuda", timeout_s=180)
     peak = args.peak_tflops or matmul_peak_tflops()
+    flops = training_flops_per_sample(build_model(ModelSpec(name=args.model)))
     rows = []
+
+    def report(row: dict) -> None:
+        """Keep one side's row (written at once: a run stopped at its time limit keeps the sides it finished)."""
+        rows.append(row)
+        if not env.is_main:
+            return
+        rate = row.get("samples_per_s_per_gpu")
+        mfu = rate * flops / (peak * 1e12) if rate else None
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"model": args.model, "batch_per_gpu": args.batch, "gpus": env.world_size,
+                                "flops_per_sample": flops, "peak_tflops": peak, "mfu": mfu, **row}) + "\n")
+        base = rows[0]
+        ratio = f"{rate / base['samples_per_s_per_gpu']:.2f}× {base['variant']}" \
+            if rate and base.get("samples_per_s_per_gpu") else ""
+        share = f"{mfu:.1%} MFU" if mfu else ""
+        print(f"{args.model} bs{args.batch} {row['variant']:<28} {rate or 0:8.1f} /s/GPU {share:>10} "
+              f"{row.get('peak_memory_gib', 0):6.1f} GiB build {row.get('build_s', 0):5.1f} s {ratio} "
+              f"{row.get('error', '')}", flush=True)
+
     for kind in [k for k in args.ddp.split(",") if k != "none"]:
-        rows.append({"variant": f"DDP {kind}", **ddp_rate(args.model, args.batch, args.warmup, args.steps,
-                                                           compile_model=kind == "compile")})
+        report({"variant": f"DDP {kind}", **ddp_rate(args.model, args.batch, args.warmup, args.steps,
+                                                     compile_model=kind == "compile")})
         gc.collect()
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as run_root:
@@ -121,23 +141,7 @@ def main() -> None:
                                       profile=name == args.profile)
             except Exception as exc:  # one broken variant must not hide the others
                 result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rows.append({"variant": name, "fsdp": fsdp, **result})
-    if env.is_main:
-        flops = training_flops_per_sample(build_model(ModelSpec(name=args.model)))
-        with open(args.out, "a") as f:
-            for row in rows:
-                rate = row.get("samples_per_s_per_gpu")
-                mfu = rate * flops / (peak * 1e12) if rate else None
-                f.write(json.dumps({"model": args.model, "batch_per_gpu": args.batch, "gpus": env.world_size,
-                                    "flops_per_sample": flops, "peak_tflops": peak, "mfu": mfu, **row}) + "\n")
-        base = rows[0].get("samples_per_s_per_gpu")
-        for row in rows:
-            rate = row.get("samples_per_s_per_gpu")
-            ratio = f"{rate / base:.2f}× DDP" if rate and base else ""
-            mfu = f"{rate * flops / (peak * 1e12):.1%} MFU" if rate else ""
-            print(f"{args.model} bs{args.batch} {row['variant']:<28} {rate or 0:8.1f} /s/GPU {mfu:>10} "
-                  f"{row.get('peak_memory_gib', 0):6.1f} GiB build {row.get('build_s', 0):5.1f} s {ratio} "
-                  f"{row.get('error', '')}", flush=True)
+            report({"variant": name, "fsdp": fsdp, **result})
     dist.destroy_process_group()
 
 

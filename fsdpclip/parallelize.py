@@ -70,8 +70,8 @@ def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type:
     """`fsdp` with its 'auto' `compile` and `reshard_after_forward` decided (`parallelize` compiles
     only on True; an undecided 'auto' reshards). Compile is off unless on CUDA with OpenCLIP's blocks
     (COMPILE_AUTO_BLOCKS). Blocks whose forward over a micro batch (`block_forward_flops`) is at least
-    COMPILE_MIN_BLOCK_TFLOP are compiled one by one. Smaller, host-bound ones are compiled whole where
-    each tower fits one unit: the tower's block container becomes the unit, compiled as one graph,
+    COMPILE_MIN_BLOCK_TFLOP are compiled one by one. Smaller ones are compiled whole where each tower
+    is small enough (shard.whole_tower_wraps): the tower's block container becomes the unit, one graph,
     and stays gathered after forward unless the spec says `reshard_after_forward: true` (ViT-B-32 on
     2×H200: 1.04x and 1.01x compiled DDP in two runs, eager blocks 0.87x and 0.92x; docs/performance.md)."""
     update = {"reshard_after_forward": fsdp.reshards}

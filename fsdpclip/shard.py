@@ -21,6 +21,10 @@ from fsdpclip.spec import TOWERS, FsdpSpec
 # fastest units were whole towers for ViT-B-32/ViT-L-14 and ~400M parameters for ViT-bigG-14
 # (docs/performance.md); two gathered units of that size in bf16 take ~2 GiB.
 AUTO_UNIT_PARAMETERS = 400_000_000
+# Towers up to this size can be one unit compiled whole (compile 'auto' for small blocks): kept gathered after
+# forward, a tower costs 2 bytes per parameter more. ViT-H-14's 632M-parameter image tower, whole, ran 173 ms
+# of device time per step at 64/GPU on 1×H200 against 193 ms eager (docs/performance.md, change 16).
+WHOLE_TOWER_MAX_PARAMETERS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -105,22 +109,23 @@ def plan_units(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> li
 
 def whole_tower_wraps(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> Optional[dict[str, list[str]]]:
     """The wrap classes that make each tower's block container (the module holding exactly its
-    blocks, OpenCLIP's `Transformer`) one unit, where `fsdp`'s defaults (no wrap classes, 'auto'
-    unit size, no activation checkpointing or offload) already put each tower's blocks into one
-    unit; None otherwise. Such a unit can be compiled whole: FSDP's hooks stay outside it."""
+    blocks, OpenCLIP's `Transformer`) one unit, where `fsdp` has its defaults (no wrap classes, 'auto'
+    unit size, no activation checkpointing or offload) and every tower's blocks hold at most
+    WHOLE_TOWER_MAX_PARAMETERS; None otherwise. Such a unit can be compiled whole: FSDP's hooks stay
+    outside it."""
     if (fsdp.wrap.image is not None or fsdp.wrap.text is not None or fsdp.unit_size != "auto" or fsdp.cpu_offload
             or fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text):
         return None
     wraps = {}
     for name, tower in towers.items():
         blocks = tower.blocks
-        if not blocks or blocks[0].count(".") < 2 or blocks_per_unit(model, blocks[0], "auto") < len(blocks):
+        if not blocks or blocks[0].count(".") < 2:
             return None
         container = blocks[0].rsplit(".", 2)[0]
         module = model.get_submodule(container)
         cls = type(module).__name__
         in_blocks = sum(p.numel() for block in blocks for p in model.get_submodule(block).parameters())
-        if (not all(block.startswith(container + ".") for block in blocks)
+        if (in_blocks > WHOLE_TOWER_MAX_PARAMETERS or not all(block.startswith(container + ".") for block in blocks)
                 or sum(p.numel() for p in module.parameters()) != in_blocks
                 or instances(model.named_modules(), name, [cls]) != [container]):
             return None

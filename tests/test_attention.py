@@ -63,8 +63,9 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):
     """compile 'auto': per block for large OpenCLIP blocks, whole towers (their `Transformer` as the
-    unit, kept gathered unless the spec says otherwise) for small ones that fit a unit, off for
-    towers too large for one unit, on CPU and for other libraries' blocks; what the spec sets stays.
+    unit, kept gathered unless the spec says otherwise) for small ones in towers up to
+    WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too), off for larger towers, other unit plans, on CPU and
+    for other libraries' blocks; what the spec sets stays.
     Then a compiled unit module trains compiled and evaluates eager."""
     from fsdpclip.model import build_model, find_towers
     from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_compile
@@ -74,8 +75,10 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     large, small = 2 * COMPILE_MIN_BLOCK_TFLOP * 1e12, COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
     b32 = build_model(ModelSpec(name="ViT-B-32"))
     b32_towers = find_towers(b32)
-    h14 = build_model(ModelSpec(name="ViT-H-14"))  # its image tower needs two ~400M units
+    h14 = build_model(ModelSpec(name="ViT-H-14"))  # a 632M-parameter image tower: whole
     h14_towers = find_towers(h14)
+    big_g = build_model(ModelSpec(name="ViT-bigG-14"))  # 1.8B: too large for one unit
+    big_g_towers = find_towers(big_g)
 
     def resolved(fsdp=FsdpSpec(), device="cuda", flops=small, model=b32, towers=b32_towers):
         return resolve_compile(fsdp, model, towers, device, flops)
@@ -88,10 +91,13 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     units = plan_units(b32, b32_towers, whole)
     assert [u.modules for u in units] == [("visual.transformer",), ("transformer",), ("",)]
     assert resolved(FsdpSpec(reshard_after_forward=True)).reshard_after_forward is True
+    h14_whole = resolved(model=h14, towers=h14_towers)
+    assert [u.modules for u in plan_units(h14, h14_towers, h14_whole)] == \
+        [("visual.transformer",), ("transformer",), ("",)]
     for fsdp, device, model, towers in [(FsdpSpec(), "cpu", b32, b32_towers),
                                         (FsdpSpec(unit_size=2), "cuda", b32, b32_towers),
                                         (FsdpSpec(activation_checkpointing={"image": True}), "cuda", b32, b32_towers),
-                                        (FsdpSpec(), "cuda", h14, h14_towers)]:
+                                        (FsdpSpec(), "cuda", big_g, big_g_towers)]:
         off = resolved(fsdp, device, model=model, towers=towers)
         assert (off.compile, off.wrap, off.reshard_after_forward) == (False, fsdp.wrap, True)
     assert resolved(FsdpSpec(compile=True), "cpu").compile is True
