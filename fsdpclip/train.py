@@ -462,6 +462,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Train from a job file on this rank (torchrun sets RANK, WORLD_SIZE and the rendezvous)."""
     startup = StartupClock()
     startup.mark("imports")
+    import_in_background("open_clip")
     import argparse
 
     from fsdpclip.problems import SpecError
@@ -501,6 +502,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def import_in_background(module: str) -> None:
+    """Start importing `module` on a thread. OpenCLIP's import (torchvision, timm, transformers: ~4 s on
+    the GPU hosts) then overlaps reading the spec and forming the process group, whose rendezvous and
+    NCCL set-up leave the interpreter free; the main thread's first import of it waits for the thread's.
+    Only modules that the main thread imports from functions, never while importing a module of its
+    own, so the two threads' import locks cannot deadlock. A failure is left to the main thread's import
+    to report."""
+    import importlib
+    import threading
+
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+
+    threading.Thread(target=load, name=f"import {module}", daemon=True).start()
 
 
 @contextlib.contextmanager
