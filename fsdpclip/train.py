@@ -504,13 +504,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.destroy_process_group()
 
 
-def import_in_background(module: str) -> None:
+def import_in_background(module: str):
     """Start importing `module` on a thread. OpenCLIP's import (torchvision, timm, transformers: ~4 s on
     the GPU hosts) then overlaps reading the spec and forming the process group, whose rendezvous and
     NCCL set-up leave the interpreter free; the main thread's first import of it waits for the thread's.
     Only modules that the main thread imports from functions, never while importing a module of its
     own, so the two threads' import locks cannot deadlock. A failure is left to the main thread's import
-    to report."""
+    to report. Returns the thread."""
     import importlib
     import threading
 
@@ -518,7 +518,9 @@ def import_in_background(module: str) -> None:
         with contextlib.suppress(Exception):
             importlib.import_module(module)
 
-    threading.Thread(target=load, name=f"import {module}", daemon=True).start()
+    thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager

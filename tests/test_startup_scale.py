@@ -81,3 +81,30 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
 
     assert _artifacts(SimpleNamespace(inductor_artifacts=["a", "b"], autotune_artifacts=[],
                                       aot_autograd_artifacts=["c"], pgo_artifacts=[])) == 3
+
+
+def test_import_in_background(tmp_path, monkeypatch, capsys):
+    """OpenCLIP's import overlaps the process group's set-up: the module is imported on its own thread,
+    the main thread's import then finds it; a module that fails to import says nothing there and fails
+    at the main thread's import, with its own error."""
+    import threading
+
+    from fsdpclip.train import import_in_background
+
+    (tmp_path / "slow_module.py").write_text("import threading\nimported_on = threading.current_thread().name\n")
+    (tmp_path / "broken_module.py").write_text("raise ImportError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("slow_module", "broken_module"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import_in_background("slow_module").join(timeout=30)
+    import slow_module
+
+    assert slow_module.imported_on == "import slow_module" != threading.current_thread().name
+    import_in_background("broken_module").join(timeout=30)
+    assert "broken_module" not in sys.modules and "Traceback" not in capsys.readouterr().err
+    try:
+        import broken_module  # noqa: F401
+    except ImportError as exc:
+        assert "broken on purpose" in str(exc)
+    else:
+        raise AssertionError("the broken module imported")
