@@ -58,6 +58,7 @@ def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
 # pays only where a block's forward keeps the GPU busy for longer. Measured on H200 (docs/performance.md,
 # change 11; single runs): TFLOP per block forward over a micro batch -> compiled vs eager: ViT-B-32 at 256/GPU
 # 0.16 -> 0.90x, ViT-H-14 at 64/GPU 0.44 -> 0.77x, ViT-L-14 at 128/GPU 0.62 -> 1.10x (1.18x in an earlier run).
+# Whole towers compiled as one graph beat both where a tower is small enough (change 16).
 COMPILE_MIN_BLOCK_TFLOP = 0.5
 # The blocks that rule was measured on: OpenCLIP's own. Other towers' blocks (timm, Hugging Face) stay eager
 # under 'auto' until measured beside eager: the one compiled run of such towers (the 10B example, EVA02-E-14
@@ -66,20 +67,21 @@ COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttent
 
 
 def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
-                    block_forward_flops: float) -> FsdpSpec:
+                    block_forward_flops: float = 0.0) -> FsdpSpec:
     """`fsdp` with its 'auto' `compile` and `reshard_after_forward` decided (`parallelize` compiles
     only on True; an undecided 'auto' reshards). Compile is off unless on CUDA with OpenCLIP's blocks
-    (COMPILE_AUTO_BLOCKS). Blocks whose forward over a micro batch (`block_forward_flops`) is at least
-    COMPILE_MIN_BLOCK_TFLOP are compiled one by one. Smaller ones are compiled whole where each tower
-    is small enough (shard.whole_tower_wraps): the tower's block container becomes the unit, one graph,
-    and stays gathered after forward unless the spec says `reshard_after_forward: true` (ViT-B-32 on
-    2×H200: 1.04x and 1.01x compiled DDP in two runs, eager blocks 0.87x and 0.92x; docs/performance.md)."""
+    (COMPILE_AUTO_BLOCKS). Where every tower is small enough (shard.whole_tower_wraps), each tower's
+    block container becomes the unit, compiled as one graph and kept gathered after forward unless the
+    spec says `reshard_after_forward: true` (1×H200, one run each: ViT-H-14 1.35x eager, ViT-L-14 1.04x
+    per-block compile; ViT-B-32 on 2×H200 1.04x and 1.01x compiled DDP; docs/performance.md). Larger
+    towers compile block by block where a block's forward over a micro batch (`block_forward_flops`)
+    is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's units, so the unit plan
+    (what the memory estimate needs) does not depend on `block_forward_flops`."""
     update = {"reshard_after_forward": fsdp.reshards}
     if fsdp.compile == "auto":
         ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
-        large = block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12
-        wraps = whole_tower_wraps(model, towers, fsdp) if ours and not large else None
-        update["compile"] = ours and (large or wraps is not None)
+        wraps = whole_tower_wraps(model, towers, fsdp) if ours else None
+        update["compile"] = ours and (wraps is not None or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
         if wraps is not None:
             update["wrap"] = fsdp.wrap.model_copy(update=wraps)
             update["reshard_after_forward"] = fsdp.reshard_after_forward is True

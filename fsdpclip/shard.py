@@ -21,9 +21,10 @@ from fsdpclip.spec import TOWERS, FsdpSpec
 # fastest units were whole towers for ViT-B-32/ViT-L-14 and ~400M parameters for ViT-bigG-14
 # (docs/performance.md); two gathered units of that size in bf16 take ~2 GiB.
 AUTO_UNIT_PARAMETERS = 400_000_000
-# Towers up to this size can be one unit compiled whole (compile 'auto' for small blocks): kept gathered after
-# forward, a tower costs 2 bytes per parameter more. ViT-H-14's 632M-parameter image tower, whole, ran 173 ms
-# of device time per step at 64/GPU on 1×H200 against 193 ms eager (docs/performance.md, change 16).
+# Towers up to this size are one unit compiled whole under compile 'auto': kept gathered after forward, a
+# tower costs 2 bytes per parameter more. 1×H200, one run each (docs/performance.md, change 16): ViT-H-14
+# (632M-parameter image tower) at 64/GPU 352 samples/s against 262 eager, ViT-L-14 at 128/GPU 789 against
+# 756 with each block compiled. Larger towers (ViT-bigG-14's 1.8B) keep their ~400M units.
 WHOLE_TOWER_MAX_PARAMETERS = 1_000_000_000
 
 

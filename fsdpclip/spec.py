@@ -228,10 +228,10 @@ class FsdpSpec(Section):
     compile: Union[bool, Literal["auto"]] = Field(
         "auto", description="torch.compile each module of the FSDP units (static shapes) before sharding; evaluation "
                             "stays eager. 'auto' (CUDA, OpenCLIP's own blocks; off on CPU and for timm/Hugging Face "
-                            "towers): each block where one block's forward over a micro batch is at least 0.5 TFLOP; "
-                            "below that, where each tower's blocks hold at most 1B parameters (default wrap and unit size, no "
+                            "towers): where each tower's blocks hold at most 1B parameters (default wrap and unit size, no "
                             "activation checkpointing or offload), the tower's block container as one unit and one "
-                            "graph; otherwise off (docs/performance.md).")
+                            "graph; in larger towers each block where one block's forward over a micro batch is at "
+                            "least 0.5 TFLOP; otherwise off (docs/performance.md).")
     direct_attention: bool = Field(
         True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")

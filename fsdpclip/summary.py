@@ -54,7 +54,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["mesh"] = {"shard_degree": degree, "replicas": world // degree, "auto": job.fsdp.shard_degree == "auto",
                        "decided_at_start": job.fsdp.shard_degree == "auto" and job.launch.gpu_memory_gib is None
                        and job.launch.device == "cuda" and world > report.gpus_per_node,
-                       "traffic_gib_per_step": traffic(job, memory.units, world, degree).as_gib()}
+                       "traffic_gib_per_step": traffic(memory.job, memory.units, world, degree).as_gib()}
     summary["memory_gib"] = estimate.as_gib()
     report.summary = summary
     _check_memory(job, estimate, report)

@@ -62,10 +62,10 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
 
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):
-    """compile 'auto': per block for large OpenCLIP blocks, whole towers (their `Transformer` as the
-    unit, kept gathered unless the spec says otherwise) for small ones in towers up to
-    WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too), off for larger towers, other unit plans, on CPU and
-    for other libraries' blocks; what the spec sets stays.
+    """compile 'auto': whole towers (their `Transformer` as the unit, kept gathered unless the spec says
+    otherwise) for OpenCLIP towers up to WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too); in larger towers
+    per block for large blocks, off for small ones; off for other unit plans, on CPU and for other
+    libraries' blocks; what the spec sets stays.
     Then a compiled unit module trains compiled and evaluates eager."""
     from fsdpclip.model import build_model, find_towers
     from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_compile
@@ -83,11 +83,12 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     def resolved(fsdp=FsdpSpec(), device="cuda", flops=small, model=b32, towers=b32_towers):
         return resolve_compile(fsdp, model, towers, device, flops)
 
-    per_block = resolved(flops=large)
+    per_block = resolved(flops=large, model=big_g, towers=big_g_towers)
     assert (per_block.compile, per_block.wrap.image, per_block.reshard_after_forward) == (True, None, True)
-    whole = resolved()
-    assert (whole.compile, whole.wrap.image, whole.wrap.text, whole.reshard_after_forward) == \
-        (True, ["Transformer"], ["Transformer"], False)
+    for flops in (small, large):  # towers this small are compiled whole, whatever their blocks' work
+        whole = resolved(flops=flops)
+        assert (whole.compile, whole.wrap.image, whole.wrap.text, whole.reshard_after_forward) == \
+            (True, ["Transformer"], ["Transformer"], False)
     units = plan_units(b32, b32_towers, whole)
     assert [u.modules for u in units] == [("visual.transformer",), ("transformer",), ("",)]
     assert resolved(FsdpSpec(reshard_after_forward=True)).reshard_after_forward is True

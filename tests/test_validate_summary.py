@@ -21,13 +21,21 @@ def test_vit_b_32_counts(cli, tmp_path):
     summary = out["summary"]
     assert summary["parameters"] == {"parameters": 151_277_313, "trainable": 151_277_313, "frozen": 0}
     assert summary["towers"]["image"]["blocks"] == 12 and summary["towers"]["text"]["blocks"] == 12
+    # On CUDA, compile 'auto' makes each tower's block container one unit, compiled whole, as the trainer
+    # will: the estimate counts the units the run builds.
     units = {(u["tower"], u["class"]): u for u in summary["fsdp_units"]}
-    # 'auto' units hold up to ~400M parameters: all 12 blocks (7,087,872 each) of a tower in one
+    assert units[("image", "Transformer")]["count"] == 1 and units[("image", "Transformer")]["modules_each"] == 1
+    assert units[("image", "Transformer")]["parameters_each"] == 12 * 7_087_872
+    total = sum(u["count"] * u["parameters_each"] for u in summary["fsdp_units"])
+    assert total == 151_277_313
+    # Without compile, 'auto' units hold up to ~400M parameters: all 12 blocks (7,087,872 each) of a tower in one
+    code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32", fsdp={"compile": False})), "--world-size", "8")
+    units = {(u["tower"], u["class"]): u for u in out["summary"]["fsdp_units"]}
     assert units[("image", "ResidualAttentionBlock")]["count"] == 1
     assert units[("image", "ResidualAttentionBlock")]["modules_each"] == 12
     assert units[("image", "ResidualAttentionBlock")]["parameters_each"] == 12 * 7_087_872
-    total = sum(u["count"] * u["parameters_each"] for u in summary["fsdp_units"])
-    assert total == 151_277_313
+    assert out["summary"]["mesh"]["traffic_gib_per_step"]["all_gather"] > \
+        summary["mesh"]["traffic_gib_per_step"]["all_gather"]  # resharded blocks gather again in backward
     assert summary["batch"]["global"] == 256
 
 
