@@ -10,7 +10,7 @@ open_clip_train's weight-decay split and cosine schedule, ClipLoss with local lo
 gradients) with seed A, again with seed A (the spread of one seed: nondeterministic kernels), and
 with seed B (the spread between seeds); fsdpclip's trainer (bf16 parameters, fp32 reduction) with
 seed A; with --compile also fsdpclip with each fsdp.compile given ('auto', the default: whole towers
-compiled for small blocks on CUDA; 'true': every block). A seed fixes the initial weights (OpenCLIP's
+compiled on CUDA where each tower holds ≤ 1B parameters; 'true': every block). A seed fixes the initial weights (OpenCLIP's
 CPU init) and the batches. Rank 0 writes every run's per-step losses and a summary of the differences.
 """
 

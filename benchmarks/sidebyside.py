@@ -58,20 +58,21 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
     if profile:
         from torch.profiler import ProfilerActivity
         with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
+            for _ in range(PROFILED_STEPS):
                 trainer.train_step(window)
             torch.cuda.synchronize()
         if env.is_main:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
-            print(device_time_by_kind(prof, steps=3))
+            print(device_time_by_kind(prof, steps=PROFILED_STEPS))
     del trainer
     gc.collect()
     torch.cuda.empty_cache()
     return result
 
 
-# Kernel names -> kind, first match wins (cuBLAS/CUTLASS GEMMs, flash/efficient attention, NCCL, Triton fusions).
-KERNEL_KINDS = (("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")), ("attention", ("flash", "fmha", "attention")),
+PROFILED_STEPS = 3
+# Kernel names -> kind, first match wins (attention before matmul: efficient attention's kernels are CUTLASS's).
+KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")),
                 ("collectives", ("nccl",)), ("compiled (triton)", ("triton_",)),
                 ("optimizer", ("multi_tensor", "adam", "foreach")), ("copies", ("memcpy", "memset", "copy")))
 

@@ -67,7 +67,7 @@ COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttent
 
 
 def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
-                    block_forward_flops: float = 0.0) -> FsdpSpec:
+                    block_forward_flops: Optional[float] = None) -> FsdpSpec:
     """`fsdp` with its 'auto' `compile` and `reshard_after_forward` decided (`parallelize` compiles
     only on True; an undecided 'auto' reshards). Compile is off unless on CUDA with OpenCLIP's blocks
     (COMPILE_AUTO_BLOCKS). Where every tower is small enough (shard.whole_tower_wraps), each tower's
@@ -75,13 +75,15 @@ def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type:
     spec says `reshard_after_forward: true` (1×H200, one run each: ViT-H-14 1.35x eager, ViT-L-14 1.04x
     per-block compile; ViT-B-32 on 2×H200 1.04x and 1.01x compiled DDP; docs/performance.md). Larger
     towers compile block by block where a block's forward over a micro batch (`block_forward_flops`)
-    is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's units, so the unit plan
-    (what the memory estimate needs) does not depend on `block_forward_flops`."""
+    is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's units. Without
+    `block_forward_flops` only the units are decided (what the memory estimate needs): compile stays
+    'auto' there."""
     update = {"reshard_after_forward": fsdp.reshards}
     if fsdp.compile == "auto":
         ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
         wraps = whole_tower_wraps(model, towers, fsdp) if ours else None
-        update["compile"] = ours and (wraps is not None or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
+        if wraps is not None or block_forward_flops is not None:
+            update["compile"] = ours and (wraps is not None or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
         if wraps is not None:
             update["wrap"] = fsdp.wrap.model_copy(update=wraps)
             update["reshard_after_forward"] = fsdp.reshard_after_forward is True

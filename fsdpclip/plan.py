@@ -79,7 +79,8 @@ class MemoryModel:
 def memory_model(job: Job, model: nn.Module, towers: dict[str, Tower]) -> tuple[MemoryModel, tuple[int, int]]:
     """The memory model of a built (meta) model with its freeze applied, and the widths of its image and
     text features (a forward on the meta device: any error of the model's own forward propagates).
-    The units are those the trainer will build: compile 'auto' decided as it decides it."""
+    The units are those the trainer will build (`job.fsdp` with compile 'auto''s units decided as the
+    trainer decides them; whether blocks of larger towers compile is left undecided)."""
     from fsdpclip.parallelize import resolve_compile
 
     job = job.model_copy(update={"fsdp": resolve_compile(job.fsdp, model, towers, job.launch.device)})
@@ -172,7 +173,7 @@ def strategies(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: in
     world, samples, rows = nodes * gpus_per_node, job.batch.per_gpu * job.batch.grad_accum, []
     compute = samples * flops_per_sample / (tflops * 1e12)
     for degree in valid_shard_degrees(world, gpus_per_node):
-        moved = traffic(memory.job, memory.units, world, degree)  # the units as built (compile "auto" decided)
+        moved = traffic(memory.job, memory.units, world, degree)  # the units and resharding as built
         group_gbps = intra_gbps if degree <= gpus_per_node else inter_gbps
         replica_gbps = intra_gbps if nodes == 1 else inter_gbps
         communication = moved.shard_group / (group_gbps * 1e9 / 8) + moved.all_reduce / (replica_gbps * 1e9 / 8)

@@ -218,7 +218,7 @@ class FsdpSpec(Section):
                             "full sharding when neither is known (CPU).")
     reshard_after_forward: Union[bool, Literal["auto"]] = Field(
         "auto", description="Free unsharded parameters after forward (less memory, one more all-gather in backward). "
-                            "'auto': true, except where compile 'auto' compiles whole towers (small models): those "
+                            "'auto': true, except where compile 'auto' compiles whole towers (towers up to 1B parameters): those "
                             "stay gathered.")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
     reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")

@@ -156,8 +156,9 @@ class Trainer:
         return model
 
     def _resolve_compile(self, model: torch.nn.Module, towers) -> FsdpSpec:
-        """job.fsdp with `compile: 'auto'` decided on rank 0 from the work of one block's forward over a
-        micro batch (the model's FLOPs spread over its blocks), the same on every rank."""
+        """job.fsdp with `compile: 'auto'` decided on rank 0 (parallelize.resolve_compile), the same on every
+        rank; where towers are too large to compile whole, from the work of one block's forward over a
+        micro batch (the model's FLOPs spread over its blocks)."""
         job, env = self.job, self.env
         decided = [None]
         if env.is_main:
@@ -462,7 +463,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Train from a job file on this rank (torchrun sets RANK, WORLD_SIZE and the rendezvous)."""
     startup = StartupClock()
     startup.mark("imports")
-    import_in_background("open_clip")
     import argparse
 
     from fsdpclip.problems import SpecError
@@ -478,6 +478,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdpclip.train: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
         return EXIT_SPEC
     signals = StopSignals()
+    import_in_background("open_clip")
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
     startup.mark("distributed")
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
@@ -506,11 +507,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def import_in_background(module: str):
     """Start importing `module` on a thread. OpenCLIP's import (torchvision, timm, transformers: ~4 s on
-    the GPU hosts) then overlaps reading the spec and forming the process group, whose rendezvous and
-    NCCL set-up leave the interpreter free; the main thread's first import of it waits for the thread's.
-    Only modules that the main thread imports from functions, never while importing a module of its
-    own, so the two threads' import locks cannot deadlock. A failure is left to the main thread's import
-    to report. Returns the thread."""
+    the GPU hosts) then overlaps forming the process group, whose rendezvous and NCCL set-up leave the
+    interpreter free; the main thread's first import of it waits for the thread's (Python locks each
+    module while it is imported). Meant for a module the main thread imports from functions only,
+    never while importing one of its own, and started when the main thread imports little else (torch
+    and fsdpclip are loaded by then): two threads importing modules that import each other would get
+    a partly initialised one. A failure is left to the main thread's import to report. Not a daemon:
+    an early exit waits for the import rather than ending the interpreter under it. Returns the thread."""
     import importlib
     import threading
 
@@ -518,7 +521,7 @@ def import_in_background(module: str):
         with contextlib.suppress(Exception):
             importlib.import_module(module)
 
-    thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
+    thread = threading.Thread(target=load, name=f"import {module}")
     thread.start()
     return thread
 

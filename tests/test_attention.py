@@ -85,6 +85,9 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
 
     per_block = resolved(flops=large, model=big_g, towers=big_g_towers)
     assert (per_block.compile, per_block.wrap.image, per_block.reshard_after_forward) == (True, None, True)
+    # Without the blocks' work only the units are decided (validate's memory estimate): whole towers, or 'auto' kept.
+    assert resolve_compile(FsdpSpec(), b32, b32_towers, "cuda").wrap.image == ["Transformer"]
+    assert resolve_compile(FsdpSpec(), big_g, big_g_towers, "cuda").compile == "auto"
     for flops in (small, large):  # towers this small are compiled whole, whatever their blocks' work
         whole = resolved(flops=flops)
         assert (whole.compile, whole.wrap.image, whole.wrap.text, whole.reshard_after_forward) == \

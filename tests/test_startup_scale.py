@@ -84,22 +84,29 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
 
 
 def test_import_in_background(tmp_path, monkeypatch, capsys):
-    """OpenCLIP's import overlaps the process group's set-up: the module is imported on its own thread,
-    the main thread's import then finds it; a module that fails to import says nothing there and fails
-    at the main thread's import, with its own error."""
+    """OpenCLIP's import overlaps the process group's set-up: the module is imported once, on its own
+    thread, and the main thread's import of it meanwhile waits for the whole module; a module that fails
+    to import says nothing there and fails at the main thread's import, with its own error."""
     import threading
+    import time
 
     from fsdpclip.train import import_in_background
 
-    (tmp_path / "slow_module.py").write_text("import threading\nimported_on = threading.current_thread().name\n")
+    (tmp_path / "slow_module.py").write_text(
+        "import threading, time\nimported_on = threading.current_thread().name\ntime.sleep(0.5)\nfinished = True\n")
     (tmp_path / "broken_module.py").write_text("raise ImportError('broken on purpose')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("slow_module", "broken_module"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    import_in_background("slow_module").join(timeout=30)
-    import slow_module
+    thread = import_in_background("slow_module")
+    deadline = time.monotonic() + 30
+    while "slow_module" not in sys.modules and time.monotonic() < deadline:  # the thread has begun it
+        time.sleep(0.001)
+    import slow_module  # while the thread still sleeps inside it
 
+    assert getattr(slow_module, "finished", False), "the main thread got a half-imported module"
     assert slow_module.imported_on == "import slow_module" != threading.current_thread().name
+    thread.join(timeout=30)
     import_in_background("broken_module").join(timeout=30)
     assert "broken_module" not in sys.modules and "Traceback" not in capsys.readouterr().err
     try:

@@ -30,6 +30,7 @@ def test_vit_b_32_counts(cli, tmp_path):
     assert total == 151_277_313
     # Without compile, 'auto' units hold up to ~400M parameters: all 12 blocks (7,087,872 each) of a tower in one
     code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32", fsdp={"compile": False})), "--world-size", "8")
+    assert code == 0, out
     units = {(u["tower"], u["class"]): u for u in out["summary"]["fsdp_units"]}
     assert units[("image", "ResidualAttentionBlock")]["count"] == 1
     assert units[("image", "ResidualAttentionBlock")]["modules_each"] == 12
