@@ -1,7 +1,7 @@
 """The throughput benchmark: fsdpclip beside a plain DDP step, per model and GPU count.
 
-    python benchmarks/throughput.py --gpus 1 2 --cases ViT-B-32:256 ViT-L-14:128 ViT-H-14:64 ViT-bigG-14:32 \\
-        --ddp eager,compile --startup ViT-bigG-14:32 --out results/
+    python benchmarks/throughput.py --gpus 1 2 --cases ViT-B-32:256 ViT-B-32:512 ViT-L-14:128 ViT-L-14:256 \\
+        ViT-H-14:64 ViT-bigG-14:32 --ddp eager,compile --startup ViT-bigG-14:32 --out results/
 
 For every GPU count and model (per-GPU batch): one torchrun process runs the DDP reference
 (benchmarks/ddp_step.py: autocast bf16, fused AdamW; eager and whole-model compiled) and fsdpclip's trainer side by side on
@@ -193,7 +193,10 @@ def scaling_plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--cases", nargs="+", default=["ViT-B-32:256", "ViT-L-14:128", "ViT-H-14:64", "ViT-bigG-14:32"])
+    parser.add_argument("--cases", nargs="+", default=["ViT-B-32:256", "ViT-B-32:512", "ViT-L-14:128", "ViT-L-14:256",
+                                                       "ViT-H-14:64", "ViT-bigG-14:32"],
+                        help="MODEL:BATCH_PER_GPU; rows append to --out's throughput.jsonl, so cases can be run "
+                             "in several calls and tabled together")
     parser.add_argument("--variants", default='{"fsdpclip": {}}', help="JSON: name -> the spec's fsdp block")
     parser.add_argument("--ddp", default="eager,compile", help="DDP references beside it: eager, compile (whole model)")
     parser.add_argument("--startup", nargs="*", default=[], help="cases also timed launch → first step")
