@@ -82,11 +82,11 @@ def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type:
     if fsdp.compile == "auto":
         ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
         wraps = whole_tower_wraps(model, towers, fsdp) if ours else None
-        if wraps is not None or block_forward_flops is not None:
-            update["compile"] = ours and (wraps is not None or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
         if wraps is not None:
-            update["wrap"] = fsdp.wrap.model_copy(update=wraps)
-            update["reshard_after_forward"] = fsdp.reshard_after_forward is True
+            update.update(compile=True, wrap=fsdp.wrap.model_copy(update=wraps),
+                          reshard_after_forward=fsdp.reshard_after_forward is True)
+        elif block_forward_flops is not None:
+            update["compile"] = ours and block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12
     return fsdp.model_copy(update=update)
 
 

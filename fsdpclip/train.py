@@ -17,11 +17,13 @@ A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's rep
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import math
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -505,7 +507,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.destroy_process_group()
 
 
-def import_in_background(module: str):
+def import_in_background(module: str) -> threading.Thread:
     """Start importing `module` on a thread. OpenCLIP's import (torchvision, timm, transformers: ~4 s on
     the GPU hosts) then overlaps forming the process group, whose rendezvous and NCCL set-up leave the
     interpreter free; the main thread's first import of it waits for the thread's (Python locks each
@@ -514,9 +516,6 @@ def import_in_background(module: str):
     and fsdpclip are loaded by then): two threads importing modules that import each other would get
     a partly initialised one. A failure is left to the main thread's import to report. Not a daemon:
     an early exit waits for the import rather than ending the interpreter under it. Returns the thread."""
-    import importlib
-    import threading
-
     def load() -> None:
         with contextlib.suppress(Exception):
             importlib.import_module(module)

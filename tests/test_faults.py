@@ -284,3 +284,15 @@ def test_every_fault_row_names_a_test():
         assert tests, row
         for file, name in tests:
             assert re.search(rf"^def {name}\(", (REPO / file).read_text(), re.M), f"{file}::{name} not found"
+
+
+def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_nothing_behind(tmp_path):
+    """write_atomically (exit reports, compile caches, locks): a write that fails half-way raises, keeps
+    the previous file whole and leaves no partial file in the run directory."""
+    from fsdpclip.rundir import write_atomically
+
+    target = tmp_path / "exit.json"
+    write_atomically(target, "old")
+    with pytest.raises(UnicodeEncodeError):
+        write_atomically(target, "new \ud800")  # a lone surrogate: encoding fails inside the write
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["exit.json"]

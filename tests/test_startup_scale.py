@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
+
+import pytest
 
 from ranks import REPO
 
@@ -50,10 +55,6 @@ print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]
 
 
 def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
-    import shutil
-
-    import pytest
-
     from fsdpclip.parallelize import COMPILE_CACHE, load_compile_cache
 
     if shutil.which("c++") is None:  # inductor compiles CPU kernels with it
@@ -87,9 +88,6 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
     """OpenCLIP's import overlaps the process group's set-up: the module is imported once, on its own
     thread, and the main thread's import of it meanwhile waits for the whole module; a module that fails
     to import says nothing there and fails at the main thread's import, with its own error."""
-    import threading
-    import time
-
     from fsdpclip.train import import_in_background
 
     (tmp_path / "slow_module.py").write_text(
