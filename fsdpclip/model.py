@@ -7,6 +7,7 @@ and every name it returns is an original (unwrapped) parameter or module name.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import re
@@ -75,6 +76,26 @@ def model_config(spec: ModelSpec) -> dict:
     if "hf_model_name" in text:
         text["hf_model_pretrained"] = False
     return cfg
+
+
+def hf_text_tower(spec: ModelSpec) -> bool:
+    """Whether the model's text tower may be a Hugging Face one, read from the spec and the config file
+    it names (its own, or OpenCLIP's bundled one) without importing OpenCLIP. True wherever that
+    config cannot be read here: the answer only lets OpenCLIP's import leave transformers out."""
+    if spec.text.hf is not None:  # composed models always have one
+        return True
+    if spec.config is not None:
+        path = Path(spec.config)
+    else:
+        found = importlib.util.find_spec("open_clip")
+        if found is None or not found.submodule_search_locations:
+            return True
+        path = Path(found.submodule_search_locations[0]) / "model_configs" / f"{spec.name}.json"
+    try:
+        raw = json.loads(path.read_text())
+        return "hf_model_name" in raw.get("model_cfg", raw)["text_cfg"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return True
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Module:

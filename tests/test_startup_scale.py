@@ -113,3 +113,43 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
         assert "broken on purpose" in str(exc)
     else:
         raise AssertionError("the broken module imported")
+
+
+def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face_parts():
+    """A model without a Hugging Face text tower has OpenCLIP imported without transformers (its slowest
+    import), builds, and transformers still imports afterwards; in a fresh interpreter, as on a rank."""
+    code = (
+        "import sys\n"
+        "from fsdpclip.model import build_model, hf_text_tower\n"
+        "from fsdpclip.spec import ModelSpec\n"
+        "from fsdpclip.train import import_in_background\n"
+        "spec = ModelSpec(name='ViT-B-32')\n"
+        "assert 'transformers' not in sys.modules, 'imported before OpenCLIP'\n"
+        "import_in_background('open_clip', absent=() if hf_text_tower(spec) else ('transformers',)).join()\n"
+        "assert 'open_clip' in sys.modules and 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "model = build_model(spec)\n"
+        "import transformers\n"
+        "print(type(model).__name__, transformers.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["CLIP", "transformers"]
+
+
+def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
+    """Read from the spec and the config files without OpenCLIP: OpenCLIP's bundled configs by name, a
+    config file of the spec's, a text tower put in by the spec; a config that cannot be read keeps transformers."""
+    from fsdpclip.model import hf_text_tower
+    from fsdpclip.spec import ModelSpec
+
+    plain, hf = tmp_path / "plain.json", tmp_path / "hf.json"
+    plain.write_text(json.dumps({"model_cfg": {"embed_dim": 8, "vision_cfg": {}, "text_cfg": {"width": 8}}}))
+    hf.write_text(json.dumps({"embed_dim": 8, "vision_cfg": {}, "text_cfg": {"hf_model_name": "local"}}))
+    (tmp_path / "broken.json").write_text("{")
+    assert not hf_text_tower(ModelSpec(name="ViT-B-32"))
+    assert hf_text_tower(ModelSpec(name="mt5-base-ViT-B-32"))
+    assert hf_text_tower(ModelSpec(name="no-such-model"))
+    assert not hf_text_tower(ModelSpec(config=str(plain)))
+    assert hf_text_tower(ModelSpec(config=str(hf)))
+    assert hf_text_tower(ModelSpec(config=str(tmp_path / "broken.json")))
+    assert hf_text_tower(ModelSpec(config=str(tmp_path / "missing.json")))
+    assert hf_text_tower(ModelSpec(name="ViT-B-32", text={"hf": {"path": str(tmp_path)}}))
