@@ -508,16 +508,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def import_in_background(module: str, absent: tuple[str, ...] = ()) -> threading.Thread:
-    """Start importing `module` on a thread. OpenCLIP's import (torchvision, timm, transformers: ~4 s on
-    the GPU hosts) then overlaps forming the process group, whose rendezvous and NCCL set-up leave the
-    interpreter free; the main thread's first import of it waits for the thread's (Python locks each
+    """Start importing `module` on a thread. OpenCLIP's import (torchvision, timm, and transformers unless
+    left out: 0.7–4.5 s on the GPU hosts) then overlaps forming the process group, whose rendezvous and
+    NCCL set-up leave the interpreter free; the main thread's first import of it waits for the thread's (Python locks each
     module while it is imported). Meant for a module the main thread imports from functions only,
     never while importing one of its own, and started when the main thread imports little else (torch
     and fsdpclip are loaded by then): two threads importing modules that import each other would get
     a partly initialised one. A failure is left to the main thread's import to report. Not a daemon:
     an early exit waits for the import rather than ending the interpreter under it. The modules in
     `absent` are left out of it (`without_modules`): OpenCLIP imports transformers for Hugging Face
-    text towers and CoCa's generation, 2.6 s of its 4.3 s on the GPU hosts, which a model without a
+    text towers and CoCa's generation, ~3 s of its import on the GPU hosts, which a model without a
     Hugging Face tower never uses. Returns the thread."""
     def load() -> None:
         with contextlib.suppress(Exception), without_modules(absent):
