@@ -321,6 +321,21 @@ class WebDatasetBatches:
     def __init__(self, stream: ShardStream, workers: int, pin_memory: bool):
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
         self.position = StreamPosition()
+        self.started: Optional[Iterator] = None  # the loader `start` set going, not yet iterated
+
+    def start(self) -> None:
+        """Set the data workers going now: they fill their prefetch queues while the rest of the run
+        is set up (the model built and sharded), and the first step finds its batch waiting. The
+        position is fixed from here on (a resumed run loads it first). Iterating takes this loader
+        over; `close` stops it if nothing does."""
+        if self.started is None and self.position.batches < self.stream.batches_per_epoch:
+            self.started = self._loader(self.position)
+
+    def close(self) -> None:
+        """Stop the workers `start` set going, if no iteration took them over."""
+        started, self.started = self.started, None
+        if started is not None:
+            _shutdown(started)
 
     def state_dict(self) -> dict:
         return asdict(self.position)
@@ -332,6 +347,8 @@ class WebDatasetBatches:
         names = {f.name for f in fields(StreamPosition)}
         worker_names = {f.name for f in fields(WorkerPosition)}
         workers = state.get("workers") if isinstance(state, dict) else None
+        if self.started is not None:
+            raise RuntimeError("internal: the data position is loaded after the data workers were started")
         if not isinstance(state, dict) or set(state) != names or not isinstance(workers, dict) or \
                 any(not isinstance(w, dict) or set(w) != worker_names for w in workers.values()):
             keys = ", ".join(sorted(state)) if isinstance(state, dict) else type(state).__name__
@@ -346,13 +363,8 @@ class WebDatasetBatches:
         while True:
             position = self.position
             if position.batches < per_epoch:
-                self.stream.epoch = position.epoch
-                self.stream.worker_offset = position.batches % workers
-                self.stream.resume = dict(position.workers)
-                loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers,
-                                    pin_memory=self.pin_memory, prefetch_factor=4 if self.workers else None,
-                                    worker_init_fn=ignore_stop_signals)
-                batches = iter(loader)
+                batches = self.started if self.started is not None else self._loader(position)
+                self.started = None
                 try:
                     for batch in batches:
                         if "error" in batch:
@@ -365,13 +377,27 @@ class WebDatasetBatches:
                         position.broken += batch["broken"]
                         yield batch["images"], batch["texts"]
                 finally:  # also when the consumer closes this generator: the workers stop now, not at exit
-                    shutdown = getattr(batches, "_shutdown_workers", None)
-                    if shutdown is not None:
-                        shutdown()
+                    _shutdown(batches)
                 if position.batches != per_epoch:
                     raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in epoch "
                                        f"{position.epoch}, not {per_epoch}")
             self.position = StreamPosition(epoch=position.epoch + 1, broken=position.broken)
+
+    def _loader(self, position: StreamPosition) -> Iterator:
+        """A DataLoader's iterator over the stream from `position` (its workers start at once)."""
+        self.stream.epoch = position.epoch
+        self.stream.worker_offset = position.batches % max(1, self.workers)
+        self.stream.resume = dict(position.workers)
+        loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
+                            prefetch_factor=4 if self.workers else None, worker_init_fn=ignore_stop_signals)
+        return iter(loader)
+
+
+def _shutdown(batches: Iterator) -> None:
+    """Stop a DataLoader iterator's workers now rather than when it is collected."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 # -------------------------------------------------------------------- synthetic

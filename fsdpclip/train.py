@@ -98,7 +98,19 @@ class Trainer:
         self.job, self.env, self.signals = job, env, signals
         self.startup = startup or StartupClock()
         self.model_config = model_config(job.model)
-        self.model = self._build_model()
+        self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
+        candidates = self.checkpointer.resume_candidates()
+        meta_model, towers = frozen_meta_model(self.model_config, job)
+        self.tokenizer = build_tokenizer(self.model_config)
+        self.batches = self._batches(meta_model)
+        self.batch_iter: Iterator = iter(self.batches)
+        if not candidates and isinstance(self.batches, WebDatasetBatches):
+            self.batches.start()  # a fresh run's data workers fill their queues while the model is built
+        try:
+            self.model = self._build_model(meta_model, towers)
+        except BaseException:
+            self.close()
+            raise
         self.startup.mark("model")
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.total_steps = job.total_steps(env.world_size)
@@ -109,29 +121,23 @@ class Trainer:
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
-        self.tokenizer = build_tokenizer(self.model_config)
-        self.batches = self._batches()
-        self.batch_iter: Iterator = iter(self.batches)
         self.eval_sets: Optional[list[EvalSet]] = None
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
-        self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
         self.last_saved: Optional[int] = None
         self.resumed_from, self.changes = None, []
-        candidates = self.checkpointer.resume_candidates()
         if candidates:
             self._resume(candidates)
         if env.is_main:
             record_launch(job.run_dir, job.to_json(), self.changes, self.resumed_from)
         self.startup.mark("ready")
 
-    def _build_model(self) -> torch.nn.Module:
-        """The sharded model with its initial weights: built on the meta device on every rank, frozen,
-        decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0. The
-        last rank counts the FLOPs while rank 0 draws the initial weights."""
+    def _build_model(self, model: torch.nn.Module, towers) -> torch.nn.Module:
+        """The sharded model with its initial weights, from the frozen meta-device model every rank
+        built: decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0.
+        The last rank counts the FLOPs while rank 0 draws the initial weights."""
         job, env = self.job, self.env
-        model, towers = frozen_meta_model(self.model_config, job)
         self.decay_groups = trainable_decay_groups(model, job.optimizer)
         self.shard_degree = self._shard_degree(model, towers)
         self.mesh = shard_mesh(env, self.shard_degree)
@@ -200,10 +206,11 @@ class Trainer:
         return decided[0]
 
     # ------------------------------------------------------------------ data
-    def _batches(self):
-        """The rank's data source; also sets `images` (what turns a webdataset micro batch into the model's
-        input on the device: decode.TrainImages; None for synthetic data, made there already)."""
-        job, env, model = self.job, self.env, self.model
+    def _batches(self, model: torch.nn.Module):
+        """The rank's data source for `model` (its shapes and preprocessing; the meta-device model
+        will do); also sets `images` (what turns a webdataset micro batch into the model's input on
+        the device: decode.TrainImages; None for synthetic data, made there already)."""
+        job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
         if isinstance(job.data, SyntheticSpec):
             self.images = None
@@ -252,6 +259,8 @@ class Trainer:
     def close(self) -> None:
         """Stop the data workers (before the process exits, so none outlives it)."""
         self.batch_iter.close()
+        if isinstance(self.batches, WebDatasetBatches):
+            self.batches.close()
 
     # ------------------------------------------------------------------ step
     def train_step(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import sys
 from collections import Counter
 
@@ -113,6 +114,32 @@ def test_position_continues_exactly(tmp_path):
     tail = [next(iterator)[0] for _ in range(7)]
     for got, want in zip(head + tail, reference):
         assert torch.equal(got, want)
+
+
+def test_workers_started_early_give_the_same_stream_and_stop_on_close(tmp_path):
+    """`start` runs the workers before the first batch is asked for; the batches are those of a stream
+    iterated without it (into the second epoch); a started stream no longer takes a position, and
+    `close` stops workers that no iteration took over."""
+    urls = write_shards(tmp_path, [9, 12, 7, 11])
+    reference = _stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5)
+    iterator = iter(reference)
+    want = [next(iterator)[0] for _ in range(12)]
+    iterator.close()
+    before = len(multiprocessing.active_children())
+    early = _stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5)
+    early.start()
+    assert len(multiprocessing.active_children()) == before + 2
+    with pytest.raises(RuntimeError, match="after the data workers were started"):
+        early.load_state_dict(_saved(reference))
+    iterator = iter(early)
+    got = [next(iterator)[0] for _ in range(12)]
+    iterator.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    unused = _stream(urls, batch=4, workers=2, samples=39)
+    unused.start()
+    assert len(multiprocessing.active_children()) == before + 2
+    unused.close()
+    assert len(multiprocessing.active_children()) == before
 
 
 UNEVEN = [3, 25, 7, 14, 30, 2, 9, 18]  # 108 samples in 8 shards: 2 ranks × 2 workers × 2 shards each

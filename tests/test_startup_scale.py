@@ -153,3 +153,50 @@ def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
     assert hf_text_tower(ModelSpec(config=str(tmp_path / "broken.json")))
     assert hf_text_tower(ModelSpec(config=str(tmp_path / "missing.json")))
     assert hf_text_tower(ModelSpec(name="ViT-B-32", text={"hf": {"path": str(tmp_path)}}))
+
+
+# Builds a Trainer on a world of one whose model build only records the live data workers and stops;
+# argv: the job file, and "resume" to have a checkpoint to resume from.
+_WORKERS_DURING_BUILD = """
+import json, multiprocessing, sys
+from pathlib import Path
+from fsdpclip import train
+from fsdpclip.distributed import init_distributed
+from fsdpclip.jobfile import load_job
+
+job = load_job(Path(sys.argv[1]))
+job.run_dir.mkdir(parents=True)
+env = init_distributed("cpu", 60)
+if sys.argv[2:] == ["resume"]:
+    train.Checkpointer.resume_candidates = lambda self: [job.run_dir / "step_00000001"]
+seen = {}
+
+def build(self, model, towers):
+    seen["during"] = len(multiprocessing.active_children())
+    raise RuntimeError("model build stopped by the test")
+
+train.Trainer._build_model = build
+try:
+    train.Trainer(job, env)
+except RuntimeError as exc:  # its traceback still holds the trainer: the workers are stopped, not collected
+    seen["error"], seen["after"] = str(exc), len(multiprocessing.active_children())
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resumed"])
+def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, tiny_job, resume):
+    """A fresh run's data workers are running while the model is built (they fill their queues
+    meanwhile), and stop when the build fails; a resumed run starts them only after its position is loaded."""
+    tiny_job["data"]["workers"] = 2
+    tiny_job["launch"]["gpus_per_node"] = 1
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(tiny_job))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), *(["resume"] if resume else [])],
+                            capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["error"] == "model build stopped by the test"
+    assert seen["during"] == (0 if resume else 2)
+    assert seen["after"] == 0
