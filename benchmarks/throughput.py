@@ -115,7 +115,7 @@ def markdown(rows: list[dict], starts: list[dict], peak: float) -> str:
             lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
                          f"{row['error']} | | | | | |")
             continue
-        ddp, compiled = (next((r for r in rows if r["model"] == row["model"] and r["gpus"] == row["gpus"]
+        ddp, compiled = (next((r for r in rows if _case(r) == _case(row) and r["gpus"] == row["gpus"]
                                and r["variant"] == side and "error" not in r), None)
                          for side in ("DDP eager", "DDP compile"))
         lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
@@ -139,10 +139,11 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in rows))
+    cases = list(dict.fromkeys(_case(r) for r in rows))
     sides = list(dict.fromkeys(r["variant"] for r in rows))
     gpu_counts = sorted({r["gpus"] for r in rows})
-    figure, axes = plt.subplots(2, len(gpu_counts), figsize=(6 * len(gpu_counts), 8), squeeze=False)
+    figure, axes = plt.subplots(2, len(gpu_counts), figsize=(max(6, 1.5 * len(cases)) * len(gpu_counts), 8),
+                                squeeze=False)
     for column, gpus in enumerate(gpu_counts):
         for line, (key, label) in enumerate([("samples_per_s_per_gpu", "samples/s per GPU ÷ DDP"),
                                              ("peak_memory_gib", "peak memory ÷ DDP")]):
@@ -150,19 +151,24 @@ def plot(rows: list[dict], path: Path) -> None:
             width = 0.8 / len(sides)
             for i, side in enumerate(sides):
                 values = []
-                for model in models:
-                    mine = [r for r in rows if r["model"] == model and r["gpus"] == gpus and r["variant"] == side
+                for case in cases:
+                    mine = [r for r in rows if _case(r) == case and r["gpus"] == gpus and r["variant"] == side
                             and key in r]
-                    ddp = [r for r in rows if r["model"] == model and r["gpus"] == gpus
+                    ddp = [r for r in rows if _case(r) == case and r["gpus"] == gpus
                            and r["variant"] == "DDP eager" and key in r]
                     values.append(mine[0][key] / ddp[0][key] if mine and ddp else 0)
-                axis.bar([m + i * width for m in range(len(models))], values, width, label=side)
+                axis.bar([m + i * width for m in range(len(cases))], values, width, label=side)
             axis.axhline(1.0, color="black", linewidth=0.8)
-            axis.set_xticks([m + width * (len(sides) - 1) / 2 for m in range(len(models))], models, fontsize=8)
+            axis.set_xticks([m + width * (len(sides) - 1) / 2 for m in range(len(cases))], cases, fontsize=8)
             axis.set_title(f"{label}, {gpus} GPU{'s' * (gpus > 1)}")
             axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def _case(row: dict) -> str:
+    """A bar group's label: the model and its batch per GPU."""
+    return f"{row['model']}\n{row['batch_per_gpu']}/GPU"
 
 
 def scaling_plot(rows: list[dict], path: Path) -> None:
@@ -172,15 +178,15 @@ def scaling_plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    figure, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.6), squeeze=False)
-    for axis, model in zip(axes[0], models):
+    cases = list(dict.fromkeys(_case(r) for r in rows))
+    figure, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.6), squeeze=False)
+    for axis, case in zip(axes[0], cases):
         for side, style in (("DDP eager", "o--"), ("fsdpclip", "s-")):
             points = sorted((r["gpus"], r["samples_per_s_per_gpu"]) for r in rows
-                            if r["model"] == model and r["variant"] == side and "samples_per_s_per_gpu" in r)
+                            if _case(r) == case and r["variant"] == side and "samples_per_s_per_gpu" in r)
             if points:
                 axis.plot(*zip(*points), style, label=side)
-        axis.set_title(model)
+        axis.set_title(case.replace("\n", ", "))
         axis.set_xlabel("GPUs (one host)")
         axis.set_ylabel("samples/s per GPU")
         axis.set_xticks(sorted({r["gpus"] for r in rows}))
