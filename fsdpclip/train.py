@@ -101,6 +101,7 @@ class Trainer:
         self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
         candidates = self.checkpointer.resume_candidates()
         meta_model, towers = frozen_meta_model(self.model_config, job)
+        self.startup.mark("meta_model")
         self.tokenizer = build_tokenizer(self.model_config)
         self.batches = self._batches(meta_model)
         self.batch_iter: Iterator = iter(self.batches)
@@ -160,6 +161,7 @@ class Trainer:
             if loaded and env.is_main:
                 log.info("compile cache: %d artifacts from %s", loaded, job.run_dir / COMPILE_CACHE)
         parallelize(model, fsdp, self.mesh, job.model.block_classes)
+        self.startup.mark("parallelized")
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
 
