@@ -156,6 +156,7 @@ def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
                                 growth_interval=fsdp.grad_scaler.growth_interval)
 
 
+@torch.no_grad()  # also keeps DTensor.to_local off autograd: per gradient, that is host time in every step
 def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
     """The global gradient norm, clipping to `max_norm` when set; no host sync.
 

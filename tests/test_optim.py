@@ -61,3 +61,49 @@ def test_initial_weights_do_not_depend_on_threads(monkeypatch):
     reference = open_clip.CLIP(**json.loads(TINY_CONFIG.read_text())).state_dict()
     for key, value in reference.items():
         assert torch.equal(one[key].reshape(value.shape), value) and torch.equal(many[key], one[key]), key
+
+
+# clip_gradients on DTensor gradients in a world of one (a process of its own: it forms a process group).
+_CLIP = """
+import json, torch
+from torch.distributed.tensor import Shard, _api, distribute_tensor
+from fsdpclip.distributed import init_distributed
+from fsdpclip.optim import clip_gradients
+
+env = init_distributed("cpu", 60)
+torch.manual_seed(0)
+plain = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(()))]
+for p in plain:
+    p.grad = torch.randn_like(p) * 3
+sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), env.mesh, [Shard(0)])) for p in plain[:3]]
+for p, q in zip(sharded, plain):
+    p.grad = distribute_tensor(q.grad.clone(), env.mesh, [Shard(0)])
+replicated = torch.nn.Parameter(plain[3].detach().clone())
+replicated.grad = plain[3].grad.clone()
+calls, apply = [], _api._ToTorchTensor.apply
+_api._ToTorchTensor.apply = lambda *a, **k: calls.append(1) or apply(*a, **k)
+norm = clip_gradients(sharded + [replicated], max_norm=1.0)
+want = torch.nn.utils.clip_grad_norm_(plain, max_norm=1.0)
+print(json.dumps({"norm": norm.item(), "want": want.item(), "autograd_calls": len(calls),
+                  "clipped": all(torch.allclose(p.grad.to_local(), q.grad) for p, q in zip(sharded, plain[:3]))}))
+"""
+
+
+def test_clip_gradients_matches_torch_and_stays_off_autograd():
+    """The global norm and the clipped DTensor gradients equal torch's clip_grad_norm_ on plain tensors,
+    and no gradient goes through DTensor.to_local's autograd function (host time in every step)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ranks import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, "-c", _CLIP], capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert abs(seen["norm"] - seen["want"]) < 1e-4 * seen["want"] and seen["want"] > 1.0
+    assert seen["clipped"]
+    assert seen["autograd_calls"] == 0
