@@ -1,11 +1,15 @@
-"""The optimizer, the loss scaler and the initial weights, in one process."""
+"""The optimizer, the loss scaler, gradient clipping (on DTensors, in a process of its own) and the initial weights."""
 
 from __future__ import annotations
+
+import json
+import sys
 
 import pytest
 import torch
 
 from conftest import TINY_CONFIG
+from ranks import run_group
 from fsdpclip.optim import ShardedAdamW
 from fsdpclip.spec import ModelSpec
 
@@ -92,18 +96,9 @@ print(json.dumps({"norm": norm.item(), "want": want.item(), "autograd_calls": le
 def test_clip_gradients_matches_torch_and_stays_off_autograd():
     """The global norm and the clipped DTensor gradients equal torch's clip_grad_norm_ on plain tensors,
     and no gradient goes through DTensor.to_local's autograd function (host time in every step)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from ranks import REPO
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-c", _CLIP], capture_output=True, text=True, timeout=120, cwd=REPO,
-                            env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    result = run_group([sys.executable, "-c", _CLIP], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    seen = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert abs(seen["norm"] - seen["want"]) < 1e-4 * seen["want"] and seen["want"] > 1.0
     assert seen["clipped"]
     assert seen["autograd_calls"] == 0

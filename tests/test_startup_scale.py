@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ranks import REPO
+from ranks import REPO, run_group
 
 OURS = ("mesh", "build", "plan", "materialize", "optimizer")
 
@@ -192,11 +192,10 @@ def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, t
     tiny_job["launch"]["gpus_per_node"] = 1
     path = tmp_path / "job.json"
     path.write_text(json.dumps(tiny_job))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), *(["resume"] if resume else [])],
-                            capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    result = run_group([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), *(["resume"] if resume else [])],
+                       timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    seen = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert seen["error"] == "model build stopped by the test"
     assert seen["during"] == (0 if resume else 2)
     assert seen["after"] == 0
