@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,3 +31,11 @@ def run_group(command: list[str], timeout: float, cwd: Path = REPO, env: dict | 
         output, _ = process.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-4000:]}")
     return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def json_result(command: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run a command that prints a JSON object (run_group), check it exits 0, and return the last object
+    it printed (its output also holds stderr: warnings, logs)."""
+    result = run_group(command, timeout, env=env)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,16 +12,13 @@ import time
 
 import pytest
 
-from ranks import REPO, run_group
+from ranks import REPO, json_result
 
 OURS = ("mesh", "build", "plan", "materialize", "optimizer")
 
 
 def _counts(world: int) -> dict:
-    proc = subprocess.run([sys.executable, "tests/workers/setup_calls.py", str(world), "ViT-B-32"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_result([sys.executable, "tests/workers/setup_calls.py", str(world), "ViT-B-32"], timeout=300)
 
 
 def test_setup_work_does_not_grow_with_world_size():
@@ -63,11 +59,8 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
     cache = tmp_path / COMPILE_CACHE
 
     def step(mode: str, machine: str) -> dict:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / machine)}
-        proc = subprocess.run([sys.executable, "-c", COMPILED_STEP, mode, str(cache)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return json_result([sys.executable, "-c", COMPILED_STEP, mode, str(cache)], timeout=300,
+                           env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / machine)})
 
     first = step("save", "first-machine")
     assert first["misses"] >= 1 and first["hits"] == 0 and first["saved"] >= 2 and cache.is_file()
@@ -192,10 +185,8 @@ def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, t
     tiny_job["launch"]["gpus_per_node"] = 1
     path = tmp_path / "job.json"
     path.write_text(json.dumps(tiny_job))
-    result = run_group([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), *(["resume"] if resume else [])],
+    seen = json_result([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), *(["resume"] if resume else [])],
                        timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:]
-    seen = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert seen["error"] == "model build stopped by the test"
     assert seen["during"] == (0 if resume else 2)
     assert seen["after"] == 0
