@@ -16,6 +16,10 @@ import time
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
 
+from fsdpclip.train import STOP_CHECK_STEPS
+
+STEPS = 3 * STOP_CHECK_STEPS  # two stop checks: the signal, sent after the first step, lands before the last
+
 
 @contextlib.contextmanager
 def _listener():
@@ -70,7 +74,7 @@ def _scalars(record: dict, prefix: str = "") -> dict:
 
 def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir, monkeypatch):
     """A run preempted as schedulers do it (SIGTERM to its whole process group, W&B's own service process
-    included) stops at step 10 (exit 75) and, started again (to step 12) writes two offline pieces of one W&B
+    included) stops at a stop check (exit 75) and, started again (to step 30) writes two offline pieces of one W&B
     run (the id kept in RUN_DIR/wandb-id): every scalar of metrics.jsonl, training and evaluation, in order;
     the resolved spec as config; the preemption marked and each exit code recorded. Files go to RUN_DIR/wandb
     by default and to WANDB_DIR when set. No connection reaches the W&B server or any HTTP(S) proxy."""
@@ -83,9 +87,9 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
         "run": {"name": "wb", "output_dir": str(tmp_path / "runs")},
         "model": {"config": str(TINY_CONFIG)},
         "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"steps": 12, "warmup_steps": 2},
+        "schedule": {"steps": STEPS, "warmup_steps": 2},
         "data": {"source": "synthetic"},
-        "batch": {"per_gpu": 8},
+        "batch": {"per_gpu": 32},  # steps slow enough that the signal lands before the last stop check
         "eval": {"zeroshot": [{"dataset": "digits", "path": test_split, "max_samples": 20}],
                  "retrieval": [{"path": test_split, "name": "digits", "max_samples": 20}], "batch_per_gpu": 16},
         "logging": {"every_steps": 1, "wandb": {"project": "fsdpclip-tests", "entity": "fsdpclip-team",
@@ -122,7 +126,7 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
     logged = [{k: v for k, v in h["item"].items() if not k.startswith("_")}
               for h in _of_type(stopped, "history") + _of_type(resumed, "history")]
     records = [_scalars(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r.get("step") for r in records] == list(range(1, 13)) + [12]  # every step, then the evaluation
+    assert [r.get("step") for r in records] == list(range(1, STEPS + 1)) + [STEPS]  # every step, then the evaluation
     assert logged == records
     assert "retrieval/digits/image_retrieval_recall@1" in logged[-1] and "zeroshot/digits/acc1" in logged[-1]
     assert logged[-1]["retrieval/digits/samples"] == 20 and logged[-1]["retrieval/digits/texts"] == 40  # max_samples
