@@ -35,7 +35,7 @@ from fsdpclip.distributed import init_distributed  # noqa: E402
 from fsdpclip.jobfile import parse_job  # noqa: E402
 from fsdpclip.metrics import Window  # noqa: E402
 from fsdpclip.spec import ModelSpec  # noqa: E402
-from fsdpclip.train import Trainer  # noqa: E402
+from fsdpclip.trainer import Trainer  # noqa: E402
 from fsdpclip.weights import initial_model  # noqa: E402
 
 WD, BETAS, EPS = 0.2, (0.9, 0.98), 1e-6

@@ -31,7 +31,7 @@ from fsdpclip.metrics import Window, training_flops_per_sample  # noqa: E402
 from fsdpclip.model import build_model  # noqa: E402
 from fsdpclip.jobfile import parse_job  # noqa: E402
 from fsdpclip.spec import ModelSpec  # noqa: E402
-from fsdpclip.train import Trainer  # noqa: E402
+from fsdpclip.trainer import Trainer  # noqa: E402
 
 
 def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, env, run_root: str,

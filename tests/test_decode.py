@@ -204,7 +204,7 @@ def test_data_wait_is_what_the_step_waits_for(device):
 
     from fsdpclip.metrics import Window
     from fsdpclip.rundir import StartupClock
-    from fsdpclip.train import Trainer
+    from fsdpclip.trainer import Trainer
 
     def slow_batches():
         while True:

@@ -20,8 +20,8 @@ def test_demo_job_learns_digits(demo_run):
         assert key in train[-1]
     # start-up: each phase ends after the one before it, the last with the first step
     phases = train[0]["startup_s"]
-    assert list(phases) == ["process", "imports", "distributed", "meta_model", "initial_weights", "parallelized",
-                            "model", "ready", "first_batch", "first_step"]
+    assert list(phases) == ["process", "imports", "distributed", "trainer_imported", "meta_model", "initial_weights",
+                            "parallelized", "model", "ready", "first_batch", "first_step"]
     assert list(phases.values()) == sorted(phases.values()) and phases["process"] >= 0
     assert abs(phases["first_step"] - train[0]["time_to_first_step_s"]) < 0.05
     assert "start-up, seconds since launch" in output and "startup_s" not in train[1]

@@ -78,34 +78,54 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
 
 
 def test_import_in_background(tmp_path, monkeypatch, capsys):
-    """OpenCLIP's import overlaps the process group's set-up: the module is imported once, on its own
-    thread, and the main thread's import of it meanwhile waits for the whole module; a module that fails
-    to import says nothing there and fails at the main thread's import, with its own error."""
+    """The trainer's and OpenCLIP's imports overlap the process group's set-up: the modules are imported
+    once each, in order, on their own thread, and the main thread's import of one meanwhile waits for the
+    whole module; a module that fails to import says nothing there (the next one is still imported) and
+    fails at the main thread's import, with its own error."""
     from fsdpclip.train import import_in_background
 
     (tmp_path / "slow_module.py").write_text(
         "import threading, time\nimported_on = threading.current_thread().name\ntime.sleep(0.5)\nfinished = True\n")
+    (tmp_path / "next_module.py").write_text(
+        "import sys, threading\nimported_on = threading.current_thread().name\n"
+        "after_slow = getattr(sys.modules.get('slow_module'), 'finished', False)\n")
     (tmp_path / "broken_module.py").write_text("raise ImportError('broken on purpose')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("slow_module", "broken_module"):
+    for name in ("slow_module", "next_module", "broken_module"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    thread = import_in_background("slow_module")
+    thread = import_in_background(["slow_module", "next_module"])
     deadline = time.monotonic() + 30
     while "slow_module" not in sys.modules and time.monotonic() < deadline:  # the thread has begun it
         time.sleep(0.001)
     import slow_module  # while the thread still sleeps inside it
 
     assert getattr(slow_module, "finished", False), "the main thread got a half-imported module"
-    assert slow_module.imported_on == "import slow_module" != threading.current_thread().name
+    assert slow_module.imported_on == thread.name != threading.current_thread().name
     thread.join(timeout=30)
-    import_in_background("broken_module").join(timeout=30)
-    assert "broken_module" not in sys.modules and "Traceback" not in capsys.readouterr().err
+    import next_module
+
+    assert next_module.imported_on == thread.name and next_module.after_slow
+    monkeypatch.delitem(sys.modules, "next_module")
+    import_in_background(["broken_module", "next_module"]).join(timeout=30)
+    assert "broken_module" not in sys.modules and "next_module" in sys.modules
+    assert "Traceback" not in capsys.readouterr().err
     try:
         import broken_module  # noqa: F401
     except ImportError as exc:
         assert "broken on purpose" in str(exc)
     else:
         raise AssertionError("the broken module imported")
+
+
+def test_rank_entry_imports_only_what_the_process_group_needs():
+    """`python -m fsdpclip.train` imports torch and the spec, not the trainer's libraries (DTensor and
+    sympy, webdataset, OpenCLIP, dynamo): those are imported on a thread while the process group forms."""
+    heavy = ["fsdpclip.trainer", "fsdpclip.checkpoint", "torch.distributed.tensor", "sympy", "webdataset",
+             "open_clip", "torch._dynamo"]
+    code = f"import json, sys, fsdpclip.train\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == []
 
 
 def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face_parts():
@@ -118,7 +138,7 @@ def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face
         "from fsdpclip.train import import_in_background\n"
         "spec = ModelSpec(name='ViT-B-32')\n"
         "assert 'transformers' not in sys.modules, 'imported before OpenCLIP'\n"
-        "import_in_background('open_clip', absent=() if hf_text_tower(spec) else ('transformers',)).join()\n"
+        "import_in_background(['open_clip'], absent=() if hf_text_tower(spec) else ('transformers',)).join()\n"
         "assert 'open_clip' in sys.modules and 'transformers' not in sys.modules, 'transformers was imported'\n"
         "model = build_model(spec)\n"
         "import transformers\n"
@@ -153,7 +173,7 @@ def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
 _WORKERS_DURING_BUILD = """
 import json, multiprocessing, sys
 from pathlib import Path
-from fsdpclip import train
+from fsdpclip import trainer
 from fsdpclip.distributed import init_distributed
 from fsdpclip.jobfile import load_job
 
@@ -161,16 +181,16 @@ job = load_job(Path(sys.argv[1]))
 job.run_dir.mkdir(parents=True)
 env = init_distributed("cpu", 60)
 if sys.argv[2:] == ["resume"]:
-    train.Checkpointer.resume_candidates = lambda self: [job.run_dir / "step_00000001"]
+    trainer.Checkpointer.resume_candidates = lambda self: [job.run_dir / "step_00000001"]
 seen = {}
 
 def build(self, model, towers):
     seen["during"] = len(multiprocessing.active_children())
     raise RuntimeError("model build stopped by the test")
 
-train.Trainer._build_model = build
+trainer.Trainer._build_model = build
 try:
-    train.Trainer(job, env)
+    trainer.Trainer(job, env)
 except RuntimeError as exc:  # its traceback still holds the trainer: the workers are stopped, not collected
     seen["error"], seen["after"] = str(exc), len(multiprocessing.active_children())
 print(json.dumps(seen))

@@ -29,7 +29,7 @@ from fsdpclip.jobfile import parse_job
 from fsdpclip.metrics import Window
 from fsdpclip.optim import local
 from fsdpclip.parallelize import reshard
-from fsdpclip.train import Trainer
+from fsdpclip.trainer import Trainer
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdpclip.distributed import all_mean, init_distributed
 from fsdpclip.metrics import Window
 from fsdpclip.jobfile import load_job
-from fsdpclip.train import Trainer
+from fsdpclip.trainer import Trainer
 
 
 def main(mode: str, out: str, job_file: str) -> None:
