@@ -335,7 +335,7 @@ class WebDatasetBatches:
         """Stop the workers `start` set going, if no iteration took them over."""
         started, self.started = self.started, None
         if started is not None:
-            _shutdown(started)
+            shutdown_workers(started)
 
     def state_dict(self) -> dict:
         return asdict(self.position)
@@ -377,7 +377,7 @@ class WebDatasetBatches:
                         position.broken += batch["broken"]
                         yield batch["images"], batch["texts"]
                 finally:  # also when the consumer closes this generator: the workers stop now, not at exit
-                    _shutdown(batches)
+                    shutdown_workers(batches)
                 if position.batches != per_epoch:
                     raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in epoch "
                                        f"{position.epoch}, not {per_epoch}")
@@ -393,8 +393,9 @@ class WebDatasetBatches:
         return iter(loader)
 
 
-def _shutdown(batches: Iterator) -> None:
-    """Stop a DataLoader iterator's workers now rather than when it is collected."""
+def shutdown_workers(batches: Iterator) -> None:
+    """Stop a DataLoader iterator's workers now rather than when it is collected (they ignore the
+    stop signals, so a rank that fails while holding one must stop them itself)."""
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()

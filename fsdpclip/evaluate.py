@@ -17,6 +17,7 @@ for classification all embed the same prompts), and a rank whose share is exhaus
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from fsdpclip.data import ignore_stop_signals
+from fsdpclip.data import ignore_stop_signals, shutdown_workers
 from fsdpclip.spec import RetrievalSpec, ZeroShotSpec
 
 if TYPE_CHECKING:
@@ -110,15 +111,19 @@ EvalSet = Union[ZeroShotSet, RetrievalSet]
 
 
 def _loader(data: Dataset, batch_size: Optional[int], workers: int, collate: Optional[Callable] = None) -> Iterator:
-    """Batches of a map-style dataset, or of a `_Shards` stream (`batch_size` None: it batches itself)."""
+    """Batches of a map-style dataset, or of a `_Shards` stream (`batch_size` None: it batches itself).
+    Closing it stops its data workers at once (they ignore the stop signals, so none may outlive it)."""
     if isinstance(data, _Shards):
         workers = min(workers, len(data.shards))
-    loader = DataLoader(data, batch_size=batch_size, num_workers=workers, collate_fn=collate,
-                        worker_init_fn=ignore_stop_signals)
-    for batch in loader:
-        if isinstance(batch, DatasetError):  # passed on by a data worker (see _Shards)
-            raise batch
-        yield batch
+    batches = iter(DataLoader(data, batch_size=batch_size, num_workers=workers, collate_fn=collate,
+                              worker_init_fn=ignore_stop_signals))
+    try:
+        for batch in batches:
+            if isinstance(batch, DatasetError):  # passed on by a data worker (see _Shards)
+                raise batch
+            yield batch
+    finally:
+        shutdown_workers(batches)
 
 
 class _Shards(IterableDataset):
@@ -358,22 +363,24 @@ def _shares(batches: Iterator, limit: Optional[int], rank: int, world: int, devi
     """This rank's batches with the images all ranks take in that round, ending on every rank at once:
     when all ranks' batches are done or `limit` images are taken. Each round the ranks take images
     in rank order up to the limit, so the count is exact for any number of ranks and data workers;
-    a rank with nothing to take gets None and runs a padding forward."""
+    a rank with nothing to take gets None and runs a padding forward. Closing it (or its end) closes
+    `batches`: their data workers stop then, also when the caller fails mid-set."""
     taken = 0
-    while True:
-        batch = next(batches, None)
-        size = 0 if batch is None else len(batch[0])
-        sizes = [size]
-        if world > 1:
-            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-            dist.all_gather(gathered, torch.tensor([size], dtype=torch.int64, device=device))
-            sizes = torch.cat(gathered).tolist()
-        left = sum(sizes) if limit is None else min(sum(sizes), limit - taken)
-        if left <= 0:
-            return
-        share = max(0, min(size, left - sum(sizes[:rank])))
-        taken += left
-        yield (tuple(part[:share] for part in batch) if share else None), left
+    with contextlib.closing(batches):
+        while True:
+            batch = next(batches, None)
+            size = 0 if batch is None else len(batch[0])
+            sizes = [size]
+            if world > 1:
+                gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+                dist.all_gather(gathered, torch.tensor([size], dtype=torch.int64, device=device))
+                sizes = torch.cat(gathered).tolist()
+            left = sum(sizes) if limit is None else min(sum(sizes), limit - taken)
+            if left <= 0:
+                return
+            share = max(0, min(size, left - sum(sizes[:rank])))
+            taken += left
+            yield (tuple(part[:share] for part in batch) if share else None), left
 
 
 @torch.no_grad()
@@ -395,20 +402,21 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
     top5 = torch.zeros((), dtype=torch.float64, device=device)
     padding = (torch.zeros(1, *image_shape(model)), torch.tensor([-1]))
     shares = _shares(zs.batches(rank, world, batch_size, workers), zs.max_samples, rank, world, device)
-    for batch, taken in shares:
-        images, labels = batch or padding
-        if int(labels.max()) >= classes:
-            raise DatasetError(f"{zs.name}: label {int(labels.max())} but only {classes} class names")
-        features = F.normalize(model.encode_image(images.to(device)).float(), dim=-1)
-        logits = 100.0 * features @ classifier
-        labels = labels.to(device)
-        keep = labels >= 0
-        predicted = logits.argmax(dim=-1)
-        confusion.index_put_((labels[keep], predicted[keep]), torch.ones_like(labels[keep], dtype=confusion.dtype),
-                             accumulate=True)
-        top5 += (logits.topk(min(5, classes), dim=-1).indices == labels[:, None]).any(dim=-1)[keep].sum()
-        if progress is not None:
-            progress(taken)
+    with contextlib.closing(shares):
+        for batch, taken in shares:
+            images, labels = batch or padding
+            if int(labels.max()) >= classes:
+                raise DatasetError(f"{zs.name}: label {int(labels.max())} but only {classes} class names")
+            features = F.normalize(model.encode_image(images.to(device)).float(), dim=-1)
+            logits = 100.0 * features @ classifier
+            labels = labels.to(device)
+            keep = labels >= 0
+            predicted = logits.argmax(dim=-1)
+            confusion.index_put_((labels[keep], predicted[keep]),
+                                 torch.ones_like(labels[keep], dtype=confusion.dtype), accumulate=True)
+            top5 += (logits.topk(min(5, classes), dim=-1).indices == labels[:, None]).any(dim=-1)[keep].sum()
+            if progress is not None:
+                progress(taken)
     if world > 1:
         dist.all_reduce(confusion)
         dist.all_reduce(top5)
@@ -436,15 +444,17 @@ def retrieval_metrics(model: nn.Module, tokenizer: Callable, rs: RetrievalSet, d
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     padding = (torch.zeros(1, *image_shape(model)), torch.tensor([-1]), [[""]])  # id -1: dropped below
     images, image_ids, texts, owners = [], [], [], []
-    for batch, taken in _shares(rs.batches(rank, world, batch_size, workers), rs.max_samples, rank, world, device):
-        pixels, ids, captions = batch or padding
-        images.append(F.normalize(model.encode_image(pixels.to(device)).float(), dim=-1))
-        tokens = tokenizer([caption for group in captions for caption in group]).to(device)
-        texts.append(F.normalize(model.encode_text(tokens).float(), dim=-1))
-        image_ids.append(ids.to(device))
-        owners.append(ids.repeat_interleave(torch.tensor([len(group) for group in captions])).to(device))
-        if progress is not None:
-            progress(taken)
+    shares = _shares(rs.batches(rank, world, batch_size, workers), rs.max_samples, rank, world, device)
+    with contextlib.closing(shares):
+        for batch, taken in shares:
+            pixels, ids, captions = batch or padding
+            images.append(F.normalize(model.encode_image(pixels.to(device)).float(), dim=-1))
+            tokens = tokenizer([caption for group in captions for caption in group]).to(device)
+            texts.append(F.normalize(model.encode_text(tokens).float(), dim=-1))
+            image_ids.append(ids.to(device))
+            owners.append(ids.repeat_interleave(torch.tensor([len(group) for group in captions])).to(device))
+            if progress is not None:
+                progress(taken)
     reshard(model)
     model.train(was_training)
     if not images:  # not one round: the set is empty (every rank knows)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import multiprocessing
 import signal
 import sys
 import threading
@@ -97,9 +98,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_SPEC
     except BaseException as exc:
         write_crash_report(job.run_dir, env.rank, exc)
+        stop_child_processes()
         raise
     finally:
         dist.destroy_process_group()
+
+
+def stop_child_processes() -> None:
+    """Kill this rank's multiprocessing children (data workers a failure left running). They ignore the
+    stop signals (fsdpclip.data.ignore_stop_signals), and at exit multiprocessing would send them SIGTERM
+    and wait for them: the rank would never end, not even on SIGTERM, which it keeps for its own stop."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
 
 
 def import_in_background(modules: list[str], absent: tuple[str, ...] = ()) -> threading.Thread:

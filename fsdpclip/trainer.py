@@ -83,10 +83,16 @@ class Trainer:
         if not candidates and isinstance(self.batches, WebDatasetBatches):
             self.batches.start()  # a fresh run's data workers fill their queues while the model is built
         try:
-            self.model = self._build_model(meta_model, towers)
-        except BaseException:
+            self._set_up(meta_model, towers, candidates)
+        except BaseException:  # the data workers ignore stop signals: none may outlive a start that failed
             self.close()
             raise
+
+    def _set_up(self, meta_model: torch.nn.Module, towers, candidates: list[Path]) -> None:
+        """Everything after the data: the sharded model, optimizer, schedule, scaler and loss, then the
+        resumed state."""
+        job, env = self.job, self.env
+        self.model = self._build_model(meta_model, towers)
         self.startup.mark("model")
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.total_steps = job.total_steps(env.world_size)

@@ -344,3 +344,31 @@ def test_retrieval_spec_is_checked(tiny_job, digits_dir, tmp_path, cli):
                                                       "eval.retrieval[1].path"], problems
     assert "retrieval dataset folder not found" in problems[0][1] and "has no caption file" in problems[2][1]
     assert problems[1][1] == "a second set named 'nowhere'"
+
+
+@pytest.mark.parametrize("kind", ["zeroshot", "retrieval"])
+def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
+    """An evaluation that fails mid-set (a CUDA out-of-memory, a collective timing out) stops its data
+    workers at once: they ignore the stop signals, and a rank holding them in its traceback would never
+    exit (multiprocessing waits for them at exit)."""
+    import multiprocessing
+
+    from fsdpclip.evaluate import evaluate_set, load_eval_set
+    from fsdpclip.model import build_model, build_tokenizer, image_transform, model_config
+    from fsdpclip.spec import ModelSpec, RetrievalSpec, ZeroShotSpec
+
+    spec = ModelSpec(config=str(TINY_CONFIG))
+    model = build_model(spec, device="cpu")
+    path = str(digits_dir / "test")
+    set_spec = ZeroShotSpec(dataset="digits", path=path) if kind == "zeroshot" else RetrievalSpec(path=path, name="d")
+    data = load_eval_set(set_spec, image_transform(model, train=False))
+
+    def encode_image(images, **kwargs):
+        assert len(multiprocessing.active_children()) == 2  # the set's data workers
+        raise RuntimeError("out of memory (the test's)")
+
+    model.encode_image = encode_image
+    with pytest.raises(RuntimeError, match="the test's") as failure:
+        evaluate_set(model, build_tokenizer(model_config(spec)), data, torch.device("cpu"), 4, workers=2)
+    assert failure.value.__traceback__ is not None  # the failing frames are still held, as in a rank's crash
+    assert multiprocessing.active_children() == []

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_CONFIG, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
-from ranks import REPO, run_group
+from ranks import REPO, json_result, run_group
 
 
 def _start(path: Path, log: Path, *extra: str) -> subprocess.Popen:
@@ -296,3 +296,39 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_nothing_behind(tmp_
     with pytest.raises(UnicodeEncodeError):
         write_atomically(target, "new \ud800")  # a lone surrogate: encoding fails inside the write
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["exit.json"]
+
+
+# A rank (world of one) whose trainer starts a child process that ignores SIGTERM, as data workers do,
+# and then crashes; prints what `train.main` raised and how many children were left. argv: the job file.
+_CRASH_WITH_A_CHILD = """
+import json, multiprocessing, signal, sys, time
+from fsdpclip import train, trainer
+
+def stubborn():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+
+class Crashing:
+    def __init__(self, *args, **kwargs):
+        multiprocessing.Process(target=stubborn, daemon=True).start()
+
+    def fit(self):
+        raise RuntimeError("crashed on purpose")
+
+    def close(self):
+        pass
+
+trainer.Trainer = Crashing
+try:
+    train.main([sys.argv[1]])
+except RuntimeError as exc:
+    print(json.dumps({"error": str(exc), "children": len(multiprocessing.active_children())}))
+"""
+
+
+def test_a_crashing_rank_stops_its_children_and_exits(tmp_path, tiny_job):
+    """A rank that crashes while a child that ignores the stop signals runs (a data worker) kills it and
+    ends: multiprocessing would otherwise wait for it at exit forever, the rank keeping SIGTERM for itself."""
+    tiny_job["launch"]["gpus_per_node"] = 1
+    result = json_result([sys.executable, "-c", _CRASH_WITH_A_CHILD, str(write_job(tmp_path, tiny_job))], timeout=60)
+    assert result == {"error": "crashed on purpose", "children": 0}

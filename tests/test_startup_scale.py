@@ -168,8 +168,9 @@ def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
     assert hf_text_tower(ModelSpec(name="ViT-B-32", text={"hf": {"path": str(tmp_path)}}))
 
 
-# Builds a Trainer on a world of one whose model build only records the live data workers and stops;
-# argv: the job file, and "resume" to have a checkpoint to resume from.
+# Builds a Trainer on a world of one that fails in its model build ("fresh", "resumed": with a checkpoint to
+# resume from) or after it ("late": building the optimizer), recording the live data workers at the failure;
+# argv: the job file and the case.
 _WORKERS_DURING_BUILD = """
 import json, multiprocessing, sys
 from pathlib import Path
@@ -177,18 +178,21 @@ from fsdpclip import trainer
 from fsdpclip.distributed import init_distributed
 from fsdpclip.jobfile import load_job
 
-job = load_job(Path(sys.argv[1]))
+job, case = load_job(Path(sys.argv[1])), sys.argv[2]
 job.run_dir.mkdir(parents=True)
 env = init_distributed("cpu", 60)
-if sys.argv[2:] == ["resume"]:
+if case == "resumed":
     trainer.Checkpointer.resume_candidates = lambda self: [job.run_dir / "step_00000001"]
 seen = {}
 
-def build(self, model, towers):
+def fail(*args, **kwargs):
     seen["during"] = len(multiprocessing.active_children())
-    raise RuntimeError("model build stopped by the test")
+    raise RuntimeError("start stopped by the test")
 
-trainer.Trainer._build_model = build
+if case == "late":
+    trainer.build_optimizer = fail
+else:
+    trainer.Trainer._build_model = fail
 try:
     trainer.Trainer(job, env)
 except RuntimeError as exc:  # its traceback still holds the trainer: the workers are stopped, not collected
@@ -197,16 +201,16 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resumed"])
-def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, tiny_job, resume):
+@pytest.mark.parametrize("case", ["fresh", "resumed", "late"])
+def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, tiny_job, case):
     """A fresh run's data workers are running while the model is built (they fill their queues
-    meanwhile), and stop when the build fails; a resumed run starts them only after its position is loaded."""
+    meanwhile), and stop when the build, or anything after it, fails; a resumed run starts them only
+    after its position is loaded."""
     tiny_job["data"]["workers"] = 2
     tiny_job["launch"]["gpus_per_node"] = 1
     path = tmp_path / "job.json"
     path.write_text(json.dumps(tiny_job))
-    seen = json_result([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), *(["resume"] if resume else [])],
-                       timeout=180)
-    assert seen["error"] == "model build stopped by the test"
-    assert seen["during"] == (0 if resume else 2)
+    seen = json_result([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), case], timeout=180)
+    assert seen["error"] == "start stopped by the test"
+    assert seen["during"] == (0 if case == "resumed" else 2)
     assert seen["after"] == 0
