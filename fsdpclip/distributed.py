@@ -89,11 +89,11 @@ def all_mean(values: list[float], device: torch.device) -> list[float]:
     return (tensor / dist.get_world_size()).tolist()
 
 
-def all_max(value: int, device: torch.device) -> int:
-    """The largest of one integer over all ranks (one collective)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+def all_max(values: list[int], device: torch.device) -> list[int]:
+    """The largest of each integer over all ranks (one collective)."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return tensor.tolist()
 
 
 def all_sum(values: list[float], device: torch.device) -> list[float]:

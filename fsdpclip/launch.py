@@ -184,9 +184,9 @@ exit "${code:-$status}"
 
 SBATCH_TRAP = r"""
 # Preemption or the time limit: Slurm sends USR1 to this script only (--signal=B:USR1@S). It becomes
-# a stop request in the run directory, which rank 0 reads every 10 steps: the ranks finish their
-# step, checkpoint and exit 75. No signal reaches torchrun (it would kill its ranks 30 s later) or
-# the data workers.
+# a stop request in the run directory, which rank 0 reads at each stop check (at most 10 steps or about
+# 2 s apart): the ranks finish their step, checkpoint and exit 75. No signal reaches torchrun (it would
+# kill its ranks 30 s later) or the data workers.
 preempted=
 trap 'preempted=1; echo "fsdpclip: USR1: asking the trainer to checkpoint and stop"; touch "$run_dir/stop"' USR1
 """

@@ -9,7 +9,8 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
     75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, or a stop request in RUN_DIR/stop):
-        the ranks agree on it within 10 steps, save a checkpoint and stop; start the job again
+        the ranks agree on it at their next stop check (every 10 steps; about every 2 s where steps
+        are slower), save a checkpoint and stop; start the job again
         in the same run directory to resume
 A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report.
 """

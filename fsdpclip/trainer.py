@@ -51,10 +51,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
 STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
-# Ranks agree on a stop signal every this many steps: one small blocking collective, whose cost
-# is negligible at this interval, and no extra process group (a gloo group connects every pair
-# of ranks, which does not scale).
+# Ranks agree on a stop signal every STOP_CHECK_STEPS steps at most: one small blocking collective,
+# whose cost is negligible at this interval, and no extra process group (a gloo group connects every
+# pair of ranks, which does not scale). Where steps are slow, more often: about STOP_CHECK_SECONDS apart
+# (a scheduler's grace between SIGTERM and SIGKILL is 30 s by default on Slurm; ten 10-second steps of a
+# 10B model would outlast it).
 STOP_CHECK_STEPS = 10
+STOP_CHECK_SECONDS = 2.0
 
 
 class Stop(Exception):
@@ -292,6 +295,7 @@ class Trainer:
             self._report_exit(EXIT_OK, message)
             return EXIT_OK
         code = EXIT_CRASH  # unless the loop ends as planned
+        self.stop_interval, self.checked = STOP_CHECK_STEPS, (self.step, time.perf_counter())
         try:
             while self.step < self.total_steps:
                 loss, grad_norm = self.train_step(window)
@@ -315,15 +319,15 @@ class Trainer:
                     metrics.write(record)
                     window.reset()
                     window_loss.zero_()
+                self.checkpointer.finish_pending(wait=False)
+                if self.step % self.stop_interval == 0 and not last:
+                    self._stop_if_asked()  # before an evaluation: a stop's checkpoint must not wait for one
                 if job.eval.sets and ((job.eval.every_steps and self.step % job.eval.every_steps == 0 and not last)
                                       or (last and job.eval.at_end)):
                     self._evaluate_and_report(metrics)
-                self.checkpointer.finish_pending(wait=False)
                 every = job.checkpoint.every_steps
                 if every and self.step % every == 0 and not last:
                     self.save(asynchronous=job.checkpoint.async_save)
-                if self.step % STOP_CHECK_STEPS == 0 and not last:
-                    self._stop_if_asked()
             if job.checkpoint.at_end:
                 self.save()
             self.checkpointer.finish_pending(wait=True)
@@ -340,11 +344,15 @@ class Trainer:
 
     def _stop_if_asked(self) -> None:
         """Agree with the other ranks on a stop (a signal to any rank, or a request file seen by rank 0);
-        if there is one, checkpoint and stop with EXIT_PREEMPTED."""
+        if there is one, checkpoint and stop with EXIT_PREEMPTED. Otherwise set the interval to the next
+        check from the slowest rank's step time since this one's last (the same on every rank)."""
         asked = self.signals.received if self.signals else 0
         if self.env.is_main and stop_requested(self.job.run_dir, launch_time()):
             asked = STOP_REQUEST
-        reason = all_max(asked, self.env.device)
+        now = time.perf_counter()
+        step_ms = 1000 * (now - self.checked[1]) / max(1, self.step - self.checked[0])
+        reason, slowest_ms = all_max([asked, math.ceil(step_ms)], self.env.device)
+        self.checked, self.stop_interval = (self.step, now), stop_check_interval(slowest_ms / 1000)
         if not reason:
             return
         path = self.save()
@@ -451,6 +459,13 @@ class Trainer:
         if self.env.is_main:
             write_exit_report(self.job.run_dir, code, message, self.step, str(latest_checkpoint(self.job.run_dir) or ""))
         dist.barrier()
+
+
+def stop_check_interval(step_seconds: float) -> int:
+    """Steps between two stop checks for steps of `step_seconds`: the most of 10, 5, 2 and 1 that keeps
+    them STOP_CHECK_SECONDS apart (1 for steps longer than that). Divisors of STOP_CHECK_STEPS, so that
+    fast steps are checked at its multiples."""
+    return next((n for n in (STOP_CHECK_STEPS, 5, 2) if n * step_seconds <= STOP_CHECK_SECONDS), 1)
 
 
 @contextlib.contextmanager

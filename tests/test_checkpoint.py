@@ -50,6 +50,25 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def test_slow_steps_are_checked_for_a_stop_more_often(tmp_path, digits_dir):
+    """Where steps are slow (0.45 s more each here), the ranks agree on a stop about every 2 s instead of
+    every 10 steps: SIGUSR1 on rank 1 after step 11 stops the run after step 12 at the latest (10 steps
+    apart, after step 20), with its checkpoint and exit 75."""
+    path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "slow"))
+    run = _with_fault(path, "slow:0.45+signal:1:11")
+    run_dir = tmp_path / "runs" / "slow"
+    report = json.loads((run_dir / "exit.json").read_text())
+    assert report["code"] == 75 and "SIGUSR1 received" in report["message"], run.stdout[-4000:]
+    assert latest_checkpoint(run_dir).name in ("step-00000011", "step-00000012"), report["message"]
+
+
+def test_stop_check_interval():
+    """Divisors of 10 steps, as many as fit in 2 s; every step once a step takes longer."""
+    from fsdpclip.trainer import stop_check_interval
+
+    assert [stop_check_interval(s) for s in (0.01, 0.2, 0.3, 0.4, 0.45, 1.0, 1.5, 30.0)] == [10, 10, 5, 5, 2, 2, 1, 1]
+
+
 def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):
     """SIGUSR1 on rank 1 alone at step 5: the ranks agree at step 10, checkpoint and exit 75. Resumed in
     the same run directory while rank 1 sees a stale `latest` (rank 0 chooses for all), the run ends

@@ -1,9 +1,11 @@
 """Runs `fsdpclip.train` under torchrun with one fault injected, then exits with its code.
 
     faults.py JOB signal:RANK:STEP       RANK sends itself SIGUSR1 after STEP
+    faults.py JOB slow:SECONDS           every step of every rank takes SECONDS longer
     faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
     faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
     faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
+Several at once: FAULT+FAULT.
 """
 
 from __future__ import annotations
@@ -11,18 +13,32 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 
-from fsdpclip import checkpoint, train
+from fsdpclip import checkpoint, train, trainer
 
 
-def main(job: str, fault: str) -> int:
+def main(job: str, faults: str) -> int:
+    for fault in faults.split("+"):
+        inject(fault, int(os.environ["RANK"]))
+    return train.main([job])
+
+
+def inject(fault: str, rank: int) -> None:
     kind, *args = fault.split(":")
-    rank = int(os.environ["RANK"])
-    if kind == "signal":
+    if kind == "slow":
+        seconds, step = float(args[0]), trainer.Trainer.train_step
+
+        def slow_step(self, window):
+            time.sleep(seconds)
+            return step(self, window)
+
+        trainer.Trainer.train_step = slow_step
+    elif kind == "signal":
         target, at = int(args[0]), int(args[1])
-        step = train.Trainer.train_step
+        step = trainer.Trainer.train_step
 
         def train_step(self, window):
             out = step(self, window)
@@ -30,10 +46,10 @@ def main(job: str, fault: str) -> int:
                 os.kill(os.getpid(), signal.SIGUSR1)
             return out
 
-        train.Trainer.train_step = train_step
+        trainer.Trainer.train_step = train_step
     elif kind == "nan":
         at = int(args[0])
-        build = train.build_loss
+        build = trainer.build_loss
 
         def build_loss(spec, rank_, world):
             loss_fn = build(spec, rank_, world)
@@ -46,7 +62,7 @@ def main(job: str, fault: str) -> int:
 
             return poisoned
 
-        train.build_loss = build_loss
+        trainer.build_loss = build_loss
     elif kind == "crash-save":
         target, nth = int(args[0]), int(args[1])
         write = checkpoint.Checkpointer._write_rank_state
@@ -64,7 +80,6 @@ def main(job: str, fault: str) -> int:
         if rank == target:
             checkpoint.latest_checkpoint = lambda run_dir: checkpoint.Path(run_dir) / checkpoint.CHECKPOINTS / \
                 checkpoint.checkpoint_name(step)
-    return train.main([job])
 
 
 if __name__ == "__main__":
