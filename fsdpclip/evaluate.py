@@ -363,24 +363,22 @@ def _shares(batches: Iterator, limit: Optional[int], rank: int, world: int, devi
     """This rank's batches with the images all ranks take in that round, ending on every rank at once:
     when all ranks' batches are done or `limit` images are taken. Each round the ranks take images
     in rank order up to the limit, so the count is exact for any number of ranks and data workers;
-    a rank with nothing to take gets None and runs a padding forward. Closing it (or its end) closes
-    `batches`: their data workers stop then, also when the caller fails mid-set."""
+    a rank with nothing to take gets None and runs a padding forward."""
     taken = 0
-    with contextlib.closing(batches):
-        while True:
-            batch = next(batches, None)
-            size = 0 if batch is None else len(batch[0])
-            sizes = [size]
-            if world > 1:
-                gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-                dist.all_gather(gathered, torch.tensor([size], dtype=torch.int64, device=device))
-                sizes = torch.cat(gathered).tolist()
-            left = sum(sizes) if limit is None else min(sum(sizes), limit - taken)
-            if left <= 0:
-                return
-            share = max(0, min(size, left - sum(sizes[:rank])))
-            taken += left
-            yield (tuple(part[:share] for part in batch) if share else None), left
+    while True:
+        batch = next(batches, None)
+        size = 0 if batch is None else len(batch[0])
+        sizes = [size]
+        if world > 1:
+            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+            dist.all_gather(gathered, torch.tensor([size], dtype=torch.int64, device=device))
+            sizes = torch.cat(gathered).tolist()
+        left = sum(sizes) if limit is None else min(sum(sizes), limit - taken)
+        if left <= 0:
+            return
+        share = max(0, min(size, left - sum(sizes[:rank])))
+        taken += left
+        yield (tuple(part[:share] for part in batch) if share else None), left
 
 
 @torch.no_grad()

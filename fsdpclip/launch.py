@@ -185,7 +185,7 @@ exit "${code:-$status}"
 SBATCH_TRAP = r"""
 # Preemption or the time limit: Slurm sends USR1 to this script only (--signal=B:USR1@S). It becomes
 # a stop request in the run directory, which rank 0 reads at each stop check (at most 10 steps or about
-# 2 s apart): the ranks finish their step, checkpoint and exit 75. No signal reaches torchrun (it would
+# 10 s apart): the ranks finish their step, checkpoint and exit 75. No signal reaches torchrun (it would
 # kill its ranks 30 s later) or the data workers.
 preempted=
 trap 'preempted=1; echo "fsdpclip: USR1: asking the trainer to checkpoint and stop"; touch "$run_dir/stop"' USR1
@@ -290,8 +290,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
         received.append(signum)
         if len(received) == 1:
             request_stop(run_dir)
-            print(f"fsdpclip: {signal.Signals(signum).name}: the ranks checkpoint and stop within "
-                  "10 steps (again to stop at once)", file=sys.stderr, flush=True)
+            print(f"fsdpclip: {signal.Signals(signum).name}: the ranks checkpoint and stop at their "
+                  "next stop check (again to stop at once)", file=sys.stderr, flush=True)
         else:
             kill_tree(process.pid)
 

@@ -9,8 +9,8 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
     75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, or a stop request in RUN_DIR/stop):
-        the ranks agree on it at their next stop check (every 10 steps; about every 2 s where steps
-        are slower), save a checkpoint and stop; start the job again
+        the ranks agree on it at their next stop check (after the first step, then every 10 steps;
+        about every 10 s where steps take over a second), save a checkpoint and stop; start the job again
         in the same run directory to resume
 A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report.
 """
@@ -79,8 +79,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
     job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint's.
+        from fsdpclip.trainer import Stop, Trainer, run_lock
         from fsdpclip.checkpoint import CheckpointError
-        from fsdpclip.trainer import Stop, Trainer, run_lock  # waits for the thread's import
 
         startup.mark("trainer_imported")
         try:
@@ -98,8 +99,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     write_exit_report(job.run_dir, EXIT_SPEC, message, None, "")
             return EXIT_SPEC
     except BaseException as exc:
-        write_crash_report(job.run_dir, env.rank, exc)
-        stop_child_processes()
+        try:
+            write_crash_report(job.run_dir, env.rank, exc)
+        finally:
+            stop_child_processes()
         raise
     finally:
         dist.destroy_process_group()

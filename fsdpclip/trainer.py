@@ -14,7 +14,7 @@ import signal
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,19 +45,16 @@ from fsdpclip.spec import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.weights import initial_model
 
-if TYPE_CHECKING:
-    from fsdpclip.train import StopSignals
-
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
 STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
-# Ranks agree on a stop signal every STOP_CHECK_STEPS steps at most: one small blocking collective,
-# whose cost is negligible at this interval, and no extra process group (a gloo group connects every
-# pair of ranks, which does not scale). Where steps are slow, more often: about STOP_CHECK_SECONDS apart
-# (a scheduler's grace between SIGTERM and SIGKILL is 30 s by default on Slurm; ten 10-second steps of a
-# 10B model would outlast it).
+# Ranks agree on a stop signal after each launch's first step, then every STOP_CHECK_STEPS steps at most:
+# one small blocking collective, whose cost is negligible at this interval, and no extra process group (a
+# gloo group connects every pair of ranks, which does not scale). Where steps are slow, more often: about
+# STOP_CHECK_SECONDS apart, or every step (a scheduler's grace between SIGTERM and SIGKILL is 30 s by
+# default on Slurm; ten 10-second steps of a 10B model would outlast it).
 STOP_CHECK_STEPS = 10
-STOP_CHECK_SECONDS = 2.0
+STOP_CHECK_SECONDS = 10.0
 
 
 class Stop(Exception):
@@ -71,8 +68,8 @@ class Stop(Exception):
 class Trainer:
     """One rank's share of a sharded training run, built from the job spec."""
 
-    def __init__(self, job: Job, env: Dist, signals: Optional[StopSignals] = None,
-                 startup: Optional[StartupClock] = None):
+    def __init__(self, job: Job, env: Dist, signals=None, startup: Optional[StartupClock] = None):
+        """`signals`: what tells the loop a stop signal came (fsdpclip.train.StopSignals: `received`)."""
         self.job, self.env, self.signals = job, env, signals
         self.startup = startup or StartupClock()
         self.model_config = model_config(job.model)
@@ -296,6 +293,7 @@ class Trainer:
             return EXIT_OK
         code = EXIT_CRASH  # unless the loop ends as planned
         self.stop_interval, self.checked = STOP_CHECK_STEPS, (self.step, time.perf_counter())
+        first = self.step + 1  # a check after it sets the pace (its time includes the start-up's compiling)
         try:
             while self.step < self.total_steps:
                 loss, grad_norm = self.train_step(window)
@@ -320,7 +318,7 @@ class Trainer:
                     window.reset()
                     window_loss.zero_()
                 self.checkpointer.finish_pending(wait=False)
-                if self.step % self.stop_interval == 0 and not last:
+                if (self.step % self.stop_interval == 0 or self.step == first) and not last:
                     self._stop_if_asked()  # before an evaluation: a stop's checkpoint must not wait for one
                 if job.eval.sets and ((job.eval.every_steps and self.step % job.eval.every_steps == 0 and not last)
                                       or (last and job.eval.at_end)):
@@ -463,8 +461,8 @@ class Trainer:
 
 def stop_check_interval(step_seconds: float) -> int:
     """Steps between two stop checks for steps of `step_seconds`: the most of 10, 5, 2 and 1 that keeps
-    them STOP_CHECK_SECONDS apart (1 for steps longer than that). Divisors of STOP_CHECK_STEPS, so that
-    fast steps are checked at its multiples."""
+    them STOP_CHECK_SECONDS apart (1 for steps longer than 5 s). Divisors of STOP_CHECK_STEPS, so that
+    steps of up to a second are checked at its multiples."""
     return next((n for n in (STOP_CHECK_STEPS, 5, 2) if n * step_seconds <= STOP_CHECK_SECONDS), 1)
 
 

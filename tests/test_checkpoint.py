@@ -51,22 +51,27 @@ def _losses(run_dir) -> dict[int, float]:
 
 
 def test_slow_steps_are_checked_for_a_stop_more_often(tmp_path, digits_dir):
-    """Where steps are slow (0.45 s more each here), the ranks agree on a stop about every 2 s instead of
-    every 10 steps: SIGUSR1 on rank 1 after step 11 stops the run after step 12 at the latest (10 steps
-    apart, after step 20), with its checkpoint and exit 75."""
-    path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "slow"))
-    run = _with_fault(path, "slow:0.45+signal:1:11")
+    """Where steps are slow (1.5 s more each here), the ranks agree on a stop every few steps (paced after
+    the first step) instead of every 10: SIGUSR1 on rank 1 after step 3 stops the run after step 5 at the
+    latest (10 steps apart, after step 10), with its checkpoint and exit 75, and before the evaluation
+    due at that step."""
+    job = preemptible_job(tmp_path / "runs", digits_dir, "slow")
+    job["eval"] = {"zeroshot": [{"dataset": "digits", "path": str(digits_dir / "test"), "max_samples": 8}],
+                   "every_steps": 5, "batch_per_gpu": 8}
+    run = _with_fault(write_job(tmp_path, job), "slow:1.5+signal:1:3")
     run_dir = tmp_path / "runs" / "slow"
     report = json.loads((run_dir / "exit.json").read_text())
     assert report["code"] == 75 and "SIGUSR1 received" in report["message"], run.stdout[-4000:]
-    assert latest_checkpoint(run_dir).name in ("step-00000011", "step-00000012"), report["message"]
+    assert latest_checkpoint(run_dir).name in ("step-00000004", "step-00000005"), report["message"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in records if "zeroshot/digits" in r]  # the stop came first
 
 
 def test_stop_check_interval():
-    """Divisors of 10 steps, as many as fit in 2 s; every step once a step takes longer."""
+    """Divisors of 10 steps, as many as fit in 10 s; every step once a step takes longer than 5 s."""
     from fsdpclip.trainer import stop_check_interval
 
-    assert [stop_check_interval(s) for s in (0.01, 0.2, 0.3, 0.4, 0.45, 1.0, 1.5, 30.0)] == [10, 10, 5, 5, 2, 2, 1, 1]
+    assert [stop_check_interval(s) for s in (0.01, 1.0, 1.5, 2.0, 3.0, 5.0, 6.0, 60.0)] == [10, 10, 5, 5, 2, 2, 1, 1]
 
 
 def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):

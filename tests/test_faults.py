@@ -50,7 +50,7 @@ def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Pat
 
 
 def _wait_just_past_a_stop_check(run_dir: Path, process: subprocess.Popen, log: Path) -> None:
-    """Until the ranks have just passed a stop check (they agree every 10 steps), so that a signal sent
+    """Until the ranks have just passed a stop check (every 10 steps for these fast steps), so that a signal sent
     now leaves them several steps of work before they can act on it."""
     step = 11
     while True:
