@@ -7,6 +7,7 @@ checks that no process of the job outlives it (scanning /proc for the job's file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,7 +63,12 @@ def _wait_just_past_a_stop_check(run_dir: Path, process: subprocess.Popen, log: 
 
 def _job_processes(run_dir: Path) -> list[int]:
     """Processes whose command line names the run's job file (torchrun, its ranks)."""
-    needle, found = str(run_dir / "job.json").encode(), []
+    return _processes_naming(run_dir / "job.json")
+
+
+def _processes_naming(path: Path) -> list[int]:
+    """Processes whose command line names `path` (torchrun, its ranks, their data workers)."""
+    needle, found = str(path).encode(), []
     for entry in os.listdir("/proc"):
         try:
             if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
@@ -332,3 +338,31 @@ def test_a_crashing_rank_stops_its_children_and_exits(tmp_path, tiny_job):
     tiny_job["launch"]["gpus_per_node"] = 1
     result = json_result([sys.executable, "-c", _CRASH_WITH_A_CHILD, str(write_job(tmp_path, tiny_job))], timeout=60)
     assert result == {"error": "crashed on purpose", "children": 0}
+
+
+def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_dir):
+    """Both ranks fail in their first evaluation (an out-of-memory on the first batch) while the training's
+    and the evaluation's data workers run (they ignore SIGTERM): each rank reports its crash and ends, and
+    torchrun with it; no process of the job is left (any that is, is killed by pid and fails the test)."""
+    job = preemptible_job(tmp_path / "runs", digits_dir, "evalcrash")
+    job["eval"] = {"zeroshot": [{"dataset": "digits", "path": str(digits_dir / "test"), "max_samples": 8}],
+                   "every_steps": 2, "batch_per_gpu": 8}
+    path = write_job(tmp_path, job)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "tests/workers/faults.py", str(path), "eval-crash"]
+    with open(tmp_path / "run.log", "w") as log:  # a file: ranks left running would hold a pipe open
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            code = process.wait(timeout=180)
+        finally:
+            left = _processes_naming(path)  # ranks run in sessions of their own: not in torchrun's group
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process.wait()
+    assert left == [] and code != 0, (left, (tmp_path / "run.log").read_text()[-3000:])
+    logs = tmp_path / "runs" / "evalcrash" / "logs"
+    for rank in (0, 1):
+        report = json.loads((logs / f"crash-rank-{rank:05d}.json").read_text())
+        assert "out of memory in the evaluation (injected)" in report["error"]

@@ -2,6 +2,7 @@
 
     faults.py JOB signal:RANK:STEP       RANK sends itself SIGUSR1 after STEP
     faults.py JOB slow:SECONDS           every step of every rank takes SECONDS longer
+    faults.py JOB eval-crash             every rank's first evaluation fails on its first batch (its data workers running)
     faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
     faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
     faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
@@ -36,6 +37,17 @@ def inject(fault: str, rank: int) -> None:
             return step(self, window)
 
         trainer.Trainer.train_step = slow_step
+    elif kind == "eval-crash":
+        evaluate = trainer.Trainer.evaluate
+
+        def failing_evaluate(self):
+            def encode_image(*args, **kwargs):
+                raise RuntimeError("out of memory in the evaluation (injected)")
+
+            self.model.encode_image = encode_image
+            return evaluate(self)
+
+        trainer.Trainer.evaluate = failing_evaluate
     elif kind == "signal":
         target, at = int(args[0]), int(args[1])
         step = trainer.Trainer.train_step
