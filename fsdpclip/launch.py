@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,14 +277,14 @@ def run_local(job: Job, flags: LaunchFlags) -> dict:
 
 
 def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
-    """Run `command` (torchrun) in its own session with inherited output, and return its exit status.
+    """Run `command` (torchrun) in its own session with inherited output (`start`), and return its exit status.
 
     A first SIGTERM or Ctrl-C to this process (or to its process group: the terminal's Ctrl-C, a
     scheduler's `kill -TERM -PGID`) becomes a stop request in RUN_DIR/stop: the ranks checkpoint and
     exit 75 (no signal reaches torchrun, which would give them only 30 s on torch < 2.12). A second
     one stops everything at once: SIGKILL to torchrun and every process under it (status 130).
     """
-    process = subprocess.Popen(command, env=env, start_new_session=True)
+    process = start(command, env)
     received: list[int] = []
 
     def handle(signum, frame) -> None:
@@ -302,6 +303,58 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def start(command: list[str], env: dict[str, str]):
+    """Start `command` in a session of its own; returns what has `pid` and `wait()` (a Popen's exit status).
+
+    torchrun's own command (this interpreter, `-m fsdpclip.torchrun`) runs in a forked child of this
+    process instead of a new interpreter: this launcher has imported torch already, which a new one would
+    import again before torchrun's agent could start (1.7 s on a 2-core machine). The agent starts its
+    ranks as new interpreters either way.
+    """
+    if command[:3] == [sys.executable, "-m", TORCHRUN] and hasattr(os, "fork"):
+        return ForkedTorchrun(command[3:], env)
+    return subprocess.Popen(command, env=env, start_new_session=True)
+
+
+class ForkedTorchrun:
+    """`python -m fsdpclip.torchrun ARGS` as a forked child in a new session, with `env` as its environment
+    and a fresh interpreter's signal handlers; it never returns into the launcher's code."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os._exit(self._run(args, env))
+
+    @staticmethod
+    def _run(args: list[str], env: dict[str, str]) -> int:
+        code = 1
+        try:
+            os.setsid()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = [TORCHRUN, *args]
+            from fsdpclip.torchrun import main
+
+            code = main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+        return code
+
+    def wait(self) -> int:
+        """The child's exit status: its code, or minus the signal that ended it."""
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
 
 
 def kill_tree(pid: int) -> None:

@@ -100,6 +100,66 @@ def test_torchrun_commands():
         "--master-port=29400 -m fsdpclip.train /runs/x/job.json")
 
 
+# A rank of the forked-torchrun tests: writes what it sees, then exits 75 (a deliberate ending) or waits to be killed.
+_PROBE_RANK = """
+import json, os, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+seen = {"probe": os.environ.get("FSDPCLIP_PROBE"), "parent": os.getppid(), "session": os.getsid(0), "pid": os.getpid()}
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+if sys.argv[2] == "wait":
+    time.sleep(120)
+sys.exit(75)
+"""
+
+
+def _probe_ranks(tmp_path, mode: str):
+    """Two probe ranks under `launch.start` with the launcher's own torchrun command and one more variable."""
+    from fsdpclip.launch import TORCHRUN, start
+
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE_RANK)
+    command = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), str(tmp_path), mode]
+    return start(command, {**os.environ, "FSDPCLIP_PROBE": "from the spec"})
+
+
+def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path):
+    """The launcher forks torchrun (no second import of torch); the ranks get the job's environment, the
+    launcher's own is untouched, and a deliberate exit code comes back as it is."""
+    from fsdpclip.launch import ForkedTorchrun
+
+    torchrun = _probe_ranks(tmp_path, "exit")
+    assert isinstance(torchrun, ForkedTorchrun)
+    assert torchrun.wait() == 75
+    assert "FSDPCLIP_PROBE" not in os.environ
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["probe"] == "from the spec"
+        assert seen["parent"] == torchrun.pid
+
+
+def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path):
+    """The forked torchrun has a session of its own; the launcher's second Ctrl-C is SIGKILL to it and
+    everything under it."""
+    import time
+
+    from fsdpclip.launch import kill_tree
+
+    torchrun = _probe_ranks(tmp_path, "wait")
+    ranks = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
+    deadline = time.time() + 60
+    while not all(path.exists() for path in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [json.loads(path.read_text())["pid"] for path in ranks if path.exists()]
+    session = os.getsid(torchrun.pid)
+    kill_tree(torchrun.pid)
+    assert torchrun.wait() == -9
+    assert len(pids) == 2 and session == torchrun.pid != os.getsid(0)
+    time.sleep(0.5)
+    for pid in pids:  # killed, and reaped by init once their parent was gone
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
 def _tiny(tmp_path, **launch) -> Path:
     return write_job(tmp_path, {
         "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
