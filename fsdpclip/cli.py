@@ -159,8 +159,7 @@ def launch(
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
-    from fsdpclip.checks import check_job
-    from fsdpclip.launch import LaunchError, LaunchFlags, render, resolve_paths, run_local
+    from fsdpclip.launch import LaunchError, LaunchFlags, adopt_job_environment, render, resolve_paths, run_local
     from fsdpclip.jobfile import load_job
     from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
 
@@ -169,6 +168,9 @@ def launch(
     try:
         flags.check()
         job = load_job(job_file, [*overrides, *flags.overrides()])
+        fork_ranks = not slurm and adopt_job_environment(job)  # before validation imports torch
+        from fsdpclip.checks import check_job
+
         report = check_job(job)
         if report.errors:
             _fail(report.problems)
@@ -184,11 +186,11 @@ def launch(
         _submit(job, dry_run)
         return
     console.print(f"[bold]run directory[/bold] {job.run_dir}")
-    console.print(render(flags.torchrun(job)), highlight=False, soft_wrap=True)
+    console.print(render(flags.torchrun(job, fork_ranks)), highlight=False, soft_wrap=True)
     if dry_run:
         return
     try:
-        report = run_local(job, flags)
+        report = run_local(job, flags, fork_ranks)
     except LaunchError as exc:
         _stop(str(exc))
     mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(report["code"], "[red]✗[/red]")

@@ -87,10 +87,10 @@ class LaunchFlags:
         if self.node_rank is not None and self.node_rank >= nodes:
             raise LaunchError(f"--node-rank {self.node_rank} is not below the number of nodes ({nodes})")
 
-    def torchrun(self, job: Job) -> list[str]:
-        """The torchrun command for this node."""
+    def torchrun(self, job: Job, fork_ranks: bool = False) -> list[str]:
+        """The torchrun command for this node (`fork_ranks`: see `torchrun_command`)."""
         return torchrun_command(job.run_dir / JOB_FILE, job.launch.gpus_per_node, job.launch.nodes,
-                                self.node_rank or 0, self.master_addr, job.launch.master_port)
+                                self.node_rank or 0, self.master_addr, job.launch.master_port, fork_ranks=fork_ranks)
 
 
 def resolve_paths(job: Job, base: Path) -> Job:
@@ -124,15 +124,44 @@ def resolve_paths(job: Job, base: Path) -> Job:
 
 def torchrun_command(job_file: Path, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                      master_addr: Optional[str] = None, master_port: Optional[int] = None,
-                     python: str = sys.executable) -> list[str]:
-    """torchrun for this node: standalone on one node, a static rendezvous on several."""
+                     python: str = sys.executable, fork_ranks: bool = False) -> list[str]:
+    """torchrun for this node: standalone on one node, a static rendezvous on several. Each rank is a new
+    interpreter running `-m fsdpclip.train`, or with `fork_ranks` a fork of torchrun running that module's
+    file (torchrun's `--run-path --start-method=fork`): forked from a launcher that has imported torch
+    and OpenCLIP, the ranks need not import them again."""
     command = [python, "-m", TORCHRUN, f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and master_addr is None:
         command.append("--standalone")
     else:
         command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
                     f"--master-port={master_port}"]
+    if fork_ranks:
+        return command + ["--run-path", "--start-method=fork", train_module_file(), str(job_file)]
     return command + ["-m", TRAIN_MODULE, str(job_file)]
+
+
+def train_module_file() -> str:
+    """The path of the rank entry's source file (what torchrun's --run-path runs)."""
+    import importlib.util
+
+    return importlib.util.find_spec(TRAIN_MODULE).origin
+
+
+# Variables that act when an interpreter or its shared libraries load: ranks forked from the launcher could
+# not honour them from the spec's launch.env.
+LOAD_TIME_VARIABLES = ("PYTHON", "LD_")
+
+
+def adopt_job_environment(job: Job) -> bool:
+    """Give this launcher the job's launch.env before it imports torch, so that ranks forked from it start
+    as new interpreters with that environment would; returns whether they may be forked: torch was not
+    imported yet (the variables torch reads at import then hold) and the spec sets none of
+    LOAD_TIME_VARIABLES. What torchrun gives each rank (its rank, OMP_NUM_THREADS, unbuffered output) the
+    rank applies itself (fsdpclip.train.adopt_rank_environment)."""
+    if "torch" in sys.modules or any(key.startswith(LOAD_TIME_VARIABLES) for key in job.launch.env):
+        return False
+    os.environ.update(job.launch.env)
+    return True
 
 
 def render(command: list[str]) -> str:
@@ -256,10 +285,11 @@ def job_environment(job: Job) -> dict[str, str]:
     return env
 
 
-def run_local(job: Job, flags: LaunchFlags) -> dict:
+def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     """Take the run directory (node 0), write RUN_DIR/job.json, run torchrun for this node under
     supervision and wait; returns the exit report, written to exit.json however the job ended
     (torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one).
+    `fork_ranks`: see `torchrun_command` and `adopt_job_environment`.
     """
     token, started = uuid.uuid4().hex, time.time()
     env = {**job_environment(job), LOCK_TOKEN_ENV: token}
@@ -268,7 +298,7 @@ def run_local(job: Job, flags: LaunchFlags) -> dict:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         with lock:
             job.save(job.run_dir / JOB_FILE)
-            status = supervise(flags.torchrun(job), env, job.run_dir)
+            status = supervise(flags.torchrun(job, fork_ranks), env, job.run_dir)
     except RunLocked as exc:
         raise LaunchError(str(exc)) from None
     except OSError as exc:

@@ -61,12 +61,13 @@ def write_atomically(path: Path, content: str | bytes) -> None:
 
 def launch_time() -> float:
     """When `fsdpclip launch` (or the batch script) started the job, else when this process started."""
-    return float(os.environ.get(LAUNCH_TIME_ENV, _PROCESS_START))
+    launched = os.environ.get(LAUNCH_TIME_ENV)
+    return float(launched) if launched is not None else process_start()
 
 
-def _process_start() -> float:
-    """When this process started (Linux: from /proc, so before its imports), else now (also when /proc
-    disagrees with itself, as a container's own /proc/uptime beside the host's start times does)."""
+def process_start() -> float:
+    """When this process started, by exec or fork (Linux: from /proc, so before its imports), else now (also
+    when /proc disagrees with itself, as a container's own /proc/uptime beside the host's start times does)."""
     now = time.time()
     try:
         started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: clock ticks
@@ -77,8 +78,6 @@ def _process_start() -> float:
     return began if now - 600 <= began <= now else now
 
 
-_PROCESS_START = _process_start()
-
 
 class StartupClock:
     """Seconds from the launch to the end of each start-up phase on this rank, in order: what the first
@@ -86,7 +85,7 @@ class StartupClock:
     launch`, whose validation comes before its launch time, that is torchrun's start-up)."""
 
     def __init__(self):
-        self.phases = {"process": round(_PROCESS_START - launch_time(), 2)}
+        self.phases = {"process": round(process_start() - launch_time(), 2)}
 
     def mark(self, phase: str) -> None:
         """The end of `phase`, the first time it is marked."""

@@ -6,11 +6,13 @@ torchrun reports every non-zero exit of a rank with a Python traceback (ChildFai
 ranks ended on purpose (preempted and checkpointed, stopped on a non-finite step, or unable to start:
 the codes of fsdpclip.train, whose message is in RUN_DIR/exit.json), this exits with that code and no
 traceback; ranks that torchrun itself stopped with SIGTERM once the first of them had ended count as
-ending with it. Any other failure is torchrun's own report, unchanged.
+ending with it. Any other failure is torchrun's own report, unchanged. Ranks it forked (--run-path
+--start-method=fork) get the same: their exit code, without the traceback of torchrun's own wait for them.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -20,10 +22,24 @@ DELIBERATE = {EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED}
 TORN_DOWN = -signal.SIGTERM  # a rank torchrun stopped after another had exited
 
 
+class ExitCodeWithoutTraceback(logging.Filter):
+    """torchrun logs a forked rank's non-zero exit with a traceback of its own wait for the rank
+    (ProcessExitedException), which adds nothing to the exit code it logs: drop that traceback, as for
+    ranks it ran as new interpreters. A rank's own exception (ProcessRaisedException) keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from torch.multiprocessing import ProcessExitedException
+
+        if record.exc_info and isinstance(record.exc_info[1], ProcessExitedException):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(ExitCodeWithoutTraceback())
     try:
         torchrun()
     except ChildFailedError as exc:

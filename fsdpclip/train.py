@@ -21,12 +21,14 @@ import contextlib
 import importlib
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from fsdpclip.distributed import init_distributed
@@ -57,6 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Train from a job file on this rank (torchrun sets RANK, WORLD_SIZE and the rendezvous)."""
     startup = StartupClock()
     startup.mark("imports")
+    adopt_rank_environment()
     import argparse
 
     from fsdpclip.problems import SpecError
@@ -76,7 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
     startup.mark("distributed")
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
-                        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
+                        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s", force=True)
     job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint's.
@@ -106,6 +109,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def adopt_rank_environment() -> None:
+    """What a new interpreter under torchrun has, also in a rank forked from the launcher (`fsdpclip launch`
+    forks them where it can: fsdpclip.launch.torchrun_command): default actions for the signals torchrun's
+    agent catches (SIGHUP, SIGQUIT; StopSignals takes the others), OMP_NUM_THREADS as torch's thread count
+    (torch read the variable when it was imported, in the launcher), and unbuffered output
+    (PYTHONUNBUFFERED)."""
+    for signum in (signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=True)
 
 
 def stop_child_processes() -> None:

@@ -113,22 +113,26 @@ sys.exit(75)
 """
 
 
-def _probe_ranks(tmp_path, mode: str):
-    """Two probe ranks under `launch.start` with the launcher's own torchrun command and one more variable."""
+def _probe_ranks(tmp_path, mode: str, forked_ranks: bool):
+    """Two probe ranks under `launch.start` with the launcher's own torchrun command and one more variable;
+    the ranks are new interpreters or forks of torchrun (--run-path --start-method=fork)."""
     from fsdpclip.launch import TORCHRUN, start
 
     script = tmp_path / "probe.py"
     script.write_text(_PROBE_RANK)
-    command = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), str(tmp_path), mode]
+    how = ["--run-path", "--start-method=fork"] if forked_ranks else []
+    command = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc-per-node=2", *how, str(script), str(tmp_path),
+               mode]
     return start(command, {**os.environ, "FSDPCLIP_PROBE": "from the spec"})
 
 
-def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path):
+@pytest.mark.parametrize("forked_ranks", [False, True], ids=["new-interpreter-ranks", "forked-ranks"])
+def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path, capfd, forked_ranks):
     """The launcher forks torchrun (no second import of torch); the ranks get the job's environment, the
-    launcher's own is untouched, and a deliberate exit code comes back as it is."""
+    launcher's own is untouched, and a deliberate exit code comes back as it is, without a traceback."""
     from fsdpclip.launch import ForkedTorchrun
 
-    torchrun = _probe_ranks(tmp_path, "exit")
+    torchrun = _probe_ranks(tmp_path, "exit", forked_ranks)
     assert isinstance(torchrun, ForkedTorchrun)
     assert torchrun.wait() == 75
     assert "FSDPCLIP_PROBE" not in os.environ
@@ -136,16 +140,19 @@ def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["probe"] == "from the spec"
         assert seen["parent"] == torchrun.pid
+    output = capfd.readouterr()
+    assert "exitcode: 75" in output.err and "Traceback" not in output.out + output.err
 
 
-def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path):
+@pytest.mark.parametrize("forked_ranks", [False, True], ids=["new-interpreter-ranks", "forked-ranks"])
+def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path, forked_ranks):
     """The forked torchrun has a session of its own; the launcher's second Ctrl-C is SIGKILL to it and
     everything under it."""
     import time
 
     from fsdpclip.launch import kill_tree
 
-    torchrun = _probe_ranks(tmp_path, "wait")
+    torchrun = _probe_ranks(tmp_path, "wait", forked_ranks)
     ranks = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
     deadline = time.time() + 60
     while not all(path.exists() for path in ranks) and time.time() < deadline:
@@ -158,6 +165,62 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
     time.sleep(0.5)
     for pid in pids:  # killed, and reaped by init once their parent was gone
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
+    """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again) and takes the spec's
+    launch.env before it imports torch; a variable that acts when an interpreter loads (PYTHONPATH, LD_*)
+    keeps new interpreters, as does a launcher that had imported torch already."""
+    for sub in ("pythonpath", "env"):
+        (tmp_path / sub).mkdir()
+    plain = _tiny(tmp_path)
+    pythonpath = _tiny(tmp_path / "pythonpath", env={"PYTHONPATH": str(tmp_path)})
+
+    def dry_run(path: Path) -> str:
+        proc = subprocess.run([sys.executable, "-m", "fsdpclip", "launch", str(path), "--dry-run"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return squeezed(proc.stdout)
+
+    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in dry_run(plain)
+    assert squeezed("-m fsdpclip.train ") in dry_run(pythonpath)
+    code = (
+        "import os, sys\n"
+        "from fsdpclip.jobfile import load_job\n"
+        "from fsdpclip.launch import adopt_job_environment\n"
+        f"job = load_job({str(_tiny(tmp_path / 'env', env={'FSDPCLIP_PROBE': 'x'}))!r})\n"
+        "print(adopt_job_environment(job), os.environ.get('FSDPCLIP_PROBE'))\n"
+        "import torch\n"
+        "del os.environ['FSDPCLIP_PROBE']\n"
+        "print(adopt_job_environment(job), os.environ.get('FSDPCLIP_PROBE'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["True", "x", "False", "None"], proc.stderr
+
+
+_FORKED_RANK = """
+import os, signal, sys, torch
+from fsdpclip.train import adopt_rank_environment
+signal.signal(signal.SIGHUP, lambda *args: None)  # as torchrun's agent catches it
+torch.set_num_threads(2)
+os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank
+sys.stdout.reconfigure(write_through=False)  # the launcher's output to a pipe, without PYTHONUNBUFFERED
+pid = os.fork()
+if pid == 0:
+    before = (torch.get_num_threads(), signal.getsignal(signal.SIGHUP) is signal.SIG_DFL, sys.stdout.write_through)
+    adopt_rank_environment()
+    after = (torch.get_num_threads(), signal.getsignal(signal.SIGHUP) is signal.SIG_DFL, sys.stdout.write_through)
+    print(before, after)
+    sys.stdout.flush()
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_rank_takes_what_torchrun_gives_a_new_interpreter():
+    """torch read OMP_NUM_THREADS when the launcher imported it, and the agent's signal handlers and the
+    launcher's buffered output come with the fork: the rank resets all three."""
+    proc = subprocess.run([sys.executable, "-c", _FORKED_RANK], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "(2, False, False) (1, True, True)", proc.stdout + proc.stderr
 
 
 def _tiny(tmp_path, **launch) -> Path:
