@@ -159,7 +159,9 @@ def launch(
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
-    from fsdpclip.launch import LaunchError, LaunchFlags, adopt_job_environment, render, resolve_paths, run_local
+    from fsdpclip.launch import (
+        LaunchError, LaunchFlags, adopt_job_environment, initialized_cuda, render, resolve_paths, run_local,
+    )
     from fsdpclip.jobfile import load_job
     from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
 
@@ -186,6 +188,7 @@ def launch(
         _submit(job, dry_run)
         return
     console.print(f"[bold]run directory[/bold] {job.run_dir}")
+    fork_ranks = fork_ranks and not initialized_cuda()
     console.print(render(flags.torchrun(job, fork_ranks)), highlight=False, soft_wrap=True)
     if dry_run:
         return

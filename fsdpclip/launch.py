@@ -164,6 +164,12 @@ def adopt_job_environment(job: Job) -> bool:
     return True
 
 
+def initialized_cuda() -> bool:
+    """Whether this process has initialised CUDA (ranks forked from it could not use it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def render(command: list[str]) -> str:
     return " ".join(shlex.quote(part) for part in command)
 
