@@ -164,10 +164,25 @@ def adopt_job_environment(job: Job) -> bool:
     return True
 
 
-def initialized_cuda() -> bool:
-    """Whether this process has initialised CUDA (ranks forked from it could not use it)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
+# What the ranks' parents (this launcher, torchrun's agent) may do with CUDA: ask NVML whether there is a GPU.
+# torchrun's agent asks (torch >= 2.9, for NUMA binding); through the CUDA driver, that would leave every
+# process forked from it unable to use CUDA.
+FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
+def cuda_allows_forked_ranks(job: Job) -> bool:
+    """Whether ranks forked from this launcher can use CUDA: it has not initialised CUDA, and for a GPU job
+    NVML sees a GPU (the agent's check under FORK_SAFE_CUDA_CHECK then stays away from the driver)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return False
+    if job.launch.device != "cuda":
+        return True
+    try:
+        return torch.cuda._device_count_nvml() > 0
+    except Exception:  # a private torch function: without it, start the ranks as new interpreters
+        return False
 
 
 def render(command: list[str]) -> str:
@@ -298,7 +313,7 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     `fork_ranks`: see `torchrun_command` and `adopt_job_environment`.
     """
     token, started = uuid.uuid4().hex, time.time()
-    env = {**job_environment(job), LOCK_TOKEN_ENV: token}
+    env = {**job_environment(job), LOCK_TOKEN_ENV: token, **(FORK_SAFE_CUDA_CHECK if fork_ranks else {})}
     lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else contextlib.nullcontext()
     try:
         job.run_dir.mkdir(parents=True, exist_ok=True)
