@@ -171,6 +171,10 @@ def launch(
         flags.check()
         job = load_job(job_file, [*overrides, *flags.overrides()])
         fork_ranks = not slurm and adopt_job_environment(job)  # before validation imports torch
+        if fork_ranks:  # a fresh launcher the ranks fork from: OpenCLIP as they import it
+            from fsdpclip.model import import_open_clip_as_the_ranks_do
+
+            import_open_clip_as_the_ranks_do(job.model)
         from fsdpclip.checks import check_job
 
         report = check_job(job)

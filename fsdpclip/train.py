@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpclip.distributed import init_distributed
-from fsdpclip.model import hf_text_tower
+from fsdpclip.model import hf_text_tower, without_modules
 from fsdpclip.rundir import EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -159,21 +159,6 @@ def import_in_background(modules: list[str], absent: tuple[str, ...] = ()) -> th
     thread = threading.Thread(target=load, name=f"import {', '.join(modules)}")
     thread.start()
     return thread
-
-
-@contextlib.contextmanager
-def without_modules(names: tuple[str, ...]):
-    """Inside, importing any of `names` not yet imported fails with ImportError, as if it were not
-    installed (what optional imports like OpenCLIP's expect); afterwards it imports as usual."""
-    hidden = [name for name in names if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if name in sys.modules and sys.modules[name] is None:
-                del sys.modules[name]
 
 
 if __name__ == "__main__":

@@ -168,22 +168,32 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
 
 
 def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
-    """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again) and takes the spec's
-    launch.env before it imports torch; a variable that acts when an interpreter loads (PYTHONPATH, LD_*)
-    keeps new interpreters, as does a launcher that had imported torch already."""
+    """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again), takes the spec's
+    launch.env before it imports torch and imports OpenCLIP as the ranks do (without transformers here); a
+    variable that acts when an interpreter loads (PYTHONPATH, LD_*) keeps new interpreters, as does a
+    launcher that had imported torch already."""
     for sub in ("pythonpath", "env"):
         (tmp_path / sub).mkdir()
     plain = _tiny(tmp_path)
     pythonpath = _tiny(tmp_path / "pythonpath", env={"PYTHONPATH": str(tmp_path)})
 
     def dry_run(path: Path) -> str:
-        proc = subprocess.run([sys.executable, "-m", "fsdpclip", "launch", str(path), "--dry-run"], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        """The printed command, and whether the launcher imported transformers (`fsdpclip launch` in-process)."""
+        code = ("import sys\nfrom fsdpclip.cli import app\n"
+                f"sys.argv = ['fsdpclip', 'launch', {str(path)!r}, '--dry-run']\n"
+                "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+                "print('transformers imported:', 'transformers' in sys.modules)\n")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return squeezed(proc.stdout)
 
-    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in dry_run(plain)
-    assert squeezed("-m fsdpclip.train ") in dry_run(pythonpath)
+    # The tiny model has no Hugging Face tower: a launcher the ranks fork from imports OpenCLIP as they do
+    forked = dry_run(plain)
+    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in forked
+    assert squeezed("transformers imported: False") in forked
+    new_interpreters = dry_run(pythonpath)
+    assert squeezed("-m fsdpclip.train ") in new_interpreters
+    assert squeezed("transformers imported: True") in new_interpreters
     code = (
         "import os, sys\n"
         "from fsdpclip.jobfile import load_job\n"
