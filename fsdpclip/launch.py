@@ -157,8 +157,10 @@ def adopt_job_environment(job: Job) -> bool:
     as new interpreters with that environment would; returns whether they may be forked: torch was not
     imported yet (the variables torch reads at import then hold) and the spec sets none of
     LOAD_TIME_VARIABLES. What torchrun gives each rank (its rank, OMP_NUM_THREADS, unbuffered output) the
-    rank applies itself (fsdpclip.train.adopt_rank_environment)."""
-    if "torch" in sys.modules or any(key.startswith(LOAD_TIME_VARIABLES) for key in job.launch.env):
+    rank applies itself (fsdpclip.train.adopt_rank_environment). Never where the spec asks for new
+    interpreters (launch.fork_ranks false)."""
+    if not job.launch.fork_ranks or "torch" in sys.modules or \
+            any(key.startswith(LOAD_TIME_VARIABLES) for key in job.launch.env):
         return False
     os.environ.update(job.launch.env)
     return True

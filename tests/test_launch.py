@@ -170,9 +170,9 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
 def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again), takes the spec's
     launch.env before it imports torch and imports OpenCLIP as the ranks do (without transformers here); a
-    variable that acts when an interpreter loads (PYTHONPATH, LD_*) keeps new interpreters, as does a
-    launcher that had imported torch already."""
-    for sub in ("pythonpath", "env"):
+    variable that acts when an interpreter loads (PYTHONPATH, LD_*) keeps new interpreters, as do
+    launch.fork_ranks false and a launcher that had imported torch already."""
+    for sub in ("pythonpath", "asked", "env"):
         (tmp_path / sub).mkdir()
     plain = _tiny(tmp_path)
     pythonpath = _tiny(tmp_path / "pythonpath", env={"PYTHONPATH": str(tmp_path)})
@@ -191,9 +191,10 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     forked = dry_run(plain)
     assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
-    new_interpreters = dry_run(pythonpath)
-    assert squeezed("-m fsdpclip.train ") in new_interpreters
-    assert squeezed("transformers imported: True") in new_interpreters
+    for path in (pythonpath, _tiny(tmp_path / "asked", fork_ranks=False)):
+        new_interpreters = dry_run(path)
+        assert squeezed("-m fsdpclip.train ") in new_interpreters
+        assert squeezed("transformers imported: True") in new_interpreters
     code = (
         "import os, sys\n"
         "from fsdpclip.jobfile import load_job\n"
@@ -205,6 +206,26 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
         "print(adopt_job_environment(job), os.environ.get('FSDPCLIP_PROBE'))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["True", "x", "False", "None"], proc.stderr
+
+
+def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypatch):
+    """torchrun's agent asks whether there is a GPU; only NVML's answer leaves its forks able to use CUDA."""
+    import torch
+
+    from fsdpclip.jobfile import load_job
+    from fsdpclip.launch import cuda_allows_forked_ranks
+
+    (tmp_path / "gpu").mkdir()
+    gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    assert cuda_allows_forked_ranks(gpu) and cuda_allows_forked_ranks(cpu)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # NVML not there
+    assert not cuda_allows_forked_ranks(gpu) and cuda_allows_forked_ranks(cpu)
+    monkeypatch.delattr(torch.cuda, "_device_count_nvml")  # a torch without the private function
+    assert not cuda_allows_forked_ranks(gpu)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the launcher itself used CUDA
+    assert not cuda_allows_forked_ranks(cpu)
 
 
 _FORKED_RANK = """
