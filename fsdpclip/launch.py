@@ -363,8 +363,8 @@ def start(command: list[str], env: dict[str, str]):
 
     torchrun's own command (this interpreter, `-m fsdpclip.torchrun`) runs in a forked child of this
     process instead of a new interpreter: this launcher has imported torch already, which a new one would
-    import again before torchrun's agent could start (1.7 s on a 2-core machine). The agent starts its
-    ranks as new interpreters either way.
+    import again before torchrun's agent could start (1.7 s on a 2-core machine). The agent starts the
+    ranks as its command says: new interpreters, or forks of itself (`torchrun_command`'s fork_ranks).
     """
     if command[:3] == [sys.executable, "-m", TORCHRUN] and hasattr(os, "fork"):
         return ForkedTorchrun(command[3:], env)

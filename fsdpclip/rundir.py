@@ -78,7 +78,6 @@ def process_start() -> float:
     return began if now - 600 <= began <= now else now
 
 
-
 class StartupClock:
     """Seconds from the launch to the end of each start-up phase on this rank, in order: what the first
     metrics record reports as `startup_s` ("process": this rank's process started; from `fsdpclip

@@ -2,6 +2,9 @@
 
     python -m fsdpclip.train RUN_DIR/job.json      (or: fsdpclip train RUN_DIR/job.json)
 
+`fsdpclip launch` on its own nodes has torchrun fork the ranks from it instead and run this file
+(`--run-path`): they start with everything below imported (fsdpclip.launch.torchrun_command).
+
 Exit codes (also written to RUN_DIR/exit.json by rank 0):
     0   finished
     2   the job cannot start: not a valid spec, the run directory is in use by another job, or
@@ -37,7 +40,8 @@ from fsdpclip.rundir import EXIT_SPEC, StartupClock, write_crash_report, write_e
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
-# and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP.
+# and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
+# forked from the launcher both are imported already).
 TRAINER_MODULE = "fsdpclip.trainer"
 
 
