@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,17 @@ from fsdpclip.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "examples" / "models" / "tiny-clip.json"
+
+# The processes the tests start (launchers, torchrun's agents and their log directories, ranks, data workers,
+# compilers) keep their temporary files in one directory, removed when the session ends; pytest's own
+# directories stay where they were (this process keeps its temporary directory).
+tempfile.gettempdir()
+SUBPROCESS_TMP = Path(tempfile.mkdtemp(prefix="fsdpclip-tests-"))
+os.environ["TMPDIR"] = str(SUBPROCESS_TMP)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SUBPROCESS_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

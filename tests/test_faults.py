@@ -61,9 +61,11 @@ def _wait_just_past_a_stop_check(run_dir: Path, process: subprocess.Popen, log: 
         step += 10
 
 
-def _job_processes(run_dir: Path) -> list[int]:
-    """Processes whose command line names the run's job file (torchrun, its ranks)."""
-    return _processes_naming(run_dir / "job.json")
+def _job_processes(run_dir: Path, spec: Path) -> list[int]:
+    """The job's processes: those whose command line names its spec (the launcher, and torchrun, the ranks and
+    their data workers forked from it carry the launcher's command line) or RUN_DIR/job.json (ranks started
+    as new interpreters)."""
+    return sorted(set(_processes_naming(spec)) | set(_processes_naming(run_dir / "job.json")))
 
 
 def _processes_naming(path: Path) -> list[int]:
@@ -78,11 +80,17 @@ def _processes_naming(path: Path) -> list[int]:
     return found
 
 
-def _none_left(run_dir: Path, grace: float = 15) -> None:
+def _none_left(run_dir: Path, spec: Path, grace: float = 15) -> None:
     deadline = time.monotonic() + grace
-    while _job_processes(run_dir):
-        assert time.monotonic() < deadline, f"processes of the job outlived it: {_job_processes(run_dir)}"
+    while _job_processes(run_dir, spec):
+        assert time.monotonic() < deadline, f"processes of the job outlived it: {_job_processes(run_dir, spec)}"
         time.sleep(0.2)
+
+
+def _all_running(run_dir: Path, spec: Path) -> None:
+    """The job's processes as `_none_left` finds them while it runs: the launcher, torchrun, 2 ranks and their
+    data workers (so that finding none afterwards means something)."""
+    assert len(_job_processes(run_dir, spec)) >= 6, _job_processes(run_dir, spec)
 
 
 def _exit_report(run_dir: Path) -> dict:
@@ -103,13 +111,14 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "preempted"))
     process = _start(path, tmp_path / "first.log")
     _wait_for_step(run_dir, 2, process, tmp_path / "first.log")
+    _all_running(run_dir, path)
     os.killpg(process.pid, signal.SIGTERM)
     code, output = _finish(process, tmp_path / "first.log")
     assert code == 75, output[-4000:]
     assert "Traceback" not in output and "killed by signal" not in output
     report = _exit_report(run_dir)
     assert report["code"] == 75 and "a stop was requested: stopped after step 10" in report["message"]
-    _none_left(run_dir)
+    _none_left(run_dir, path)
     stopped = _report(cli, run_dir, tmp_path)
     assert stopped["state"].startswith("stopped") and stopped["step"] == 10
     assert stopped["last_checkpoint"] == "step-00000010" and stopped["exit"]["code"] == 75
@@ -131,6 +140,7 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     path = write_job(tmp_path, job)
     first = _start(path, tmp_path / "first.log")
     _wait_for_step(run_dir, 2, first, tmp_path / "first.log")
+    _all_running(run_dir, path)
     written = (run_dir / "job.json").read_text()
     second = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), "--set", "optimizer.lr=0.5"],
                        timeout=120)
@@ -146,7 +156,7 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     os.killpg(first.pid, signal.SIGINT)
     code, output = _finish(first, tmp_path / "first.log", timeout=60)
     assert code == 130, output[-3000:]
-    _none_left(run_dir)
+    _none_left(run_dir, path)
     assert _exit_report(run_dir)["code"] == 130
     steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert len(steps) == len(set(steps))  # one job wrote them
