@@ -160,7 +160,7 @@ def launch(
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
     from fsdpclip.launch import (
-        LaunchError, LaunchFlags, adopt_job_environment, cuda_allows_forked_ranks, render, resolve_paths, run_local,
+        LaunchError, LaunchFlags, adopt_job_environment, cuda_allows_forked_ranks, resolve_paths, run_local, shown_command,
     )
     from fsdpclip.jobfile import load_job
     from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
@@ -193,7 +193,7 @@ def launch(
         return
     console.print(f"[bold]run directory[/bold] {job.run_dir}")
     fork_ranks = fork_ranks and cuda_allows_forked_ranks(job)
-    console.print(render(flags.torchrun(job, fork_ranks)), highlight=False, soft_wrap=True)
+    console.print(shown_command(flags.torchrun(job, fork_ranks), fork_ranks), highlight=False, soft_wrap=True)
     if dry_run:
         return
     try:

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -147,9 +148,9 @@ def train_module_file() -> str:
     return importlib.util.find_spec(TRAIN_MODULE).origin
 
 
-# Variables that act when an interpreter or its shared libraries load: ranks forked from the launcher could
-# not honour them from the spec's launch.env.
-LOAD_TIME_VARIABLES = ("PYTHON", "LD_")
+# Variables that act when an interpreter or its shared libraries load (glibc's allocator included): ranks
+# forked from the launcher could not honour them from the spec's launch.env.
+LOAD_TIME_VARIABLES = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 
 
 def adopt_job_environment(job: Job) -> bool:
@@ -158,7 +159,8 @@ def adopt_job_environment(job: Job) -> bool:
     imported yet (the variables torch reads at import then hold) and the spec sets none of
     LOAD_TIME_VARIABLES. What torchrun gives each rank (its rank, OMP_NUM_THREADS, unbuffered output) the
     rank applies itself (fsdpclip.train.adopt_rank_environment). Never where the spec asks for new
-    interpreters (launch.fork_ranks false)."""
+    interpreters (launch.fork_ranks false). The launcher always runs torchrun in a fork of itself
+    (`ForkedTorchrun`)."""
     if not job.launch.fork_ranks or "torch" in sys.modules or \
             any(key.startswith(LOAD_TIME_VARIABLES) for key in job.launch.env):
         return False
@@ -168,8 +170,15 @@ def adopt_job_environment(job: Job) -> bool:
 
 # What the ranks' parents (this launcher, torchrun's agent) may do with CUDA: ask NVML whether there is a GPU.
 # torchrun's agent asks (torch >= 2.9, for NUMA binding); through the CUDA driver, that would leave every
-# process forked from it unable to use CUDA.
+# process forked from it unable to use CUDA. The ranks inherit it too, where it only changes how
+# torch.cuda.is_available() looks (NVML first).
 FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
+def shown_command(command: list[str], fork_ranks: bool) -> str:
+    """The torchrun command as `launch` prints it: with forked ranks, behind the variable it needs on GPUs."""
+    return render([*(f"{key}={value}" for key, value in FORK_SAFE_CUDA_CHECK.items()), *command] if fork_ranks
+                  else command)
 
 
 def cuda_allows_forked_ranks(job: Job) -> bool:
@@ -330,14 +339,15 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
 
 
 def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
-    """Run `command` (torchrun) in its own session with inherited output (`start`), and return its exit status.
+    """Run `command` (torchrun) in its own session with inherited output (`ForkedTorchrun`), and return its
+    exit status.
 
     A first SIGTERM or Ctrl-C to this process (or to its process group: the terminal's Ctrl-C, a
     scheduler's `kill -TERM -PGID`) becomes a stop request in RUN_DIR/stop: the ranks checkpoint and
     exit 75 (no signal reaches torchrun, which would give them only 30 s on torch < 2.12). A second
     one stops everything at once: SIGKILL to torchrun and every process under it (status 130).
     """
-    process = start(command, env)
+    process = ForkedTorchrun(command, env)
     received: list[int] = []
 
     def handle(signum, frame) -> None:
@@ -358,29 +368,21 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
             signal.signal(signum, handler)
 
 
-def start(command: list[str], env: dict[str, str]):
-    """Start `command` in a session of its own; returns what has `pid` and `wait()` (a Popen's exit status).
-
-    torchrun's own command (this interpreter, `-m fsdpclip.torchrun`) runs in a forked child of this
-    process instead of a new interpreter: this launcher has imported torch already, which a new one would
-    import again before torchrun's agent could start (1.7 s on a 2-core machine). The agent starts the
-    ranks as its command says: new interpreters, or forks of itself (`torchrun_command`'s fork_ranks).
-    """
-    if command[:3] == [sys.executable, "-m", TORCHRUN] and hasattr(os, "fork"):
-        return ForkedTorchrun(command[3:], env)
-    return subprocess.Popen(command, env=env, start_new_session=True)
-
-
 class ForkedTorchrun:
-    """`python -m fsdpclip.torchrun ARGS` as a forked child in a new session, with `env` as its environment
-    and a fresh interpreter's signal handlers; it never returns into the launcher's code."""
+    """torchrun's command (`python -m fsdpclip.torchrun ARGS`, this interpreter) run in a forked child of this
+    process, not a new interpreter: the launcher has imported torch already, which a new one would import
+    again before torchrun's agent could start (1.7 s on a 2-core machine, 3.5-5 s on the GPU hosts). The
+    child has a session of its own, `env` as its environment and a fresh interpreter's signal handlers, and
+    never returns into the launcher's code. `pid` and `wait()` as a Popen's."""
 
-    def __init__(self, args: list[str], env: dict[str, str]):
+    def __init__(self, command: list[str], env: dict[str, str]):
+        if command[:3] != [sys.executable, "-m", TORCHRUN]:
+            raise ValueError(f"not this interpreter's torchrun command: {render(command)}")
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:
-            os._exit(self._run(args, env))
+            os._exit(self._run(command[3:], env))
 
     @staticmethod
     def _run(args: list[str], env: dict[str, str]) -> int:
@@ -391,12 +393,15 @@ class ForkedTorchrun:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.environ.clear()
             os.environ.update(env)
+            tempfile.tempdir = None  # as a new interpreter: the temporary directory from `env` (TMPDIR)
             sys.argv = [TORCHRUN, *args]
             from fsdpclip.torchrun import main
 
             code = main()
-        except SystemExit as exc:
+        except SystemExit as exc:  # as the interpreter ends on it: an int is the code, anything else printed
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:

@@ -498,6 +498,18 @@ class LoggingSpec(Section):
 
 
 # ------------------------------------------------------------------------ launch
+ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def environment_names(value: dict[str, str]) -> dict[str, str]:
+    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first)."""
+    for name in value:
+        if not ENVIRONMENT_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits and '_', not a "
+                             "digit first)")
+    return value
+
+
 class SlurmSpec(Section):
     partition: Optional[str] = Field(None, description="sbatch --partition.")
     account: Optional[str] = Field(None, description="sbatch --account.")
@@ -511,6 +523,11 @@ class SlurmSpec(Section):
     setup: list[str] = Field(default_factory=list,
                              description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables exported in the batch script.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return environment_names(value)
 
 
 class LaunchSpec(Section):
@@ -526,9 +543,14 @@ class LaunchSpec(Section):
     fork_ranks: bool = Field(
         True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and OpenCLIP "
                           "to validate the spec: they start without importing them again (~10 s sooner on the GPU "
-                          "hosts). New interpreters (as under Slurm) when false, and where env sets a PYTHON* or LD_* "
-                          "variable or NVML sees no GPU.")
+                          "hosts). New interpreters (as under Slurm) when false, and where env sets a variable read "
+                          "when a process loads (PYTHON*, LD_*, GLIBC_TUNABLES, MALLOC_*) or NVML sees no GPU.")
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return environment_names(value)
 
     @property
     def world_size(self) -> int:

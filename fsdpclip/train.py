@@ -41,7 +41,7 @@ from fsdpclip.rundir import EXIT_SPEC, StartupClock, write_crash_report, write_e
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
 # and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
-# forked from the launcher both are imported already).
+# forked from the launcher, OpenCLIP, DTensor and checkpointing are imported already).
 TRAINER_MODULE = "fsdpclip.trainer"
 
 
@@ -119,8 +119,8 @@ def adopt_rank_environment() -> None:
     """What a new interpreter under torchrun has, also in a rank forked from the launcher (`fsdpclip launch`
     forks them where it can: fsdpclip.launch.torchrun_command): default actions for the signals torchrun's
     agent catches (SIGHUP, SIGQUIT; StopSignals takes the others), OMP_NUM_THREADS as torch's thread count
-    (torch read the variable when it was imported, in the launcher), and unbuffered output
-    (PYTHONUNBUFFERED)."""
+    (torch read the variable when it was imported, in the launcher), and output written out at each line
+    at the latest (PYTHONUNBUFFERED, which the launcher's own streams did not have)."""
     for signum in (signal.SIGHUP, signal.SIGQUIT):
         signal.signal(signum, signal.SIG_DFL)
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -128,7 +128,7 @@ def adopt_rank_environment() -> None:
         torch.set_num_threads(int(threads))
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
-            stream.reconfigure(write_through=True)
+            stream.reconfigure(line_buffering=True, write_through=True)
 
 
 def stop_child_processes() -> None:

@@ -113,28 +113,39 @@ sys.exit(75)
 """
 
 
+def _wait(torchrun, limit: float = 60) -> int:
+    """torchrun's exit status; past `limit` seconds it and everything under it are killed (the test fails)."""
+    import threading
+
+    from fsdpclip.launch import kill_tree
+
+    watchdog = threading.Timer(limit, kill_tree, [torchrun.pid])
+    watchdog.start()
+    try:
+        return torchrun.wait()
+    finally:
+        watchdog.cancel()
+
+
 def _probe_ranks(tmp_path, mode: str, forked_ranks: bool):
-    """Two probe ranks under `launch.start` with the launcher's own torchrun command and one more variable;
+    """Two probe ranks under `launch.ForkedTorchrun` with the launcher's own torchrun command and one more variable;
     the ranks are new interpreters or forks of torchrun (--run-path --start-method=fork)."""
-    from fsdpclip.launch import TORCHRUN, start
+    from fsdpclip.launch import TORCHRUN, ForkedTorchrun
 
     script = tmp_path / "probe.py"
     script.write_text(_PROBE_RANK)
     how = ["--run-path", "--start-method=fork"] if forked_ranks else []
     command = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc-per-node=2", *how, str(script), str(tmp_path),
                mode]
-    return start(command, {**os.environ, "FSDPCLIP_PROBE": "from the spec"})
+    return ForkedTorchrun(command, {**os.environ, "FSDPCLIP_PROBE": "from the spec"})
 
 
 @pytest.mark.parametrize("forked_ranks", [False, True], ids=["new-interpreter-ranks", "forked-ranks"])
 def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path, capfd, forked_ranks):
     """The launcher forks torchrun (no second import of torch); the ranks get the job's environment, the
     launcher's own is untouched, and a deliberate exit code comes back as it is, without a traceback."""
-    from fsdpclip.launch import ForkedTorchrun
-
     torchrun = _probe_ranks(tmp_path, "exit", forked_ranks)
-    assert isinstance(torchrun, ForkedTorchrun)
-    assert torchrun.wait() == 75
+    assert _wait(torchrun) == 75
     assert "FSDPCLIP_PROBE" not in os.environ
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -160,7 +171,7 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
     pids = [json.loads(path.read_text())["pid"] for path in ranks if path.exists()]
     session = os.getsid(torchrun.pid)
     kill_tree(torchrun.pid)
-    assert torchrun.wait() == -9
+    assert _wait(torchrun) == -9
     assert len(pids) == 2 and session == torchrun.pid != os.getsid(0)
     time.sleep(0.5)
     for pid in pids:  # killed, and reaped by init once their parent was gone
@@ -189,6 +200,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
 
     # The tiny model has no Hugging Face tower: a launcher the ranks fork from imports OpenCLIP as they do
     forked = dry_run(plain)
+    assert squeezed(f"PYTORCH_NVML_BASED_CUDA_CHECK=1 {sys.executable} -m fsdpclip.torchrun") in forked
     assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
     for path in (pythonpath, _tiny(tmp_path / "asked", fork_ranks=False)):
@@ -234,24 +246,30 @@ from fsdpclip.train import adopt_rank_environment
 signal.signal(signal.SIGHUP, lambda *args: None)  # as torchrun's agent catches it
 torch.set_num_threads(2)
 os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank
-sys.stdout.reconfigure(write_through=False)  # the launcher's output to a pipe, without PYTHONUNBUFFERED
+sys.stdout.reconfigure(line_buffering=False, write_through=False)  # the launcher's output to a pipe
 pid = os.fork()
 if pid == 0:
-    before = (torch.get_num_threads(), signal.getsignal(signal.SIGHUP) is signal.SIG_DFL, sys.stdout.write_through)
-    adopt_rank_environment()
-    after = (torch.get_num_threads(), signal.getsignal(signal.SIGHUP) is signal.SIG_DFL, sys.stdout.write_through)
-    print(before, after)
-    sys.stdout.flush()
-    os._exit(0)
+    before = (torch.get_num_threads(), signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)
+    if sys.argv[1] == "adopt":
+        adopt_rank_environment()
+    print(before, (torch.get_num_threads(), signal.getsignal(signal.SIGHUP) is signal.SIG_DFL))
+    os.kill(os.getpid(), signal.SIGKILL)  # a rank killed: what it printed must be out already
 os.waitpid(pid, 0)
 """
 
 
 def test_a_forked_rank_takes_what_torchrun_gives_a_new_interpreter():
     """torch read OMP_NUM_THREADS when the launcher imported it, and the agent's signal handlers and the
-    launcher's buffered output come with the fork: the rank resets all three."""
-    proc = subprocess.run([sys.executable, "-c", _FORKED_RANK], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.strip() == "(2, False, False) (1, True, True)", proc.stdout + proc.stderr
+    launcher's buffered output come with the fork: the rank resets all three (without it, a rank killed
+    after printing a line has printed nothing)."""
+    def fork(mode: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", _FORKED_RANK, mode], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert fork("adopt") == "(2, False) (1, True)"
+    assert fork("as-forked") == ""
 
 
 def _tiny(tmp_path, **launch) -> Path:

@@ -94,6 +94,10 @@ CASES = [
      "expected 'auto' or an integer ≥ 1", None),
     ("unit-size-word", lambda j: _set(j, "fsdp.unit_size", "big"), "fsdp.unit_size",
      "expected 'auto' or an integer ≥ 1", None),
+    ("env-name", lambda j: _set(j, "launch.env", {"NCCL_DEBUG=INFO": "1"}), "launch.env",
+     "not an environment variable name", None),
+    ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
+     "not an environment variable name", None),
 ]
 
 
