@@ -160,7 +160,7 @@ def launch(
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
     from fsdpclip.launch import (
-        LaunchError, LaunchFlags, adopt_job_environment, cuda_allows_forked_ranks, resolve_paths, run_local, shown_command,
+        LaunchError, LaunchFlags, adopt_job_environment, cuda_forbids_forked_ranks, resolve_paths, run_local, shown_command,
     )
     from fsdpclip.jobfile import load_job
     from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
@@ -170,8 +170,8 @@ def launch(
     try:
         flags.check()
         job = load_job(job_file, [*overrides, *flags.overrides()])
-        fork_ranks = not slurm and adopt_job_environment(job)  # before validation imports torch
-        if fork_ranks:  # a fresh launcher the ranks fork from: OpenCLIP as they import it
+        new_interpreters = "Slurm starts them" if slurm else adopt_job_environment(job)  # before torch's import
+        if new_interpreters is None:  # a fresh launcher the ranks fork from: OpenCLIP as they import it
             from fsdpclip.model import import_open_clip_as_the_ranks_do
 
             import_open_clip_as_the_ranks_do(job.model)
@@ -192,7 +192,10 @@ def launch(
         _submit(job, dry_run)
         return
     console.print(f"[bold]run directory[/bold] {job.run_dir}")
-    fork_ranks = fork_ranks and cuda_allows_forked_ranks(job)
+    new_interpreters = new_interpreters or cuda_forbids_forked_ranks(job)
+    fork_ranks = new_interpreters is None
+    if new_interpreters:
+        console.print(f"[dim]the ranks start as new interpreters: {new_interpreters}[/dim]", highlight=False)
     console.print(shown_command(flags.torchrun(job, fork_ranks), fork_ranks), highlight=False, soft_wrap=True)
     if dry_run:
         return

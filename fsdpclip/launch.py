@@ -153,19 +153,23 @@ def train_module_file() -> str:
 LOAD_TIME_VARIABLES = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 
 
-def adopt_job_environment(job: Job) -> bool:
+def adopt_job_environment(job: Job) -> Optional[str]:
     """Give this launcher the job's launch.env before it imports torch, so that ranks forked from it start
-    as new interpreters with that environment would; returns whether they may be forked: torch was not
-    imported yet (the variables torch reads at import then hold) and the spec sets none of
-    LOAD_TIME_VARIABLES. What torchrun gives each rank (its rank, OMP_NUM_THREADS, unbuffered output) the
-    rank applies itself (fsdpclip.train.adopt_rank_environment). Never where the spec asks for new
-    interpreters (launch.fork_ranks false). The launcher always runs torchrun in a fork of itself
+    as new interpreters with that environment would; returns why they cannot be forked (None: they can):
+    the spec asks for new interpreters (launch.fork_ranks false), torch was imported already (what it
+    reads at import would not hold), or the spec sets one of LOAD_TIME_VARIABLES. What torchrun gives
+    each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
+    (fsdpclip.train.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
     (`ForkedTorchrun`)."""
-    if not job.launch.fork_ranks or "torch" in sys.modules or \
-            any(key.startswith(LOAD_TIME_VARIABLES) for key in job.launch.env):
-        return False
+    if not job.launch.fork_ranks:
+        return "launch.fork_ranks is false"
+    if "torch" in sys.modules:
+        return "this process had imported torch before it could take launch.env"
+    loading = [key for key in job.launch.env if key.startswith(LOAD_TIME_VARIABLES)]
+    if loading:
+        return f"launch.env sets {', '.join(loading)}, read when a process loads"
     os.environ.update(job.launch.env)
-    return True
+    return None
 
 
 # What the ranks' parents (this launcher, torchrun's agent) may do with CUDA: ask NVML whether there is a GPU.
@@ -181,19 +185,21 @@ def shown_command(command: list[str], fork_ranks: bool) -> str:
                   else command)
 
 
-def cuda_allows_forked_ranks(job: Job) -> bool:
-    """Whether ranks forked from this launcher can use CUDA: it has not initialised CUDA, and for a GPU job
-    NVML sees a GPU (the agent's check under FORK_SAFE_CUDA_CHECK then stays away from the driver)."""
+def cuda_forbids_forked_ranks(job: Job) -> Optional[str]:
+    """Why ranks forked from this launcher could not use CUDA (None: they can): it has initialised CUDA, or
+    for a GPU job NVML sees no GPU (with one, the agent's check under FORK_SAFE_CUDA_CHECK stays away from
+    the driver)."""
     import torch
 
     if torch.cuda.is_initialized():
-        return False
+        return "this process has initialised CUDA"
     if job.launch.device != "cuda":
-        return True
+        return None
     try:
-        return torch.cuda._device_count_nvml() > 0
-    except Exception:  # a private torch function: without it, start the ranks as new interpreters
-        return False
+        gpus = torch.cuda._device_count_nvml()
+    except Exception:  # a private torch function
+        return "this torch cannot ask NVML for the GPUs"
+    return None if gpus > 0 else "NVML sees no GPU"
 
 
 def render(command: list[str]) -> str:

@@ -203,10 +203,13 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     assert squeezed(f"PYTORCH_NVML_BASED_CUDA_CHECK=1 {sys.executable} -m fsdpclip.torchrun") in forked
     assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
-    for path in (pythonpath, _tiny(tmp_path / "asked", fork_ranks=False)):
+    for path, why in ((pythonpath, "launch.env sets PYTHONPATH, read when a process loads"),
+                      (_tiny(tmp_path / "asked", fork_ranks=False), "launch.fork_ranks is false")):
         new_interpreters = dry_run(path)
+        assert squeezed(f"the ranks start as new interpreters: {why}") in new_interpreters
         assert squeezed("-m fsdpclip.train ") in new_interpreters
         assert squeezed("transformers imported: True") in new_interpreters
+    assert squeezed("new interpreters") not in forked
     code = (
         "import os, sys\n"
         "from fsdpclip.jobfile import load_job\n"
@@ -217,7 +220,8 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
         "del os.environ['FSDPCLIP_PROBE']\n"
         "print(adopt_job_environment(job), os.environ.get('FSDPCLIP_PROBE'))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == ["True", "x", "False", "None"], proc.stderr
+    assert proc.stdout.splitlines() == ["None x", "this process had imported torch before it could take launch.env None"], \
+        proc.stderr
 
 
 def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypatch):
@@ -225,19 +229,19 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     import torch
 
     from fsdpclip.jobfile import load_job
-    from fsdpclip.launch import cuda_allows_forked_ranks
+    from fsdpclip.launch import cuda_forbids_forked_ranks
 
     (tmp_path / "gpu").mkdir()
     gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
-    assert cuda_allows_forked_ranks(gpu) and cuda_allows_forked_ranks(cpu)
+    assert cuda_forbids_forked_ranks(gpu) is None and cuda_forbids_forked_ranks(cpu) is None
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # NVML not there
-    assert not cuda_allows_forked_ranks(gpu) and cuda_allows_forked_ranks(cpu)
+    assert cuda_forbids_forked_ranks(gpu) == "NVML sees no GPU" and cuda_forbids_forked_ranks(cpu) is None
     monkeypatch.delattr(torch.cuda, "_device_count_nvml")  # a torch without the private function
-    assert not cuda_allows_forked_ranks(gpu)
+    assert cuda_forbids_forked_ranks(gpu) == "this torch cannot ask NVML for the GPUs"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the launcher itself used CUDA
-    assert not cuda_allows_forked_ranks(cpu)
+    assert cuda_forbids_forked_ranks(cpu) == "this process has initialised CUDA"
 
 
 _FORKED_RANK = """
