@@ -160,7 +160,8 @@ def launch(
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
     from fsdpclip.launch import (
-        LaunchError, LaunchFlags, adopt_job_environment, cuda_forbids_forked_ranks, resolve_paths, run_local, shown_command,
+        LaunchError, LaunchFlags, adopt_job_environment, cuda_forbids_forked_ranks, forking_environment, resolve_paths,
+        run_local, shown_command,
     )
     from fsdpclip.jobfile import load_job
     from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
@@ -196,7 +197,8 @@ def launch(
     fork_ranks = new_interpreters is None
     if new_interpreters:
         console.print(f"[dim]the ranks start as new interpreters: {new_interpreters}[/dim]", highlight=False)
-    console.print(shown_command(flags.torchrun(job, fork_ranks), fork_ranks), highlight=False, soft_wrap=True)
+    console.print(shown_command(flags.torchrun(job, fork_ranks), forking_environment(job, fork_ranks)), highlight=False,
+                  soft_wrap=True)
     if dry_run:
         return
     try:

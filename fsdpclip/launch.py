@@ -179,10 +179,14 @@ def adopt_job_environment(job: Job) -> Optional[str]:
 FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 
-def shown_command(command: list[str], fork_ranks: bool) -> str:
-    """The torchrun command as `launch` prints it: with forked ranks, behind the variable it needs on GPUs."""
-    return render([*(f"{key}={value}" for key, value in FORK_SAFE_CUDA_CHECK.items()), *command] if fork_ranks
-                  else command)
+def forking_environment(job: Job, fork_ranks: bool) -> dict[str, str]:
+    """What torchrun's environment needs beyond the job's own: FORK_SAFE_CUDA_CHECK where it forks GPU ranks."""
+    return dict(FORK_SAFE_CUDA_CHECK) if fork_ranks and job.launch.device == "cuda" else {}
+
+
+def shown_command(command: list[str], environment: dict[str, str]) -> str:
+    """The torchrun command as `launch` prints it, behind the `environment` it needs (`forking_environment`)."""
+    return render([*(f"{key}={value}" for key, value in environment.items()), *command])
 
 
 def cuda_forbids_forked_ranks(job: Job) -> Optional[str]:
@@ -330,7 +334,7 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     `fork_ranks`: see `torchrun_command` and `adopt_job_environment`.
     """
     token, started = uuid.uuid4().hex, time.time()
-    env = {**job_environment(job), LOCK_TOKEN_ENV: token, **(FORK_SAFE_CUDA_CHECK if fork_ranks else {})}
+    env = {**job_environment(job), LOCK_TOKEN_ENV: token, **forking_environment(job, fork_ranks)}
     lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else contextlib.nullcontext()
     try:
         job.run_dir.mkdir(parents=True, exist_ok=True)

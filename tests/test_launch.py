@@ -200,7 +200,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
 
     # The tiny model has no Hugging Face tower: a launcher the ranks fork from imports OpenCLIP as they do
     forked = dry_run(plain)
-    assert squeezed(f"PYTORCH_NVML_BASED_CUDA_CHECK=1 {sys.executable} -m fsdpclip.torchrun") in forked
+    assert squeezed(f"run directory {tmp_path / 'runs' / 't'} {sys.executable} -m fsdpclip.torchrun") in forked
     assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
     for path, why in ((pythonpath, "launch.env sets PYTHONPATH, read when a process loads"),
@@ -229,7 +229,7 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     import torch
 
     from fsdpclip.jobfile import load_job
-    from fsdpclip.launch import cuda_forbids_forked_ranks
+    from fsdpclip.launch import cuda_forbids_forked_ranks, forking_environment, shown_command
 
     (tmp_path / "gpu").mkdir()
     gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
@@ -242,6 +242,11 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     assert cuda_forbids_forked_ranks(gpu) == "this torch cannot ask NVML for the GPUs"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the launcher itself used CUDA
     assert cuda_forbids_forked_ranks(cpu) == "this process has initialised CUDA"
+    # forked GPU ranks' torchrun runs (and is printed) behind the NVML check; CPU ranks' needs nothing
+    command = torchrun_command(Path("/r/job.json"), 2, python="py", fork_ranks=True)
+    assert shown_command(command, forking_environment(gpu, True)).startswith(
+        "PYTORCH_NVML_BASED_CUDA_CHECK=1 py -m fsdpclip.torchrun --nproc-per-node=2 --standalone --run-path ")
+    assert forking_environment(cpu, True) == forking_environment(gpu, False) == {}
 
 
 _FORKED_RANK = """
