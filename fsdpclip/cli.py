@@ -160,7 +160,7 @@ def launch(
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
     from fsdpclip.launch import (
-        LaunchError, LaunchFlags, adopt_job_environment, cuda_forbids_forked_ranks, forking_environment, resolve_paths,
+        LaunchError, LaunchFlags, cuda_forbids_forked_ranks, forking_environment, prepare_forked_ranks, resolve_paths,
         run_local, shown_command,
     )
     from fsdpclip.jobfile import load_job
@@ -171,11 +171,7 @@ def launch(
     try:
         flags.check()
         job = load_job(job_file, [*overrides, *flags.overrides()])
-        new_interpreters = "Slurm starts them" if slurm else adopt_job_environment(job)  # before torch's import
-        if new_interpreters is None:  # a fresh launcher the ranks fork from: OpenCLIP as they import it
-            from fsdpclip.model import import_open_clip_as_the_ranks_do
-
-            import_open_clip_as_the_ranks_do(job.model)
+        new_interpreters = "Slurm starts them" if slurm else prepare_forked_ranks(job)  # before torch's import
         from fsdpclip.checks import check_job
 
         report = check_job(job)

@@ -153,11 +153,13 @@ def train_module_file() -> str:
 LOAD_TIME_VARIABLES = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 
 
-def adopt_job_environment(job: Job) -> Optional[str]:
-    """Give this launcher the job's launch.env before it imports torch, so that ranks forked from it start
-    as new interpreters with that environment would; returns why they cannot be forked (None: they can):
-    the spec asks for new interpreters (launch.fork_ranks false), torch was imported already (what it
-    reads at import would not hold), or the spec sets one of LOAD_TIME_VARIABLES. What torchrun gives
+def prepare_forked_ranks(job: Job) -> Optional[str]:
+    """Make this launcher what its ranks are to be forked from, before it imports torch; returns why they
+    cannot be forked (None: they can): the spec asks for new interpreters (launch.fork_ranks false), torch
+    was imported already (what it reads at import would not hold), or the spec sets one of
+    LOAD_TIME_VARIABLES. Otherwise it takes the job's launch.env, so that the ranks start as new
+    interpreters with that environment would, and imports OpenCLIP as they do (without transformers where
+    the model has no Hugging Face tower: `model.import_open_clip_as_the_ranks_do`). What torchrun gives
     each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
     (fsdpclip.train.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
     (`ForkedTorchrun`)."""
@@ -169,6 +171,9 @@ def adopt_job_environment(job: Job) -> Optional[str]:
     if loading:
         return f"launch.env sets {', '.join(loading)}, read when a process loads"
     os.environ.update(job.launch.env)
+    from fsdpclip.model import import_open_clip_as_the_ranks_do
+
+    import_open_clip_as_the_ranks_do(job.model)
     return None
 
 
@@ -331,7 +336,7 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     """Take the run directory (node 0), write RUN_DIR/job.json, run torchrun for this node under
     supervision and wait; returns the exit report, written to exit.json however the job ended
     (torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one).
-    `fork_ranks`: see `torchrun_command` and `adopt_job_environment`.
+    `fork_ranks`: see `torchrun_command` and `prepare_forked_ranks`.
     """
     token, started = uuid.uuid4().hex, time.time()
     env = {**job_environment(job), LOCK_TOKEN_ENV: token, **forking_environment(job, fork_ranks)}

@@ -96,8 +96,9 @@ def without_modules(names: tuple[str, ...]):
 
 def import_open_clip_as_the_ranks_do(spec: ModelSpec) -> None:
     """Import OpenCLIP without transformers where the model has no Hugging Face text tower (2.6 s of its
-    import on the GPU hosts), as the rank entry does (fsdpclip.train). For a process that runs one job:
-    its later imports keep OpenCLIP as it was imported."""
+    import on the GPU hosts), as the rank entry does (fsdpclip.train); `fsdpclip launch` does it where its
+    ranks are forked from it. For a process that runs one job: its later imports keep OpenCLIP as it was
+    imported."""
     with without_modules(() if hf_text_tower(spec) else ("transformers",)):
         import open_clip  # noqa: F401
 

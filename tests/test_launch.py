@@ -213,12 +213,12 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     code = (
         "import os, sys\n"
         "from fsdpclip.jobfile import load_job\n"
-        "from fsdpclip.launch import adopt_job_environment\n"
+        "from fsdpclip.launch import prepare_forked_ranks\n"
         f"job = load_job({str(_tiny(tmp_path / 'env', env={'FSDPCLIP_PROBE': 'x'}))!r})\n"
-        "print(adopt_job_environment(job), os.environ.get('FSDPCLIP_PROBE'))\n"
+        "print(prepare_forked_ranks(job), os.environ.get('FSDPCLIP_PROBE'))\n"
         "import torch\n"
         "del os.environ['FSDPCLIP_PROBE']\n"
-        "print(adopt_job_environment(job), os.environ.get('FSDPCLIP_PROBE'))\n")
+        "print(prepare_forked_ranks(job), os.environ.get('FSDPCLIP_PROBE'))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.splitlines() == ["None x", "this process had imported torch before it could take launch.env None"], \
         proc.stderr
