@@ -346,6 +346,15 @@ def _check_precision(job: Job, report: Report) -> None:
                      fsdp.reduce_dtype, hint="reduce in fp32 or in the param dtype")
     if job.launch.device == "cpu" and fsdp.param_dtype == "fp16":
         report.error("fsdp.param_dtype", "fp16 is not supported on CPU", "fp16", hint="use bf16 or fp32")
+    if fsdp.cuda_graph is True:
+        if job.launch.device != "cuda":
+            report.error("fsdp.cuda_graph", "CUDA graphs need CUDA devices", True, hint="leave it 'auto'")
+        if fsdp.cpu_offload:
+            report.error("fsdp.cuda_graph", "cannot capture a step with CPU offload (it syncs with the host)", True,
+                         hint="leave it 'auto' or turn fsdp.cpu_offload off")
+        if fsdp.scales_loss:
+            report.error("fsdp.cuda_graph", "cannot capture a step with fp16 loss scaling", True,
+                         hint="leave it 'auto' or use bf16")
 
 
 def _check_importable(module: str, location: str, report: Report, extra: Optional[str] = None) -> None:

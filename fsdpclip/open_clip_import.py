@@ -39,7 +39,7 @@ from torch import nn
 
 from fsdpclip.checkpoint import CheckpointError, complete_checkpoints, save_whole
 from fsdpclip.model import SHARED_PARAMETERS, model_config, original_shapes
-from fsdpclip.optim import build_optimizer, lr_factor, scales_loss
+from fsdpclip.optim import build_optimizer, lr_factor
 from fsdpclip.rundir import IMPORT_FILE, HeldLock, lock_token, write_atomically
 from fsdpclip.spec import DEFAULT_DECAY_RULES, Job
 from fsdpclip.trainable import DecayGroup, frozen_meta_model, rule_matches, trainable_decay_groups
@@ -256,7 +256,7 @@ def _schedule_notes(group: dict, job: Job, step: int, total: int) -> list[str]:
 
 def _scaler(saved: Optional[dict], job: Job) -> tuple[Optional[dict], list[str]]:
     """The loss scaler's state for the trainer (the checkpoint's, where this spec scales its loss), notes."""
-    if not scales_loss(job.fsdp):
+    if not job.fsdp.scales_loss:
         return None, [f"the fp16 loss scale of the checkpoint ({saved.get('scale')}) is not used: this spec trains "
                       f"in {job.fsdp.param_dtype} without loss scaling"] if saved else []
     if not saved:

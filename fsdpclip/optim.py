@@ -123,14 +123,9 @@ class Schedule:
         self.set_step(self.current + 1)
 
 
-def scales_loss(fsdp: FsdpSpec) -> bool:
-    """Whether the job scales its loss (fp16, unless `grad_scaler.enabled` says otherwise)."""
-    return fsdp.param_dtype == "fp16" if fsdp.grad_scaler.enabled == "auto" else fsdp.grad_scaler.enabled
-
-
 def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
     """A dynamic loss scaler that agrees across ranks on sharded (and CPU-offloaded) gradients, or None."""
-    if not scales_loss(fsdp):
+    if not fsdp.scales_loss:
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

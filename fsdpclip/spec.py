@@ -232,6 +232,12 @@ class FsdpSpec(Section):
                             "activation checkpointing or offload), the tower's block container as one unit and one "
                             "graph; in larger towers each block where one block's forward over a micro batch is at "
                             "least 0.5 TFLOP; otherwise off (docs/performance.md).")
+    cuda_graph: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Capture each step's forward and backward as one CUDA graph after a warm-up step and replay "
+                            "it: no host work per kernel or per FSDP unit (gradient clipping and the optimizer stay "
+                            "outside). Needs fixed batch shapes, no fp16 loss scaling and no CPU offload. 'auto': on "
+                            "CUDA where compile 'auto' compiles whole towers kept gathered after forward (the host-bound "
+                            "small models); off elsewhere (docs/performance.md).")
     direct_attention: bool = Field(
         True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")
@@ -242,6 +248,11 @@ class FsdpSpec(Section):
         """Whether units free their gathered parameters after forward: 'auto' not yet decided by compile
         'auto' (parallelize.resolve_compile) reshards."""
         return self.reshard_after_forward is not False
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the job scales its loss (fp16, unless `grad_scaler.enabled` says otherwise)."""
+        return self.param_dtype == "fp16" if self.grad_scaler.enabled == "auto" else self.grad_scaler.enabled
 
 
 # ------------------------------------------------------------------------ freeze

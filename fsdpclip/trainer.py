@@ -27,6 +27,7 @@ from fsdpclip.decode import TrainImages, decode_mode
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, shard_mesh
 from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
+from fsdpclip.graphs import GraphedForwardBackward, resolve_cuda_graph
 from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
@@ -103,6 +104,7 @@ class Trainer:
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
+        self.graphed = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph else None
         self.eval_sets: Optional[list[EvalSet]] = None
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
@@ -135,8 +137,10 @@ class Trainer:
             self.startup.mark("initial_weights")
         dist.broadcast_object_list(flops, src=flops_rank)
         self.flops_per_sample = flops[0]
-        fsdp = self._resolve_compile(model, towers)
-        self.compiled = bool(fsdp.compile)
+        fsdp = resolve_cuda_graph(self._resolve_compile(model, towers), env.device.type)
+        self.compiled, self.cuda_graph = bool(fsdp.compile), fsdp.cuda_graph
+        if env.is_main and job.fsdp.cuda_graph == "auto":
+            log.info("cuda_graph 'auto': %s", "on" if self.cuda_graph else "off")
         if self.compiled:  # before anything is compiled: a requeue on other nodes starts warm
             loaded = load_compile_cache(job.run_dir / COMPILE_CACHE)
             if loaded and env.is_main:
@@ -250,8 +254,7 @@ class Trainer:
         """One optimizer step over grad_accum micro batches; (the step's local loss, grad norm), on device."""
         accum = self.job.batch.grad_accum
         batches = [self._next_batch(window) for _ in range(accum)]
-        loss = backward_micro_batches(self.model, self.loss_fn, batches,
-                                      self.scaler.scale if self.scaler is not None else lambda x: x)
+        loss = (self.graphed or self._forward_backward)(batches)
         average_replicated_gradients(self.replicated)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -268,7 +271,8 @@ class Trainer:
             self.optimizer.step(found_inf=found_inf)  # a non-finite step is skipped on the device
             self.skipped_steps += found_inf
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.graphed is None:  # a graphed step zeroes, in place, the gradients it accumulates into
+            self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
         self.step += 1
@@ -276,6 +280,10 @@ class Trainer:
         window.steps += 1
         window.samples += self.job.batch.per_gpu * accum
         return loss, grad_norm
+
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return backward_micro_batches(self.model, self.loss_fn, batches,
+                                      self.scaler.scale if self.scaler is not None else lambda x: x)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:

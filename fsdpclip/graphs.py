@@ -1,0 +1,99 @@
+"""CUDA-graph capture of a training step's forward and backward (`fsdp.cuda_graph`).
+
+A small model's step is bound by host work: FSDP2's hooks, DTensor views per parameter, a thousand
+kernel launches (docs/performance.md). Captured once as a CUDA graph, every later step replays the
+same kernels and collectives with none of that Python. FSDP2's hooks run only while capturing; the
+all-gather and reduce-scatter streams still overlap the computation inside the graph. What stays
+outside: the data, the gradient clipping, the optimizer and the schedule (torchtitan's split).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from fsdpclip.optim import local
+from fsdpclip.spec import FsdpSpec
+
+log = logging.getLogger("fsdpclip")
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def resolve_cuda_graph(fsdp: FsdpSpec, device_type: str) -> FsdpSpec:
+    """`fsdp` with an 'auto' `cuda_graph` decided (compile 'auto' decided first: resolve_compile). On where
+    the step is host-bound and known to capture: on CUDA, towers compiled whole and kept gathered after
+    forward (FSDP2 units resharded after forward wait on events recorded outside the capture: torchtitan
+    reports CUDA_ERROR_STREAM_CAPTURE_ISOLATION), no loss scaling, no CPU offload (host syncs)."""
+    if fsdp.cuda_graph != "auto":
+        return fsdp
+    on = (device_type == "cuda" and fsdp.compile is True and fsdp.reshard_after_forward is False
+          and not fsdp.cpu_offload and not fsdp.scales_loss)
+    return fsdp.model_copy(update={"cuda_graph": on})
+
+
+class GraphedForwardBackward:
+    """`forward_backward(batches) -> loss` (fsdpclip.loss.backward_micro_batches bound to the model) run
+    eagerly once, then captured as one CUDA graph and replayed.
+
+    The first call runs on the side stream the capture will use (FSDP's lazy set-up, compilation, NCCL
+    communicators, autograd's per-stream state); the second captures there and replays. Each call copies
+    its batches into the captured ones, so their shapes may not change. The graph zeroes the gradients
+    first and accumulates into the same tensors every step: the caller must leave them allocated (zero
+    them or not, never set them to None). The returned loss is a copy, safe past the next replay."""
+
+    def __init__(self, forward_backward: Callable[[Batches], torch.Tensor], parameters: list[nn.Parameter]):
+        self.forward_backward, self.parameters = forward_backward, parameters
+        self.stream = torch.cuda.Stream()
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.batches: Optional[Batches] = None
+        self.loss: Optional[torch.Tensor] = None
+        self.calls = self.replays = 0
+
+    def __call__(self, batches: Batches) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return self._on_side_stream(lambda: self.forward_backward(batches))
+        if self.graph is None:
+            self._capture(batches)
+        for captured, batch in zip(self.batches, batches):
+            for into, tensor in zip(captured, batch):
+                if into.shape != tensor.shape or into.dtype != tensor.dtype:
+                    raise ValueError(f"a CUDA-graphed step takes fixed batches: captured {tuple(into.shape)} "
+                                     f"{into.dtype}, given {tuple(tensor.shape)} {tensor.dtype}")
+                into.copy_(tensor, non_blocking=True)
+        self.graph.replay()
+        self.replays += 1
+        return self.loss.clone()
+
+    def _on_side_stream(self, work: Callable[[], torch.Tensor]) -> torch.Tensor:
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            result = work()
+        current.wait_stream(self.stream)
+        return result
+
+    def _capture(self, batches: Batches) -> None:
+        grads = [local(p.grad) for p in self.parameters if p.grad is not None]
+        if not grads:
+            raise RuntimeError("CUDA-graph capture needs the warm-up step's gradients; none were kept")
+        addresses = {g.data_ptr() for g in grads}
+        self.batches = [tuple(t.clone() for t in batch) for batch in batches]
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's freed blocks go back: the graph's own pool holds the step
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+                torch._foreach_zero_(grads)
+                self.loss = self.forward_backward(self.batches)
+        except Exception as exc:
+            raise RuntimeError(f"CUDA-graph capture of the training step failed ({type(exc).__name__}: {exc}); "
+                               "set fsdp.cuda_graph to false") from exc
+        moved = [p for p in self.parameters if p.grad is not None and local(p.grad).data_ptr() not in addresses]
+        if moved:  # a replay would accumulate into memory the optimizer never reads
+            raise RuntimeError(f"CUDA-graph capture left {len(moved)} gradient(s) in new tensors instead of "
+                               "accumulating in place; set fsdp.cuda_graph to false")
+        log.info("CUDA graph captured: forward and backward of %d micro batch(es)", len(batches))
