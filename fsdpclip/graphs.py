@@ -15,7 +15,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.optim import local
 from fsdpclip.spec import FsdpSpec
 
 log = logging.getLogger("fsdpclip")
@@ -40,9 +39,11 @@ class GraphedForwardBackward:
 
     The first call runs on the side stream the capture will use (FSDP's lazy set-up, compilation, NCCL
     communicators, autograd's per-stream state); the second captures there and replays. Each call copies
-    its batches into the captured ones, so their shapes may not change. The graph zeroes the gradients
-    first and accumulates into the same tensors every step: the caller must leave them allocated (zero
-    them or not, never set them to None). The returned loss is a copy, safe past the next replay."""
+    its batches into the captured ones, so their shapes may not change. The capture starts without
+    gradients, as an eager step after `zero_grad(set_to_none=True)` does: the graph writes them afresh into
+    its own memory at every replay, where the gradient tensors it made point, and the peak memory is the
+    eager step's. So the caller leaves every `.grad` in place (no zeroing: it would only cost a kernel).
+    The returned loss is a copy, safe past the next replay."""
 
     def __init__(self, forward_backward: Callable[[Batches], torch.Tensor], parameters: list[nn.Parameter]):
         self.forward_backward, self.parameters = forward_backward, parameters
@@ -77,23 +78,16 @@ class GraphedForwardBackward:
         return result
 
     def _capture(self, batches: Batches) -> None:
-        grads = [local(p.grad) for p in self.parameters if p.grad is not None]
-        if not grads:
-            raise RuntimeError("CUDA-graph capture needs the warm-up step's gradients; none were kept")
-        addresses = {g.data_ptr() for g in grads}
+        for parameter in self.parameters:
+            parameter.grad = None
         self.batches = [tuple(t.clone() for t in batch) for batch in batches]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's freed blocks go back: the graph's own pool holds the step
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-                torch._foreach_zero_(grads)
                 self.loss = self.forward_backward(self.batches)
         except Exception as exc:
             raise RuntimeError(f"CUDA-graph capture of the training step failed ({type(exc).__name__}: {exc}); "
                                "set fsdp.cuda_graph to false") from exc
-        moved = [p for p in self.parameters if p.grad is not None and local(p.grad).data_ptr() not in addresses]
-        if moved:  # a replay would accumulate into memory the optimizer never reads
-            raise RuntimeError(f"CUDA-graph capture left {len(moved)} gradient(s) in new tensors instead of "
-                               "accumulating in place; set fsdp.cuda_graph to false")
         log.info("CUDA graph captured: forward and backward of %d micro batch(es)", len(batches))

@@ -271,7 +271,7 @@ class Trainer:
             self.optimizer.step(found_inf=found_inf)  # a non-finite step is skipped on the device
             self.skipped_steps += found_inf
         self.scheduler.step()
-        if self.graphed is None:  # a graphed step zeroes, in place, the gradients it accumulates into
+        if self.graphed is None:  # a graphed step's gradients stay where its graph writes them
             self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
