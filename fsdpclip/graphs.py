@@ -15,22 +15,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.spec import FsdpSpec
-
 log = logging.getLogger("fsdpclip")
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def resolve_cuda_graph(fsdp: FsdpSpec, device_type: str) -> FsdpSpec:
-    """`fsdp` with an 'auto' `cuda_graph` decided (compile 'auto' decided first: resolve_compile). On where
-    the step is host-bound and known to capture: on CUDA, towers compiled whole and kept gathered after
-    forward (FSDP2 units resharded after forward wait on events recorded outside the capture: torchtitan
-    reports CUDA_ERROR_STREAM_CAPTURE_ISOLATION), no loss scaling, no CPU offload (host syncs)."""
-    if fsdp.cuda_graph != "auto":
-        return fsdp
-    on = (device_type == "cuda" and fsdp.compile is True and fsdp.reshard_after_forward is False
-          and not fsdp.cpu_offload and not fsdp.scales_loss)
-    return fsdp.model_copy(update={"cuda_graph": on})
 
 
 class GraphedForwardBackward:

@@ -30,7 +30,7 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
                 block_classes: Optional[dict[str, Optional[list[str]]]] = None) -> nn.Module:
     """Apply activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp` asks,
     sharding over `mesh`; returns it. Parameter names stay the original ones. `compile: 'auto'` must be
-    decided first (`resolve_compile`); left as it is, it does not compile."""
+    decided first (`resolve_auto`); left as it is, it does not compile."""
     towers = find_towers(model, block_classes)
     if fsdp.direct_attention:
         use_direct_attention(model)
@@ -67,27 +67,36 @@ COMPILE_MIN_BLOCK_TFLOP = 0.5
 COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttentionBlock"})
 
 
-def resolve_compile(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
-                    block_forward_flops: Optional[float] = None) -> FsdpSpec:
-    """`fsdp` with its 'auto' `compile` and `reshard_after_forward` decided (`parallelize` compiles
-    only on True; an undecided 'auto' reshards). Compile is off unless on CUDA with OpenCLIP's blocks
-    (COMPILE_AUTO_BLOCKS). Where every tower is small enough (shard.whole_tower_wraps), each tower's
-    block container becomes the unit, compiled as one graph and kept gathered after forward unless the
-    spec says `reshard_after_forward: true` (1×H200, one run each: ViT-H-14 1.35x eager, ViT-L-14 1.04x
-    per-block compile; ViT-B-32 on 2×H200 1.04x and 1.01x compiled DDP; docs/performance.md). Larger
-    towers compile block by block where a block's forward over a micro batch (`block_forward_flops`)
-    is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's units. Without
-    `block_forward_flops` only the units are decided (what the memory estimate needs): compile stays
-    'auto' there."""
+def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
+                 block_forward_flops: Optional[float] = None) -> FsdpSpec:
+    """`fsdp` with its 'auto' `cuda_graph`, `compile` and `reshard_after_forward` decided (`parallelize`
+    compiles only on True; an undecided 'auto' reshards). Both are off unless on CUDA with OpenCLIP's
+    blocks (COMPILE_AUTO_BLOCKS).
+
+    The step is CUDA-graphed there unless it syncs with the host or was not measured captured: CPU
+    offload, fp16 loss scaling, activation checkpointing (1×H200, one run each: ViT-B-32 1.31× and 1.77×
+    compiled DDP, ViT-bigG-14 1.18× eager DDP at the same memory, ViT-L-14 unchanged; docs/performance.md).
+    Where every tower is small enough (shard.whole_tower_wraps), each tower's block container becomes the
+    unit, compiled as one graph and kept gathered after forward unless the spec says
+    `reshard_after_forward: true` (ViT-H-14 1.35x eager, ViT-L-14 1.04x per-block compile). Larger towers
+    compile block by block where the step is graphed (a replay pays none of a compiled call's host cost:
+    ViT-bigG-14 1.05× the graphed eager blocks) or a block's forward over a micro batch
+    (`block_forward_flops`) is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's
+    units. Without `block_forward_flops` only the units are decided (what the memory estimate needs):
+    compile stays 'auto' there."""
+    ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
     update = {"reshard_after_forward": fsdp.reshards}
+    graphed = fsdp.cuda_graph
+    if graphed == "auto":
+        checkpointed = fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text
+        graphed = update["cuda_graph"] = ours and not (fsdp.cpu_offload or fsdp.scales_loss or checkpointed)
     if fsdp.compile == "auto":
-        ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
         wraps = whole_tower_wraps(model, towers, fsdp) if ours else None
         if wraps is not None:
             update.update(compile=True, wrap=fsdp.wrap.model_copy(update=wraps),
                           reshard_after_forward=fsdp.reshard_after_forward is True)
         elif block_forward_flops is not None:
-            update["compile"] = ours and block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12
+            update["compile"] = ours and (graphed or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
     return fsdp.model_copy(update=update)
 
 

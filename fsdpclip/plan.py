@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdpclip.estimate import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.model import Tower, image_shape, model_config, text_shape
-from fsdpclip.parallelize import resolve_compile
+from fsdpclip.parallelize import resolve_auto
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units
 from fsdpclip.spec import Job
 from fsdpclip.trainable import frozen_meta_model
@@ -82,7 +82,7 @@ def memory_model(job: Job, model: nn.Module, towers: dict[str, Tower]) -> tuple[
     text features (a forward on the meta device: any error of the model's own forward propagates).
     The units are those the trainer will build (`job.fsdp` with compile 'auto''s units decided as the
     trainer decides them; whether blocks of larger towers compile is left undecided)."""
-    job = job.model_copy(update={"fsdp": resolve_compile(job.fsdp, model, towers, job.launch.device)})
+    job = job.model_copy(update={"fsdp": resolve_auto(job.fsdp, model, towers, job.launch.device)})
     units = plan_units(model, towers, job.fsdp)
     checkpointed = set(checkpointed_modules(model, towers, job.fsdp))
     sizes, widths = traced_forward(model, [b for tower in towers.values() for b in tower.blocks])

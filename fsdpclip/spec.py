@@ -246,7 +246,7 @@ class FsdpSpec(Section):
     @property
     def reshards(self) -> bool:
         """Whether units free their gathered parameters after forward: 'auto' not yet decided by compile
-        'auto' (parallelize.resolve_compile) reshards."""
+        'auto' (parallelize.resolve_auto) reshards."""
         return self.reshard_after_forward is not False
 
     @property

@@ -27,14 +27,14 @@ from fsdpclip.decode import TrainImages, decode_mode
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, shard_mesh
 from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
-from fsdpclip.graphs import GraphedForwardBackward, resolve_cuda_graph
+from fsdpclip.graphs import GraphedForwardBackward
 from fsdpclip.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.loss import backward_micro_batches, build_loss
 from fsdpclip.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 from fsdpclip.parallelize import (
     COMPILE_CACHE, average_replicated_gradients, load_compile_cache, materialize, parallelize, replicated_parameters,
-    resolve_compile, save_compile_cache,
+    resolve_auto, save_compile_cache,
 )
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
@@ -137,10 +137,8 @@ class Trainer:
             self.startup.mark("initial_weights")
         dist.broadcast_object_list(flops, src=flops_rank)
         self.flops_per_sample = flops[0]
-        fsdp = resolve_cuda_graph(self._resolve_compile(model, towers), env.device.type)
+        fsdp = self._resolve_auto(model, towers)
         self.compiled, self.cuda_graph = bool(fsdp.compile), fsdp.cuda_graph
-        if env.is_main and job.fsdp.cuda_graph == "auto":
-            log.info("cuda_graph 'auto': %s", "on" if self.cuda_graph else "off")
         if self.compiled:  # before anything is compiled: a requeue on other nodes starts warm
             loaded = load_compile_cache(job.run_dir / COMPILE_CACHE)
             if loaded and env.is_main:
@@ -150,22 +148,24 @@ class Trainer:
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         return model
 
-    def _resolve_compile(self, model: torch.nn.Module, towers) -> FsdpSpec:
-        """job.fsdp with `compile: 'auto'` decided on rank 0 (parallelize.resolve_compile), the same on every
-        rank; where towers are too large to compile whole, from the work of one block's forward over a
-        micro batch (the model's FLOPs spread over its blocks)."""
+    def _resolve_auto(self, model: torch.nn.Module, towers) -> FsdpSpec:
+        """job.fsdp with its 'auto' compile and cuda_graph decided on rank 0 (parallelize.resolve_auto), the
+        same on every rank; where towers are too large to compile whole, also from the work of one block's
+        forward over a micro batch (the model's FLOPs spread over its blocks)."""
         job, env = self.job, self.env
         decided = [None]
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
             block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
-            decided[0] = resolve_compile(job.fsdp, model, towers, env.device.type, block_flops)
+            decided[0] = resolve_auto(job.fsdp, model, towers, env.device.type, block_flops)
+            fsdp = decided[0]
             if job.fsdp.compile == "auto":
-                fsdp = decided[0]
                 how = "off" if not fsdp.compile else "blocks" if fsdp.wrap == job.fsdp.wrap else \
                     f"whole towers ({fsdp.wrap.image[0]}, {fsdp.wrap.text[0]}; reshard_after_forward " \
                     f"{str(fsdp.reshard_after_forward).lower()})"
                 log.info("compile 'auto': %s (%.2f TFLOP per block forward)", how, block_flops / 1e12)
+            if job.fsdp.cuda_graph == "auto":
+                log.info("cuda_graph 'auto': %s", "on" if fsdp.cuda_graph else "off")
         dist.broadcast_object_list(decided, src=0)
         return decided[0]
 

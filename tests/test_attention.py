@@ -64,11 +64,11 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
 def test_compile_auto_and_eager_evaluation(monkeypatch):
     """compile 'auto': whole towers (their `Transformer` as the unit, kept gathered unless the spec says
     otherwise) for OpenCLIP towers up to WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too); in larger towers
-    per block for large blocks, off for small ones; off for other unit plans, on CPU and for other
+    per block for large blocks (and where the step is CUDA-graphed: tests/test_cuda_graph.py), off for small ones of an eager step; off for other unit plans, on CPU and for other
     libraries' blocks; what the spec sets stays.
     Then a compiled unit module trains compiled and evaluates eager."""
     from fsdpclip.model import build_model, find_towers
-    from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_compile
+    from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_auto
     from fsdpclip.shard import Unit, plan_units
     from fsdpclip.spec import FsdpSpec, ModelSpec
 
@@ -81,13 +81,13 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     big_g_towers = find_towers(big_g)
 
     def resolved(fsdp=FsdpSpec(), device="cuda", flops=small, model=b32, towers=b32_towers):
-        return resolve_compile(fsdp, model, towers, device, flops)
+        return resolve_auto(fsdp, model, towers, device, flops)
 
     per_block = resolved(flops=large, model=big_g, towers=big_g_towers)
     assert (per_block.compile, per_block.wrap.image, per_block.reshard_after_forward) == (True, None, True)
     # Without the blocks' work only the units are decided (validate's memory estimate): whole towers, or 'auto' kept.
-    assert resolve_compile(FsdpSpec(), b32, b32_towers, "cuda").wrap.image == ["Transformer"]
-    assert resolve_compile(FsdpSpec(), big_g, big_g_towers, "cuda").compile == "auto"
+    assert resolve_auto(FsdpSpec(), b32, b32_towers, "cuda").wrap.image == ["Transformer"]
+    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda").compile == "auto"
     for flops in (small, large):  # towers this small are compiled whole, whatever their blocks' work
         whole = resolved(flops=flops)
         assert (whole.compile, whole.wrap.image, whole.wrap.text, whole.reshard_after_forward) == \
@@ -99,9 +99,9 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     assert [u.modules for u in plan_units(h14, h14_towers, h14_whole)] == \
         [("visual.transformer",), ("transformer",), ("",)]
     for fsdp, device, model, towers in [(FsdpSpec(), "cpu", b32, b32_towers),
-                                        (FsdpSpec(unit_size=2), "cuda", b32, b32_towers),
+                                        (FsdpSpec(unit_size=2, cuda_graph=False), "cuda", b32, b32_towers),
                                         (FsdpSpec(activation_checkpointing={"image": True}), "cuda", b32, b32_towers),
-                                        (FsdpSpec(), "cuda", big_g, big_g_towers)]:
+                                        (FsdpSpec(cuda_graph=False), "cuda", big_g, big_g_towers)]:
         off = resolved(fsdp, device, model=model, towers=towers)
         assert (off.compile, off.wrap, off.reshard_after_forward) == (False, fsdp.wrap, True)
     assert resolved(FsdpSpec(compile=True), "cpu").compile is True

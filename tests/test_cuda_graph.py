@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -10,18 +11,36 @@ import torch
 from ranks import json_result, REPO
 
 
-def test_auto_captures_only_whole_compiled_towers_kept_gathered_on_cuda():
-    from fsdpclip.graphs import resolve_cuda_graph
-    from fsdpclip.spec import FsdpSpec
+def test_auto_graphs_cuda_steps_of_open_clip_blocks_that_do_not_sync_with_the_host():
+    """cuda_graph 'auto': on for OpenCLIP's blocks on CUDA, whatever the units; off on CPU, with CPU offload,
+    fp16 loss scaling or activation checkpointing, and for other libraries' blocks; what the spec sets stays.
+    A graphed step compiles the blocks of towers too large to compile whole, whatever their work."""
+    from fsdpclip.model import build_model, find_towers
+    from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, resolve_auto
+    from fsdpclip.spec import FsdpSpec, ModelSpec
 
-    whole = FsdpSpec(compile=True, reshard_after_forward=False)
-    assert resolve_cuda_graph(whole, "cuda").cuda_graph is True
-    assert resolve_cuda_graph(whole, "cpu").cuda_graph is False
-    for other in ({"compile": False}, {"reshard_after_forward": True}, {"cpu_offload": True},
-                  {"param_dtype": "fp16", "reduce_dtype": "fp32"}):
-        assert resolve_cuda_graph(whole.model_copy(update=other), "cuda").cuda_graph is False, other
-    for chosen in (True, False):  # what the spec sets stays
-        assert resolve_cuda_graph(FsdpSpec(cuda_graph=chosen), "cuda").cuda_graph is chosen
+    b32 = build_model(ModelSpec(name="ViT-B-32"))
+    towers = find_towers(b32)
+
+    def graphed(device="cuda", towers=towers, **fsdp) -> bool:
+        return resolve_auto(FsdpSpec(**fsdp), b32, towers, device).cuda_graph
+
+    assert graphed() is True
+    assert graphed(compile=False, reshard_after_forward=True, unit_size=1) is True
+    assert graphed("cpu") is False
+    for off in ({"cpu_offload": True}, {"param_dtype": "fp16", "reduce_dtype": "fp32"},
+                {"activation_checkpointing": {"image": True}}):
+        assert graphed(**off) is False, off
+    timm = {name: dataclasses.replace(tower, block_classes=("Block",)) for name, tower in towers.items()}
+    assert graphed(towers=timm) is False
+    for chosen in (True, False):
+        assert graphed("cpu", cuda_graph=chosen) is chosen
+
+    big_g = build_model(ModelSpec(name="ViT-bigG-14"))  # too large to compile whole
+    big_g_towers = find_towers(big_g)
+    small = COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
+    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small).compile is True
+    assert resolve_auto(FsdpSpec(cuda_graph=False), big_g, big_g_towers, "cuda", small).compile is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
