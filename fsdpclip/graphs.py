@@ -10,13 +10,23 @@ outside: the data, the gradient clipping, the optimizer and the schedule (torcht
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, MutableMapping, Optional, Union
 
 import torch
 from torch import nn
 
 log = logging.getLogger("fsdpclip")
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def keep_nccl_capturable(cuda_graph: Union[bool, str], environ: MutableMapping[str, str]) -> None:
+    """Set NCCL_GRAPH_REGISTER=0 where a step may be graphed and the allocator uses expandable segments:
+    NCCL registers the buffers of captured collectives as if each were one contiguous allocation, which
+    expandable segments break (hangs: pytorch#158029; Megatron-LM refuses the combination below
+    Blackwell). Called before the process group forms; a value the user set stays."""
+    conf = f"{environ.get('PYTORCH_CUDA_ALLOC_CONF', '')},{environ.get('PYTORCH_ALLOC_CONF', '')}"
+    if cuda_graph is not False and "expandable_segments:true" in conf.replace(" ", "").lower():
+        environ.setdefault("NCCL_GRAPH_REGISTER", "0")
 
 
 class GraphedForwardBackward:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpclip.distributed import init_distributed
+from fsdpclip.graphs import keep_nccl_capturable
 from fsdpclip.model import hf_text_tower, without_modules
 from fsdpclip.rundir import EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
 
@@ -80,6 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_SPEC
     signals = StopSignals()
     import_in_background([TRAINER_MODULE, "open_clip"], absent=() if hf_text_tower(job.model) else ("transformers",))
+    keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
     startup.mark("distributed")
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,

@@ -55,3 +55,19 @@ def test_a_graphed_step_trains_as_the_eager_step(accum, tmp_path):
     assert result["replays"] == len(result["graphed"]) - 1
     torch.testing.assert_close(result["graphed"], result["eager"], rtol=1e-4, atol=1e-5)
     assert result["parameter_difference"] < 1e-4
+
+
+@pytest.mark.parametrize("cuda_graph, conf, given, expected", [
+    ("auto", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None, "0"),
+    (True, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:true"}, None, "0"),
+    ("auto", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "1", "1"),  # the user's value stays
+    (False, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None, None),
+    ("auto", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None, None),
+    ("auto", {}, None, None),
+])
+def test_nccl_registration_is_off_for_graphs_on_expandable_segments(cuda_graph, conf, given, expected):
+    from fsdpclip.graphs import keep_nccl_capturable
+
+    environ = {**conf, **({"NCCL_GRAPH_REGISTER": given} if given else {})}
+    keep_nccl_capturable(cuda_graph, environ)
+    assert environ.get("NCCL_GRAPH_REGISTER") == expected
