@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
 from fsdpclip.problems import ModelError, Report, closest
@@ -44,6 +45,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         world_size, gpus_per_node = layout_of(job)
     report = Report(world_size, gpus_per_node or world_size)
     _check_precision(job, report)
+    _check_cuda_graph(job, report)
     _check_eval(job, report)
     steps = _check_batch_and_schedule(job, report)
     usable_run_dir = _check_output_dir(job, report)
@@ -64,6 +66,9 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         _model_problem(job, exc, report)
         return report
     text_ok = _check_text_input(job, cfg, model, report)
+    if job.fsdp.cuda_graph is True and uncapturable_modules(model):
+        report.error("fsdp.cuda_graph", f"cannot capture the model's patch dropout ({uncapturable_modules(model)[0]}: "
+                                        f"its kept patches are drawn on the host)", True, hint="leave it 'auto'")
     towers = find_towers(model, job.model.block_classes)
     classes_ok = _check_classes(job, towers, report)
     _check_freeze(job, towers, report)
@@ -346,15 +351,20 @@ def _check_precision(job: Job, report: Report) -> None:
                      fsdp.reduce_dtype, hint="reduce in fp32 or in the param dtype")
     if job.launch.device == "cpu" and fsdp.param_dtype == "fp16":
         report.error("fsdp.param_dtype", "fp16 is not supported on CPU", "fp16", hint="use bf16 or fp32")
-    if fsdp.cuda_graph is True:
-        if job.launch.device != "cuda":
-            report.error("fsdp.cuda_graph", "CUDA graphs need CUDA devices", True, hint="leave it 'auto'")
-        if fsdp.cpu_offload:
-            report.error("fsdp.cuda_graph", "cannot capture a step with CPU offload (it syncs with the host)", True,
-                         hint="leave it 'auto' or turn fsdp.cpu_offload off")
-        if fsdp.scales_loss:
-            report.error("fsdp.cuda_graph", "cannot capture a step with fp16 loss scaling", True,
-                         hint="leave it 'auto' or use bf16")
+
+
+def _check_cuda_graph(job: Job, report: Report) -> None:
+    """What `fsdp.cuda_graph: true` cannot capture, known from the spec (patch dropout: from the model)."""
+    fsdp = job.fsdp
+    if fsdp.cuda_graph is not True:
+        return
+    if job.launch.device != "cuda":
+        report.error("fsdp.cuda_graph", "CUDA graphs need CUDA devices", True, hint="leave it 'auto'")
+    if fsdp.cpu_offload:
+        report.error("fsdp.cuda_graph", "cannot capture a step with CPU offload (it waits for the host)", True,
+                     hint="leave it 'auto' or turn fsdp.cpu_offload off")
+    if fsdp.scales_loss:
+        report.error("fsdp.cuda_graph", "not supported with fp16 loss scaling", True, hint="leave it 'auto' or use bf16")
 
 
 def _check_importable(module: str, location: str, report: Report, extra: Optional[str] = None) -> None:

@@ -19,6 +19,13 @@ log = logging.getLogger("fsdpclip")
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def uncapturable_modules(model: nn.Module) -> list[str]:
+    """Names of the modules whose training forward needs the host mid-step, which a CUDA graph cannot
+    capture: OpenCLIP's patch dropout (its kept patches are drawn on the host, then indexed on the device)."""
+    return [name for name, module in model.named_modules()
+            if type(module).__name__ == "PatchDropout" and getattr(module, "prob", 0) > 0]
+
+
 def keep_nccl_capturable(cuda_graph: Union[bool, str], environ: MutableMapping[str, str]) -> None:
     """Set NCCL_GRAPH_REGISTER=0 where a step may be graphed and the allocator uses expandable segments:
     NCCL registers the buffers of captured collectives as if each were one contiguous allocation, which
@@ -30,16 +37,18 @@ def keep_nccl_capturable(cuda_graph: Union[bool, str], environ: MutableMapping[s
 
 
 class GraphedForwardBackward:
-    """`forward_backward(batches) -> loss` (fsdpclip.loss.backward_micro_batches bound to the model) run
+    """`forward_backward(batches) -> loss` (fsdpclip.loss.backward_micro_batches over the model) run
     eagerly once, then captured as one CUDA graph and replayed.
 
     The first call runs on the side stream the capture will use (FSDP's lazy set-up, compilation, NCCL
-    communicators, autograd's per-stream state); the second captures there and replays. Each call copies
-    its batches into the captured ones, so their shapes may not change. The capture starts without
-    gradients, as an eager step after `zero_grad(set_to_none=True)` does: the graph writes them afresh into
-    its own memory at every replay, where the gradient tensors it made point, and the peak memory is the
-    eager step's. So the caller leaves every `.grad` in place (no zeroing: it would only cost a kernel).
-    The returned loss is a copy, safe past the next replay."""
+    communicators, autograd's per-stream state); the second captures there and replays. Later calls copy
+    their batches into the captured ones, so their shapes may not change. The capture starts without
+    gradients, as an eager step after `zero_grad(set_to_none=True)` does: at every replay the graph writes
+    them afresh into its own memory, where the gradient tensors made during the capture point, and those
+    are put back on their parameters before each replay should anything have replaced them. The graph's
+    memory stays held between steps (evaluation's comes on top). The returned loss is a copy, safe past the
+    next replay. `release` drops the graph: before the process group is destroyed, NCCL waits for every
+    graph holding its collectives."""
 
     def __init__(self, forward_backward: Callable[[Batches], torch.Tensor], parameters: list[nn.Parameter]):
         self.forward_backward, self.parameters = forward_backward, parameters
@@ -47,6 +56,7 @@ class GraphedForwardBackward:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.batches: Optional[Batches] = None
         self.loss: Optional[torch.Tensor] = None
+        self.gradients: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.calls = self.replays = 0
 
     def __call__(self, batches: Batches) -> torch.Tensor:
@@ -55,15 +65,29 @@ class GraphedForwardBackward:
             return self._on_side_stream(lambda: self.forward_backward(batches))
         if self.graph is None:
             self._capture(batches)
-        for captured, batch in zip(self.batches, batches):
-            for into, tensor in zip(captured, batch):
+        else:
+            self._copy_in(batches)
+        for parameter, gradient in self.gradients:
+            if parameter.grad is not gradient:
+                parameter.grad = gradient
+        self.graph.replay()
+        self.replays += 1
+        return self.loss.clone()
+
+    def release(self) -> None:
+        """Drop the graph and what it holds (after the device has finished its last replay)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+        self.graph, self.batches, self.loss, self.gradients = None, None, None, []
+
+    def _copy_in(self, batches: Batches) -> None:
+        for captured, batch in zip(self.batches, batches, strict=True):
+            for into, tensor in zip(captured, batch, strict=True):
                 if into.shape != tensor.shape or into.dtype != tensor.dtype:
                     raise ValueError(f"a CUDA-graphed step takes fixed batches: captured {tuple(into.shape)} "
                                      f"{into.dtype}, given {tuple(tensor.shape)} {tensor.dtype}")
                 into.copy_(tensor, non_blocking=True)
-        self.graph.replay()
-        self.replays += 1
-        return self.loss.clone()
 
     def _on_side_stream(self, work: Callable[[], torch.Tensor]) -> torch.Tensor:
         current = torch.cuda.current_stream()
@@ -75,10 +99,8 @@ class GraphedForwardBackward:
 
     def _capture(self, batches: Batches) -> None:
         for parameter in self.parameters:
-            parameter.grad = None
+            parameter.grad = None  # freed before the capture (torch.cuda.graph empties the cache first)
         self.batches = [tuple(t.clone() for t in batch) for batch in batches]
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the warm-up's freed blocks go back: the graph's own pool holds the step
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
@@ -86,4 +108,5 @@ class GraphedForwardBackward:
         except Exception as exc:
             raise RuntimeError(f"CUDA-graph capture of the training step failed ({type(exc).__name__}: {exc}); "
                                "set fsdp.cuda_graph to false") from exc
+        self.gradients = [(p, p.grad) for p in self.parameters if p.grad is not None]
         log.info("CUDA graph captured: forward and backward of %d micro batch(es)", len(batches))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ def build_loss(spec: LossSpec, rank: int, world_size: int) -> nn.Module:
 
 
 def backward_micro_batches(model: nn.Module, loss_fn: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                           scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                           scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Forward and backward of one optimizer step's micro batches; returns the step's loss (detached).
 
     With several micro batches (`batch.grad_accum`) this is OpenCLIP's `accum_freq`: the features of
@@ -30,11 +30,11 @@ def backward_micro_batches(model: nn.Module, loss_fn: nn.Module, batches: list[t
     is backpropagated through them alone. The summed gradients are the whole batch's, every micro
     batch is contrasted against all of it, and each loss equals the whole batch's loss; it costs
     one more forward per micro batch and keeps every micro batch's inputs until the step ends.
-    `scale` is the fp16 loss scaler's (identity otherwise).
+    `scale` is the fp16 loss scaler's (none otherwise).
     """
     if len(batches) == 1:
         loss = loss_fn(*model(*batches[0]))
-        scale(loss).backward()
+        (scale(loss) if scale else loss).backward()
         return loss.detach()
     with torch.no_grad():
         cached = [model(images, texts)[:2] for images, texts in batches]
@@ -44,6 +44,6 @@ def backward_micro_batches(model: nn.Module, loss_fn: nn.Module, batches: list[t
         image_all = torch.cat([c[0] for c in cached[:index]] + [image_features] + [c[0] for c in cached[index + 1:]])
         text_all = torch.cat([c[1] for c in cached[:index]] + [text_features] + [c[1] for c in cached[index + 1:]])
         loss = loss_fn(image_all, text_all, *rest)
-        scale(loss).backward()
+        (scale(loss) if scale else loss).backward()
         total += loss.detach()
     return total / len(batches)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpclip.attention import use_direct_attention
+from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import SHARED_PARAMETERS, find_towers
 from fsdpclip.rundir import write_atomically
 from fsdpclip.shard import Unit, checkpointed_modules, plan_units, whole_tower_wraps
@@ -68,14 +69,17 @@ COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttent
 
 
 def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
-                 block_forward_flops: Optional[float] = None) -> FsdpSpec:
+                 block_forward_flops: Optional[float] = None, world_size: int = 1) -> FsdpSpec:
     """`fsdp` with its 'auto' `cuda_graph`, `compile` and `reshard_after_forward` decided (`parallelize`
     compiles only on True; an undecided 'auto' reshards). Both are off unless on CUDA with OpenCLIP's
     blocks (COMPILE_AUTO_BLOCKS).
 
-    The step is CUDA-graphed there unless it syncs with the host or was not measured captured: CPU
-    offload, fp16 loss scaling, activation checkpointing (1×H200, one run each: ViT-B-32 1.31× and 1.77×
-    compiled DDP, ViT-bigG-14 1.18× eager DDP at the same memory, ViT-L-14 unchanged; docs/performance.md).
+    The step is CUDA-graphed there in a world of one GPU (1×H200, one run each: ViT-B-32 1.31× and 1.77×
+    compiled DDP, ViT-bigG-14 1.18× eager DDP at the same memory, ViT-L-14 unchanged; docs/performance.md),
+    unless it needs the host mid-step or was not measured captured: CPU offload, fp16 loss scaling, patch
+    dropout (graphs.uncapturable_modules), activation checkpointing. Not yet in larger worlds: there the
+    graph would hold NCCL collectives, which no run has shown captured (at world size 1 FSDP2 and the loss
+    issue none).
     Where every tower is small enough (shard.whole_tower_wraps), each tower's block container becomes the
     unit, compiled as one graph and kept gathered after forward unless the spec says
     `reshard_after_forward: true` (ViT-H-14 1.35x eager, ViT-L-14 1.04x per-block compile). Larger towers
@@ -89,7 +93,8 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     graphed = fsdp.cuda_graph
     if graphed == "auto":
         checkpointed = fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text
-        graphed = update["cuda_graph"] = ours and not (fsdp.cpu_offload or fsdp.scales_loss or checkpointed)
+        graphed = update["cuda_graph"] = ours and world_size == 1 and not (
+            fsdp.cpu_offload or fsdp.scales_loss or checkpointed or uncapturable_modules(model))
     if fsdp.compile == "auto":
         wraps = whole_tower_wraps(model, towers, fsdp) if ours else None
         if wraps is not None:

@@ -235,9 +235,10 @@ class FsdpSpec(Section):
     cuda_graph: Union[bool, Literal["auto"]] = Field(
         "auto", description="Capture each step's forward and backward as one CUDA graph after a warm-up step and replay "
                             "it: no host work per kernel or per FSDP unit (gradient clipping and the optimizer stay "
-                            "outside). Needs fixed batch shapes, no fp16 loss scaling and no CPU offload. 'auto': on "
-                            "CUDA where compile 'auto' compiles whole towers kept gathered after forward (the host-bound "
-                            "small models); off elsewhere (docs/performance.md).")
+                            "outside); the graph's memory stays held between steps. Needs CUDA, fixed batch shapes, no "
+                            "fp16 loss scaling, CPU offload or patch dropout. 'auto': on for one GPU with OpenCLIP's "
+                            "blocks and no activation checkpointing; off on several GPUs until a run there shows "
+                            "captured collectives (docs/performance.md).")
     direct_attention: bool = Field(
         True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")

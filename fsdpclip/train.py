@@ -80,8 +80,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdpclip.train: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
         return EXIT_SPEC
     signals = StopSignals()
+    keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)  # before any other thread reads the environment
     import_in_background([TRAINER_MODULE, "open_clip"], absent=() if hf_text_tower(job.model) else ("transformers",))
-    keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
     startup.mark("distributed")
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,

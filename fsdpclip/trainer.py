@@ -7,6 +7,7 @@ process group forms; its exit codes are listed there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -104,7 +105,10 @@ class Trainer:
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
-        self.graphed = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph else None
+        scale = self.scaler.scale if self.scaler is not None else None
+        forward_backward = functools.partial(backward_micro_batches, self.model, self.loss_fn, scale=scale)
+        self.forward_backward = GraphedForwardBackward(forward_backward, self.trained) if self.cuda_graph \
+            else forward_backward
         self.eval_sets: Optional[list[EvalSet]] = None
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
@@ -139,6 +143,8 @@ class Trainer:
         self.flops_per_sample = flops[0]
         fsdp = self._resolve_auto(model, towers)
         self.compiled, self.cuda_graph = bool(fsdp.compile), fsdp.cuda_graph
+        if self.cuda_graph and env.device.type != "cuda":
+            raise Stop(EXIT_SPEC, "fsdp.cuda_graph true needs CUDA devices")
         if self.compiled:  # before anything is compiled: a requeue on other nodes starts warm
             loaded = load_compile_cache(job.run_dir / COMPILE_CACHE)
             if loaded and env.is_main:
@@ -157,7 +163,7 @@ class Trainer:
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
             block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
-            decided[0] = resolve_auto(job.fsdp, model, towers, env.device.type, block_flops)
+            decided[0] = resolve_auto(job.fsdp, model, towers, env.device.type, block_flops, env.world_size)
             fsdp = decided[0]
             if job.fsdp.compile == "auto":
                 how = "off" if not fsdp.compile else "blocks" if fsdp.wrap == job.fsdp.wrap else \
@@ -244,7 +250,10 @@ class Trainer:
         return images, texts.to(self.env.device, non_blocking=True)
 
     def close(self) -> None:
-        """Stop the data workers (before the process exits, so none outlives it)."""
+        """Stop the data workers (before the process exits, so none outlives it) and drop the step's CUDA
+        graph (before the process group is destroyed)."""
+        if isinstance(getattr(self, "forward_backward", None), GraphedForwardBackward):
+            self.forward_backward.release()
         self.batch_iter.close()
         if isinstance(self.batches, WebDatasetBatches):
             self.batches.close()
@@ -254,7 +263,7 @@ class Trainer:
         """One optimizer step over grad_accum micro batches; (the step's local loss, grad norm), on device."""
         accum = self.job.batch.grad_accum
         batches = [self._next_batch(window) for _ in range(accum)]
-        loss = (self.graphed or self._forward_backward)(batches)
+        loss = self.forward_backward(batches)
         average_replicated_gradients(self.replicated)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -271,7 +280,7 @@ class Trainer:
             self.optimizer.step(found_inf=found_inf)  # a non-finite step is skipped on the device
             self.skipped_steps += found_inf
         self.scheduler.step()
-        if self.graphed is None:  # a graphed step's gradients stay where its graph writes them
+        if not self.cuda_graph:  # a graphed step's gradients stay where its graph writes them
             self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
@@ -280,10 +289,6 @@ class Trainer:
         window.steps += 1
         window.samples += self.job.batch.per_gpu * accum
         return loss, grad_norm
-
-    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return backward_micro_batches(self.model, self.loss_fn, batches,
-                                      self.scaler.scale if self.scaler is not None else lambda x: x)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:

@@ -64,8 +64,9 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
 def test_compile_auto_and_eager_evaluation(monkeypatch):
     """compile 'auto': whole towers (their `Transformer` as the unit, kept gathered unless the spec says
     otherwise) for OpenCLIP towers up to WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too); in larger towers
-    per block for large blocks (and where the step is CUDA-graphed: tests/test_cuda_graph.py), off for small ones of an eager step; off for other unit plans, on CPU and for other
-    libraries' blocks; what the spec sets stays.
+    per block for large blocks (and where the step is CUDA-graphed: tests/test_cuda_graph.py), off for
+    small ones of an eager step; off for other unit plans, on CPU and for other libraries' blocks; what the
+    spec sets stays.
     Then a compiled unit module trains compiled and evaluates eager."""
     from fsdpclip.model import build_model, find_towers
     from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_auto

@@ -11,6 +11,7 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdpclip.distributed import all_mean, init_distributed
@@ -35,7 +36,7 @@ def train(run_root: str, name: str, cuda_graph: bool, accum: int, env) -> tuple[
         loss, _ = trainer.train_step(window)
         losses.append(all_mean([loss.item()], env.device)[0])
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    replays = trainer.graphed.replays if trainer.graphed is not None else 0
+    replays = getattr(trainer.forward_backward, "replays", 0)
     trainer.close()
     return losses, state, replays
 
@@ -46,6 +47,7 @@ def main(run_root: str, accum: int) -> None:
     graphed, graphed_state, replays = train(run_root, "graphed", True, accum, env)
     difference = max(((graphed_state[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12)).item()
                      for k, v in eager_state.items())
+    dist.destroy_process_group()  # with NCCL, waits for every graph holding its collectives: the trainer dropped its
     if env.is_main:
         print(json.dumps({"eager": eager, "graphed": graphed, "replays": replays, "parameter_difference": difference}))
 
