@@ -7,7 +7,6 @@ process group forms; its exit codes are listed there.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -105,10 +104,8 @@ class Trainer:
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
-        scale = self.scaler.scale if self.scaler is not None else None
-        forward_backward = functools.partial(backward_micro_batches, self.model, self.loss_fn, scale=scale)
-        self.forward_backward = GraphedForwardBackward(forward_backward, self.trained) if self.cuda_graph \
-            else forward_backward
+        self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph \
+            else self._forward_backward
         self.eval_sets: Optional[list[EvalSet]] = None
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
@@ -289,6 +286,12 @@ class Trainer:
         window.steps += 1
         window.samples += self.job.batch.per_gpu * accum
         return loss, grad_norm
+
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The step's forward and backward (loss.backward_micro_batches) with the trainer's model, loss and
+        loss scaler as they are at the call."""
+        return backward_micro_batches(self.model, self.loss_fn, batches,
+                                      self.scaler.scale if self.scaler is not None else None)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
