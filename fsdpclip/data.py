@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import tar_file_expander, url_opener, group_by_keys
 
-from fsdpclip.decode import EncodedBatch, EncodedJpeg, collate, for_device
+from fsdpclip.decode import EncodedBatch, EncodedJpeg, TrainImages, collate, decode_mode, for_device
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
 from fsdpclip.urls import shard_urls
 
@@ -391,6 +391,17 @@ class WebDatasetBatches:
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
                             prefetch_factor=4 if self.workers else None, worker_init_fn=ignore_stop_signals)
         return iter(loader)
+
+
+def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Callable, batch_size: int, rank: int,
+                       world_size: int, seed: int, device: torch.device) -> tuple[WebDatasetBatches, TrainImages]:
+    """One rank's webdataset micro batches for a model's train `transform`, and what turns each into the
+    model's input on `device` (data.decode 'auto' settled there: decode.decode_mode)."""
+    decode = decode_mode(spec.decode, device.type)
+    images = TrainImages(transform, decode, device)
+    stream = ShardStream(spec.model_copy(update={"decode": decode}), images.worker_transform, tokenizer, batch_size,
+                         rank, world_size, seed)
+    return WebDatasetBatches(stream, spec.workers, pin_memory=device.type == "cuda"), images
 
 
 def shutdown_workers(batches: Iterator) -> None:

@@ -173,7 +173,7 @@ class TrainImages:
             raise ValueError(f"the model's train transform is not <PIL steps>, ToTensor, Normalize, so it cannot "
                              f"be split between the data workers and the device: {transform}")
         self.worker_transform = Compose(steps[:cut] + [PILToTensor()])
-        self.device = device
+        self.device, self.decode = device, decode
         normalize = steps[-1]
         self.mean, self.std = (torch.as_tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
                                for v in (normalize.mean, normalize.std))

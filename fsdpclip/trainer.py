@@ -22,8 +22,7 @@ import torch.distributed as dist
 from fsdpclip.checkpoint import (
     CheckpointError, Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
 )
-from fsdpclip.data import ShardStream, StreamPosition, SyntheticBatches, WebDatasetBatches
-from fsdpclip.decode import TrainImages, decode_mode
+from fsdpclip.data import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, shard_mesh
 from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
@@ -207,13 +206,12 @@ class Trainer:
             context, vocab = text_shape(model)
             return SyntheticBatches(image_shape(model), context, vocab, job.batch.per_gpu, env.device,
                                     job.run.seed, env.rank)
-        decode = decode_mode(job.data.decode, env.device.type)
-        self.images = TrainImages(image_transform(model, train=True), decode, env.device)
+        batches, self.images = webdataset_batches(job.data, image_transform(model, train=True), self.tokenizer,
+                                                  job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device)
         if env.is_main:
-            log.info("data: images decoded %s", "on the device (nvJPEG)" if decode == "gpu" else "by the data workers")
-        stream = ShardStream(job.data.model_copy(update={"decode": decode}), self.images.worker_transform,
-                             self.tokenizer, job.batch.per_gpu, env.rank, env.world_size, job.run.seed)
-        return WebDatasetBatches(stream, job.data.workers, pin_memory=env.device.type == "cuda")
+            log.info("data: images decoded %s", "on the device (nvJPEG)" if self.images.decode == "gpu"
+                     else "by the data workers")
+        return batches
 
     def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
         """The next micro batch, on the device; `window.data_wait` gets how long the step waited for it.

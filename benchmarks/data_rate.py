@@ -1,0 +1,87 @@
+"""One rank's data pipeline alone, without a model: how many samples per second it delivers, and which
+stage limits it.
+
+    python benchmarks/data_rate.py --urls '/tmp/jpeg/shards/{000000..000031}.tar' --samples 32000 \\
+        --model ViT-B-32 --batch 256 --workers 4 8 12 --decode gpu cpu --batches 80 --skip 40 --out rates.jsonl
+
+For each data.decode and worker count, the webdataset batches are built as the trainer builds them
+(fsdpclip.data.webdataset_batches) and measured twice: "workers" takes the batches as the workers hand
+them over (no pinning thread, nothing sent to the device: for decode 'gpu' they are still JPEGs), "device"
+also turns each into the model's input on the device, as a training step's data does (on CUDA with the
+pinning thread's decode for 'gpu'), synchronised at the end. Rates count the batches after the first
+--skip: the workers' start-up queues (prefetch 4 batches per worker) are not the steady supply. Where
+"device" is well below "workers", the rank's side limits (for 'gpu': the pinning thread's decode); where
+both are equal and grow with the workers, the workers do. One JSON line per measurement on stdout and in
+--out. Runs on CPU too (decode 'cpu', device cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from fsdpclip.data import webdataset_batches
+from fsdpclip.model import build_model, build_tokenizer, image_transform, model_config
+from fsdpclip.spec import ModelSpec, WebDatasetSpec
+
+
+def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: torch.device) -> dict:
+    spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=workers, decode=decode)
+    batches, images = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
+                                         device)
+    batches.pin_memory = batches.pin_memory and stage == "device"
+    stream = iter(batches)
+    began = time.perf_counter()
+    started = None
+    try:
+        for index, (pixels, texts) in enumerate(itertools.islice(stream, args.batches)):
+            if stage == "device":
+                pixels, texts = images(pixels), texts.to(device, non_blocking=True)
+            if index + 1 == args.skip:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ended = time.perf_counter()
+    finally:
+        stream.close()
+        batches.close()
+    measured = args.batches - args.skip
+    return {"decode": images.decode, "workers": workers, "stage": stage, "batch": args.batch,
+            "first_batches_s": round(started - began, 2),
+            "samples_per_s": round(measured * args.batch / (ended - started), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--urls", required=True, help="webdataset shards (brace notation)")
+    parser.add_argument("--samples", type=int, required=True, help="samples in those shards")
+    parser.add_argument("--model", default="ViT-B-32", help="an OpenCLIP name or a model config file")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--workers", type=int, nargs="+", default=[8])
+    parser.add_argument("--decode", nargs="+", default=["gpu", "cpu"], choices=("gpu", "cpu", "auto"))
+    parser.add_argument("--batches", type=int, default=80)
+    parser.add_argument("--skip", type=int, default=40, help="batches before the timing starts")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not 0 < args.skip < args.batches:
+        parser.error("--skip must be between 0 and --batches")
+    spec = ModelSpec(**({"config": args.model} if args.model.endswith(".json") else {"name": args.model}))
+    model, tokenizer = build_model(spec), build_tokenizer(model_config(spec))
+    device = torch.device(args.device)
+    for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device")):
+        row = rate(args, model, tokenizer, decode, workers, stage, device)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
