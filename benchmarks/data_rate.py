@@ -12,7 +12,8 @@ pinning thread's decode for 'gpu'), synchronised at the end. Rates count the bat
 --skip: the workers' start-up queues (prefetch 4 batches per worker) are not the steady supply. Where
 "device" is well below "workers", the rank's side limits (for 'gpu': the pinning thread's decode); where
 both are equal and grow with the workers, the workers do. One JSON line per measurement on stdout and in
---out. Runs on CPU too (decode 'cpu', device cpu).
+--out. --batches must stay within one epoch (samples ÷ batch): an epoch's end restarts the workers. Runs
+on CPU too (decode 'cpu', device cpu).
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ import time
 import torch
 
 from fsdpclip.data import webdataset_batches
-from fsdpclip.model import build_model, build_tokenizer, image_transform, model_config
+from fsdpclip.model import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.spec import ModelSpec, WebDatasetSpec
 
 
 def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: torch.device) -> dict:
     spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=workers, decode=decode)
     batches, images = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
-                                         device)
-    batches.pin_memory = batches.pin_memory and stage == "device"
+                                         device, pin_memory=device.type == "cuda" and stage == "device")
     stream = iter(batches)
     began = time.perf_counter()
     started = None
@@ -72,9 +72,16 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 < args.skip < args.batches:
         parser.error("--skip must be between 0 and --batches")
-    spec = ModelSpec(**({"config": args.model} if args.model.endswith(".json") else {"name": args.model}))
-    model, tokenizer = build_model(spec), build_tokenizer(model_config(spec))
+    if args.batches > args.samples // args.batch:
+        parser.error(f"--batches {args.batches} runs past one epoch ({args.samples // args.batch} batches)")
     device = torch.device(args.device)
+    if device.type != "cuda" and "gpu" in args.decode:
+        parser.error("--decode gpu needs a CUDA --device")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the pinning thread decodes on the current device
+    spec = ModelSpec(**({"config": args.model} if args.model.endswith(".json") else {"name": args.model}))
+    config = model_config(spec)
+    model, tokenizer = model_from_config(config, device="meta"), build_tokenizer(config)
     for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device")):
         row = rate(args, model, tokenizer, decode, workers, stage, device)
         print(json.dumps(row), flush=True)

@@ -66,9 +66,10 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         _model_problem(job, exc, report)
         return report
     text_ok = _check_text_input(job, cfg, model, report)
-    if job.fsdp.cuda_graph is True and uncapturable_modules(model):
-        report.error("fsdp.cuda_graph", f"cannot capture the model's patch dropout ({uncapturable_modules(model)[0]}: "
-                                        f"its kept patches are drawn on the host)", True, hint="leave it 'auto'")
+    if job.fsdp.cuda_graph is True and (uncapturable := uncapturable_modules(model)):
+        report.error("fsdp.cuda_graph", f"cannot capture the model's patch dropout ({uncapturable[0]}: its kept "
+                                        f"patches are drawn on the host)", True,
+                     hint="leave it 'auto', or set model.image.patch_dropout to 0")
     towers = find_towers(model, job.model.block_classes)
     classes_ok = _check_classes(job, towers, report)
     _check_freeze(job, towers, report)

@@ -394,14 +394,17 @@ class WebDatasetBatches:
 
 
 def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Callable, batch_size: int, rank: int,
-                       world_size: int, seed: int, device: torch.device) -> tuple[WebDatasetBatches, TrainImages]:
+                       world_size: int, seed: int, device: torch.device,
+                       pin_memory: Optional[bool] = None) -> tuple[WebDatasetBatches, TrainImages]:
     """One rank's webdataset micro batches for a model's train `transform`, and what turns each into the
-    model's input on `device` (data.decode 'auto' settled there: decode.decode_mode)."""
+    model's input on `device` (data.decode 'auto' settled there: decode.decode_mode). The batches go
+    through the pinning thread (which decodes 'gpu' batches) on CUDA unless `pin_memory` says otherwise."""
     decode = decode_mode(spec.decode, device.type)
     images = TrainImages(transform, decode, device)
     stream = ShardStream(spec.model_copy(update={"decode": decode}), images.worker_transform, tokenizer, batch_size,
                          rank, world_size, seed)
-    return WebDatasetBatches(stream, spec.workers, pin_memory=device.type == "cuda"), images
+    pin = device.type == "cuda" if pin_memory is None else pin_memory
+    return WebDatasetBatches(stream, spec.workers, pin_memory=pin), images
 
 
 def shutdown_workers(batches: Iterator) -> None:

@@ -30,9 +30,11 @@ def keep_nccl_capturable(cuda_graph: Union[bool, str], environ: MutableMapping[s
     """Set NCCL_GRAPH_REGISTER=0 where a step may be graphed and the allocator uses expandable segments:
     NCCL registers the buffers of captured collectives as if each were one contiguous allocation, which
     expandable segments break (hangs: pytorch#158029; Megatron-LM refuses the combination below
-    Blackwell). Called before the process group forms; a value the user set stays."""
+    Blackwell). 'auto' graphs only a world of one (parallelize.resolve_auto). Called before the process
+    group forms; a value the user set stays."""
     conf = f"{environ.get('PYTORCH_CUDA_ALLOC_CONF', '')},{environ.get('PYTORCH_ALLOC_CONF', '')}"
-    if cuda_graph is not False and "expandable_segments:true" in conf.replace(" ", "").lower():
+    graphed = cuda_graph is True or (cuda_graph == "auto" and environ.get("WORLD_SIZE", "1") == "1")
+    if graphed and "expandable_segments:true" in conf.replace(" ", "").lower():
         environ.setdefault("NCCL_GRAPH_REGISTER", "0")
 
 
@@ -75,10 +77,12 @@ class GraphedForwardBackward:
         return self.loss.clone()
 
     def release(self) -> None:
-        """Drop the graph and what it holds (after the device has finished its last replay)."""
+        """Drop the graph and what it holds, its gradients too (after the device has finished its last replay)."""
         if self.graph is not None:
             torch.cuda.synchronize()
             self.graph.reset()
+        for parameter, _ in self.gradients:
+            parameter.grad = None
         self.graph, self.batches, self.loss, self.gradients = None, None, None, []
 
     def _copy_in(self, batches: Batches) -> None:
@@ -101,12 +105,13 @@ class GraphedForwardBackward:
         for parameter in self.parameters:
             parameter.grad = None  # freed before the capture (torch.cuda.graph empties the cache first)
         self.batches = [tuple(t.clone() for t in batch) for batch in batches]
-        self.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 self.loss = self.forward_backward(self.batches)
         except Exception as exc:
             raise RuntimeError(f"CUDA-graph capture of the training step failed ({type(exc).__name__}: {exc}); "
                                "set fsdp.cuda_graph to false") from exc
+        self.graph = graph
         self.gradients = [(p, p.grad) for p in self.parameters if p.grad is not None]
         log.info("CUDA graph captured: forward and backward of %d micro batch(es)", len(batches))

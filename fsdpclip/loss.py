@@ -21,7 +21,7 @@ def build_loss(spec: LossSpec, rank: int, world_size: int) -> nn.Module:
 
 
 def backward_micro_batches(model: nn.Module, loss_fn: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                           scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                           scale: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
     """Forward and backward of one optimizer step's micro batches; returns the step's loss (detached).
 
     With several micro batches (`batch.grad_accum`) this is OpenCLIP's `accum_freq`: the features of

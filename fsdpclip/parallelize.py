@@ -69,7 +69,7 @@ COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttent
 
 
 def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
-                 block_forward_flops: Optional[float] = None, world_size: int = 1) -> FsdpSpec:
+                 block_forward_flops: Optional[float] = None, *, world_size: Optional[int] = None) -> FsdpSpec:
     """`fsdp` with its 'auto' `cuda_graph`, `compile` and `reshard_after_forward` decided (`parallelize`
     compiles only on True; an undecided 'auto' reshards). Both are off unless on CUDA with OpenCLIP's
     blocks (COMPILE_AUTO_BLOCKS).
@@ -87,11 +87,11 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     ViT-bigG-14 1.05× the graphed eager blocks) or a block's forward over a micro batch
     (`block_forward_flops`) is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's
     units. Without `block_forward_flops` only the units are decided (what the memory estimate needs):
-    compile stays 'auto' there."""
+    compile stays 'auto' there; without `world_size`, cuda_graph does."""
     ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
     update = {"reshard_after_forward": fsdp.reshards}
     graphed = fsdp.cuda_graph
-    if graphed == "auto":
+    if graphed == "auto" and world_size is not None:
         checkpointed = fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text
         graphed = update["cuda_graph"] = ours and world_size == 1 and not (
             fsdp.cpu_offload or fsdp.scales_loss or checkpointed or uncapturable_modules(model))
@@ -101,7 +101,7 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
             update.update(compile=True, wrap=fsdp.wrap.model_copy(update=wraps),
                           reshard_after_forward=fsdp.reshard_after_forward is True)
         elif block_forward_flops is not None:
-            update["compile"] = ours and (graphed or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
+            update["compile"] = ours and (graphed is True or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
     return fsdp.model_copy(update=update)
 
 

@@ -71,6 +71,8 @@ class Trainer:
     def __init__(self, job: Job, env: Dist, signals=None, startup: Optional[StartupClock] = None):
         """`signals`: what tells the loop a stop signal came (fsdpclip.train.StopSignals: `received`)."""
         self.job, self.env, self.signals = job, env, signals
+        if job.fsdp.cuda_graph is True and env.device.type != "cuda":
+            raise Stop(EXIT_SPEC, "fsdp.cuda_graph true needs CUDA devices")
         self.startup = startup or StartupClock()
         self.model_config = model_config(job.model)
         self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
@@ -139,8 +141,6 @@ class Trainer:
         self.flops_per_sample = flops[0]
         fsdp = self._resolve_auto(model, towers)
         self.compiled, self.cuda_graph = bool(fsdp.compile), fsdp.cuda_graph
-        if self.cuda_graph and env.device.type != "cuda":
-            raise Stop(EXIT_SPEC, "fsdp.cuda_graph true needs CUDA devices")
         if self.compiled:  # before anything is compiled: a requeue on other nodes starts warm
             loaded = load_compile_cache(job.run_dir / COMPILE_CACHE)
             if loaded and env.is_main:
@@ -159,7 +159,8 @@ class Trainer:
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
             block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
-            decided[0] = resolve_auto(job.fsdp, model, towers, env.device.type, block_flops, env.world_size)
+            decided[0] = resolve_auto(job.fsdp, model, towers, env.device.type, block_flops,
+                                      world_size=env.world_size)
             fsdp = decided[0]
             if job.fsdp.compile == "auto":
                 how = "off" if not fsdp.compile else "blocks" if fsdp.wrap == job.fsdp.wrap else \
@@ -167,7 +168,8 @@ class Trainer:
                     f"{str(fsdp.reshard_after_forward).lower()})"
                 log.info("compile 'auto': %s (%.2f TFLOP per block forward)", how, block_flops / 1e12)
             if job.fsdp.cuda_graph == "auto":
-                log.info("cuda_graph 'auto': %s", "on" if fsdp.cuda_graph else "off")
+                log.info("cuda_graph 'auto': %s", "on" if fsdp.cuda_graph else "off" if env.world_size == 1 else
+                         f"off ({env.world_size} ranks: captured collectives are not measured yet)")
         dist.broadcast_object_list(decided, src=0)
         return decided[0]
 
@@ -245,13 +247,18 @@ class Trainer:
         return images, texts.to(self.env.device, non_blocking=True)
 
     def close(self) -> None:
-        """Stop the data workers (before the process exits, so none outlives it) and drop the step's CUDA
-        graph (before the process group is destroyed)."""
-        if isinstance(getattr(self, "forward_backward", None), GraphedForwardBackward):
-            self.forward_backward.release()
+        """Stop the data workers (before the process exits, so none outlives it), then drop the step's CUDA
+        graph (before the process group is destroyed: NCCL waits for graphs holding its collectives); a
+        failure there is logged, not raised over the error that may be ending the run."""
         self.batch_iter.close()
         if isinstance(self.batches, WebDatasetBatches):
             self.batches.close()
+        forward_backward, self.forward_backward = getattr(self, "forward_backward", None), None
+        if isinstance(forward_backward, GraphedForwardBackward):
+            try:
+                forward_backward.release()
+            except Exception as exc:  # noqa: BLE001  (a device already broken by the failure being reported)
+                log.warning("the step's CUDA graph was not released: %s", exc)
 
     # ------------------------------------------------------------------ step
     def train_step(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:

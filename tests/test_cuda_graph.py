@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ranks import json_result, REPO
+from ranks import json_result, REPO, run_group
 
 
 def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
@@ -43,9 +43,12 @@ def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
     big_g = build_model(ModelSpec(name="ViT-bigG-14"))  # too large to compile whole
     big_g_towers = find_towers(big_g)
     small = COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
-    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small).compile is True
-    assert resolve_auto(FsdpSpec(cuda_graph=False), big_g, big_g_towers, "cuda", small).compile is False
+    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small, world_size=1).compile is True
+    assert resolve_auto(FsdpSpec(cuda_graph=False), big_g, big_g_towers, "cuda", small, world_size=1).compile is False
     assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small, world_size=2).compile is False
+    # Without the world (validate's memory estimate), cuda_graph stays undecided and compiles nothing.
+    undecided = resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small)
+    assert (undecided.cuda_graph, undecided.compile) == ("auto", False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -63,8 +66,26 @@ def test_a_graphed_step_trains_as_the_eager_step(accum, tmp_path):
     assert result["parameter_difference"] < 1e-4
 
 
+def test_a_trainer_without_cuda_refuses_cuda_graph_true(tiny_job, tmp_path):
+    """Started without `fsdpclip validate` (which refuses it first), the rank stops before building anything,
+    with the spec's exit code and one line, not a failure inside CUDA."""
+    import json
+
+    from fsdpclip.rundir import EXIT_SPEC
+
+    job = {**tiny_job, "fsdp": {**tiny_job.get("fsdp", {}), "cuda_graph": True}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    result = run_group([sys.executable, "-m", "fsdpclip.train", str(path)], timeout=120)
+    assert result.returncode == EXIT_SPEC, result.stdout[-2000:]
+    assert "fsdp.cuda_graph true needs CUDA devices" in result.stdout
+    assert "Traceback" not in result.stdout
+
+
 @pytest.mark.parametrize("cuda_graph, conf, given, expected", [
     ("auto", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None, "0"),
+    ("auto", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "WORLD_SIZE": "2"}, None, None),  # not graphed
+    (True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "WORLD_SIZE": "2"}, None, "0"),
     (True, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:true"}, None, "0"),
     ("auto", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "1", "1"),  # the user's value stays
     (False, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None, None),

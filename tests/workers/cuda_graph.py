@@ -35,6 +35,7 @@ def train(run_root: str, name: str, cuda_graph: bool, accum: int, env) -> tuple[
     for _ in range(STEPS):
         loss, _ = trainer.train_step(window)
         losses.append(all_mean([loss.item()], env.device)[0])
+        trainer.optimizer.zero_grad(set_to_none=True)  # what user code may do: the graphed step puts them back
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     replays = getattr(trainer.forward_backward, "replays", 0)
     trainer.close()
@@ -47,7 +48,7 @@ def main(run_root: str, accum: int) -> None:
     graphed, graphed_state, replays = train(run_root, "graphed", True, accum, env)
     difference = max(((graphed_state[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12)).item()
                      for k, v in eager_state.items())
-    dist.destroy_process_group()  # with NCCL, waits for every graph holding its collectives: the trainer dropped its
+    dist.destroy_process_group()  # with NCCL this waits for every graph holding its collectives: close() dropped ours
     if env.is_main:
         print(json.dumps({"eager": eager, "graphed": graphed, "replays": replays, "parameter_difference": difference}))
 
