@@ -20,10 +20,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.tariterators import tar_file_expander, url_opener, group_by_keys
-
 from fsdpclip.decode import EncodedBatch, EncodedJpeg, TrainImages, collate, decode_mode, for_device
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
+from fsdpclip.tarshards import shard_samples
 from fsdpclip.urls import shard_urls
 
 log = logging.getLogger("fsdpclip.data")
@@ -224,8 +223,7 @@ class ShardStream(IterableDataset):
 
     def _shard_samples(self, index: int, handler: Callable[[Exception], bool]) -> Iterator[dict]:
         """The samples of one shard, in order (broken members and shards go to `handler`)."""
-        files = tar_file_expander(url_opener([{"url": self.urls[index]}], handler=handler), handler=handler)
-        return group_by_keys(files, handler=handler)
+        return shard_samples(self.urls[index], handler)
 
     def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg, torch.Tensor]:
         """Image and tokens of one sample; its random augmentation depends only on `seed`. With

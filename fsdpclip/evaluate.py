@@ -151,11 +151,11 @@ class _Shards(IterableDataset):
 
     def _samples(self) -> Iterator[tuple[int, dict, str]]:
         """(id, sample, where) of this worker's shards: id = the shard's index << 32 | the sample's position."""
-        from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+        from fsdpclip.tarshards import shard_samples
 
         info = get_worker_info()
         for index, url in self.shards[info.id::info.num_workers] if info else self.shards:
-            for position, sample in enumerate(group_by_keys(tar_file_expander(url_opener([{"url": url}])))):
+            for position, sample in enumerate(shard_samples(url, handler=lambda exc: False)):  # errors raise
                 yield index << 32 | position, sample, f"{url}: sample {sample['__key__']}"
 
     def image(self, sample: dict, where: str) -> torch.Tensor:

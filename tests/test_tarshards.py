@@ -1,0 +1,129 @@
+"""fsdpclip.tarshards reads shards into the samples webdataset's own reader gives, for the tar layouts
+tools write (webdataset's TarWriter, GNU, ustar, pax, compressed) and for broken shards."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import lzma
+import tarfile
+
+import pytest
+import webdataset as wds
+from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+from fsdpclip.tarshards import TarError, shard_samples
+
+
+def webdataset_samples(url: str) -> tuple[list[dict], list[str]]:
+    errors = []
+    handler = lambda exc: errors.append(type(exc).__name__) or True  # noqa: E731
+    files = tar_file_expander(url_opener([{"url": url}], handler=handler), handler=handler)
+    return list(group_by_keys(files, handler=handler)), errors
+
+
+def our_samples(url: str) -> tuple[list[dict], list[Exception]]:
+    errors = []
+    return list(shard_samples(url, lambda exc: errors.append(exc) or True)), errors
+
+
+def write_tar(path, members: list[tuple[str, bytes]], form=tarfile.GNU_FORMAT, compress=None) -> str:
+    """A tar of `members` (name ending in '/': a directory; '-> target': a symbolic link)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=form) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name.rstrip("/"))
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+            elif data.startswith(b"-> "):
+                info.type, info.linkname = tarfile.SYMTYPE, data[3:].decode()
+            else:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    path.write_bytes(compress(raw.getvalue()) if compress else raw.getvalue())
+    return str(path)
+
+
+def layout() -> list[tuple[str, bytes]]:
+    """Names a shard holds in practice, and some it should not: long, nested, upper-case extensions,
+    several dots, metadata, directories, links."""
+    deep = "d" * 60 + "/" + "e" * 60 + "/"
+    return [("__meta__", b"ignored"), ("dir/", b""),
+            ("000.jpg", b"\xff\xd8 image 0"), ("000.txt", b"caption 0"), ("000.Seg.PNG", b"mask 0"),
+            ("001.jpg", b"image 1" * 300), ("001.txt", b"caption 1"), ("link.txt", b"-> 001.txt"),
+            (deep + "sample_with_a_long_name_" + "x" * 70 + ".jpg", b"image 2"),
+            (deep + "sample_with_a_long_name_" + "x" * 70 + ".txt", "légende 2".encode()),
+            ("noextension", b"skipped"), ("sub/003.jpg", b""), ("sub/003.json", b'{"a": 1}')]
+
+
+@pytest.mark.parametrize("form", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+@pytest.mark.parametrize("compress", [None, gzip.compress, bz2.compress, lzma.compress])
+def test_the_samples_webdataset_reads(tmp_path, form, compress):
+    members = layout()
+    if form == tarfile.USTAR_FORMAT:  # ustar splits names into prefix and name; no name over 255 bytes
+        members = [(name.replace("x" * 70, "x" * 20), data) for name, data in members]
+    url = write_tar(tmp_path / "shard.tar", members, form, compress)
+    ours, errors = our_samples(url)
+    theirs, _ = webdataset_samples(url)
+    assert ours == theirs and not errors
+    keys = [s["__key__"] for s in ours]
+    assert keys[:2] == ["000", "001"] and keys[-1] == "sub/003" and "link" not in keys  # links are no files
+    assert ours[0]["seg.png"] == b"mask 0" and len(ours) == 4
+    assert any(len(s["__key__"]) > 150 for s in ours) or form == tarfile.USTAR_FORMAT
+
+
+def test_webdataset_tarwriter_shards(tmp_path):
+    url = str(tmp_path / "shard.tar")
+    with wds.TarWriter(url) as sink:
+        for index in range(50):
+            sink.write({"__key__": f"{index:05d}", "jpg": bytes([index]) * (100 + 37 * index), "txt": f"caption {index}",
+                        "json": {"index": index}})
+    ours, errors = our_samples(url)
+    assert ours == webdataset_samples(url)[0] and len(ours) == 50 and not errors
+    assert ours[7]["jpg"] == bytes([7]) * 359 and ours[7]["txt"] == b"caption 7"
+
+
+def test_a_repeated_extension_goes_to_the_handler_and_the_first_is_kept(tmp_path):
+    url = write_tar(tmp_path / "shard.tar", [("a.txt", b"one"), ("a.txt", b"two"), ("b.txt", b"three")])
+    ours, errors = our_samples(url)
+    assert ours == webdataset_samples(url)[0] == [{"__key__": "a", "__url__": url, "txt": b"one"},
+                                                   {"__key__": "b", "__url__": url, "txt": b"three"}]
+    assert len(errors) == 1 and "duplicate" in str(errors[0])
+
+
+def test_a_truncated_shard_keeps_what_came_before(tmp_path):
+    url = write_tar(tmp_path / "shard.tar", [(f"{i:03d}.{ext}", bytes(700)) for i in range(10) for ext in ("jpg", "txt")])
+    data = (tmp_path / "shard.tar").read_bytes()
+    (tmp_path / "shard.tar").write_bytes(data[:len(data) // 2 + 100])
+    ours, errors = our_samples(url)
+    assert ours == webdataset_samples(url)[0]
+    assert 0 < len(ours) < 10 and all({"jpg", "txt"} <= set(s) for s in ours[:-1]) and "txt" not in ours[-1]
+    assert len(errors) == 1 and isinstance(errors[0], TarError) and "cut short" in str(errors[0])
+
+
+@pytest.mark.parametrize("content", [b"no tar here " * 100, b"", b"\0" * 1024 + b"trailing"])
+def test_no_archive(tmp_path, content):
+    path = tmp_path / "shard.tar"
+    path.write_bytes(content)
+    ours, errors = our_samples(str(path))
+    assert ours == webdataset_samples(str(path))[0] == []
+    assert len(errors) == (1 if content.startswith(b"no tar") else 0)
+    if errors:
+        assert isinstance(errors[0], TarError) and str(path) in errors[0].args
+
+
+def test_a_missing_shard_and_a_failing_pipe_go_to_the_handler(tmp_path):
+    missing = str(tmp_path / "missing.tar")
+    assert our_samples(missing)[0] == [] and len(our_samples(missing)[1]) == 1
+    url = write_tar(tmp_path / "shard.tar", [("a.txt", b"one")])
+    ours, errors = our_samples(f"pipe:cat {url}; exit 3")
+    assert ours == [{"__key__": "a", "__url__": f"pipe:cat {url}; exit 3", "txt": b"one"}]
+    assert len(errors) == 1 and "3" in str(errors[0])
+
+
+def test_a_handler_that_says_stop_raises(tmp_path):
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"no tar here " * 100)
+    with pytest.raises(TarError):
+        list(shard_samples(str(path), lambda exc: False))
