@@ -14,6 +14,13 @@ pinning thread's decode for 'gpu'), synchronised at the end. Rates count the bat
 both are equal and grow with the workers, the workers do. One JSON line per measurement on stdout and in
 --out. --batches must stay within one epoch (samples ÷ batch): an epoch's end restarts the workers. Runs
 on CPU too (decode 'cpu', device cpu).
+
+--parts (decode 'gpu', CUDA) also times the device decode's parts on --part-batches batches taken from the
+workers, one at a time and synchronised, on the calling thread: nvJPEG's decode of the batch's JPEGs, the
+crops' resize, the whole `decoded_pixels`, and the pinning thread's call (`EncodedBatch.pin_memory`,
+waited for). Each part reports wall and this thread's CPU milliseconds per batch: CPU near wall means the
+host side of the decode (header parsing, Huffman decoding where the hardware decoder does not take the
+JPEG) limits it, not the GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 import torch
 
 from fsdpclip.data import webdataset_batches
+from fsdpclip.decode import EncodedBatch, _decode_jpegs, decoded_pixels, resized_crops
 from fsdpclip.model import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.spec import ModelSpec, WebDatasetSpec
 
@@ -57,6 +65,44 @@ def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: 
             "samples_per_s": round(measured * args.batch / (ended - started), 1)}
 
 
+def decode_parts(args, model, tokenizer, device: torch.device) -> list[dict]:
+    """Wall and CPU milliseconds per batch of each part of the device decode (see --parts)."""
+    spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=max(args.workers), decode="gpu")
+    batches, _ = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
+                                    device, pin_memory=False)
+    stream = iter(batches)
+    try:
+        encoded = [pixels for pixels, _ in itertools.islice(stream, args.part_batches)]
+    finally:
+        stream.close()
+        batches.close()
+    encoded = [batch for batch in encoded if isinstance(batch, EncodedBatch)]
+    decoded = [_decode_jpegs(list(b.data.split(b.lengths)), b.boxes, device) for b in encoded]
+
+    def pinned(batch: EncodedBatch) -> None:
+        batch.pin_memory().ready.synchronize()
+
+    parts = {"decode_jpeg": lambda i: _decode_jpegs(list(encoded[i].data.split(encoded[i].lengths)),
+                                                    encoded[i].boxes, device),
+             "resized_crops": lambda i: resized_crops(decoded[i], encoded[i].boxes.to(device), encoded[i].size),
+             "decoded_pixels": lambda i: decoded_pixels(encoded[i], device),
+             "pin_memory": lambda i: pinned(encoded[i])}
+    rows = []
+    for name, part in parts.items():
+        part(0)
+        torch.cuda.synchronize()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for index in range(len(encoded)):
+            part(index)
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        rows.append({"part": name, "batches": len(encoded), "batch": args.batch,
+                     "wall_ms_per_batch": round(wall / len(encoded) * 1e3, 2),
+                     "cpu_ms_per_batch": round(cpu / len(encoded) * 1e3, 2),
+                     "samples_per_s": round(len(encoded) * args.batch / wall, 1)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--urls", required=True, help="webdataset shards (brace notation)")
@@ -67,6 +113,8 @@ def main() -> None:
     parser.add_argument("--decode", nargs="+", default=["gpu", "cpu"], choices=("gpu", "cpu", "auto"))
     parser.add_argument("--batches", type=int, default=80)
     parser.add_argument("--skip", type=int, default=40, help="batches before the timing starts")
+    parser.add_argument("--parts", action="store_true", help="also time the device decode's parts (see above)")
+    parser.add_argument("--part-batches", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -75,15 +123,20 @@ def main() -> None:
     if args.batches > args.samples // args.batch:
         parser.error(f"--batches {args.batches} runs past one epoch ({args.samples // args.batch} batches)")
     device = torch.device(args.device)
-    if device.type != "cuda" and "gpu" in args.decode:
-        parser.error("--decode gpu needs a CUDA --device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" and ("gpu" in args.decode or args.parts):
+        parser.error("--decode gpu and --parts need a CUDA --device")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the pinning thread decodes on the current device
     spec = ModelSpec(**({"config": args.model} if args.model.endswith(".json") else {"name": args.model}))
     config = model_config(spec)
     model, tokenizer = model_from_config(config, device="meta"), build_tokenizer(config)
-    for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device")):
-        row = rate(args, model, tokenizer, decode, workers, stage, device)
+    measurements = itertools.chain(
+        decode_parts(args, model, tokenizer, device) if args.parts else (),
+        (rate(args, model, tokenizer, decode, workers, stage, device)
+         for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device"))))
+    for row in measurements:  # each printed as soon as it is measured
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as out:
