@@ -15,7 +15,14 @@ both are equal and grow with the workers, the workers do. One JSON line per meas
 --out. --batches must stay within one epoch (samples ÷ batch): an epoch's end restarts the workers. Runs
 on CPU too (decode 'cpu', device cpu).
 
---parts (decode 'gpu', CUDA) also times the device decode's parts on --part-batches batches taken from the
+--step-ms MS (CUDA) adds a "device+step" measurement: after each batch is made the model's input, an
+emulated training step of MS milliseconds of GPU work (bf16 matmuls replayed as one CUDA graph, so no host
+work, like fsdpclip's graphed step) runs on the current stream, which is then synchronised, as a step
+reading its loss is. Where "device+step" delivers less than both "device" and the step alone
+(`step_alone_samples_per_s`), the training step's use of the GPU slows the rank's side of the pipeline.
+
+--parts (decode 'gpu', CUDA) also times the device decode's parts (with --parts-busy-ms, while another
+thread keeps the GPU busy with an emulated step in a loop) on --part-batches batches taken from the
 workers, one at a time and synchronised, on the calling thread: nvJPEG's decode of the batch's JPEGs, the
 crops' resize, the whole `decoded_pixels`, and the pinning thread's call (`EncodedBatch.pin_memory`,
 waited for). Each part reports wall and this thread's CPU milliseconds per batch: CPU near wall means the
@@ -28,7 +35,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -38,7 +47,38 @@ from fsdpclip.model import build_tokenizer, image_transform, model_config, model
 from fsdpclip.spec import ModelSpec, WebDatasetSpec
 
 
-def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: torch.device) -> dict:
+class EmulatedStep:
+    """About `ms` milliseconds of GPU work per call on the current stream, without host work: 8192² bf16
+    matmuls captured as one CUDA graph; each call replays it and waits for it."""
+
+    def __init__(self, ms: float, device: torch.device):
+        self.matrix = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.matrix)
+        torch.matmul(self.matrix, self.matrix, out=self.out)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            torch.matmul(self.matrix, self.matrix, out=self.out)
+        end.record()
+        end.synchronize()
+        count = max(1, round(ms / (start.elapsed_time(end) / 20)))
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(count):
+                torch.matmul(self.matrix, self.matrix, out=self.out)
+        start.record()
+        self()
+        end.record()
+        end.synchronize()
+        self.ms = start.elapsed_time(end)
+
+    def __call__(self) -> None:
+        self.graph.replay()
+        torch.cuda.current_stream().synchronize()
+
+
+def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: torch.device,
+         step: Optional[EmulatedStep] = None) -> dict:
     spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=workers, decode=decode)
     batches, images = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
                                          device, pin_memory=device.type == "cuda" and stage == "device")
@@ -47,8 +87,10 @@ def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: 
     started = None
     try:
         for index, (pixels, texts) in enumerate(itertools.islice(stream, args.batches)):
-            if stage == "device":
+            if stage != "workers":
                 pixels, texts = images(pixels), texts.to(device, non_blocking=True)
+            if step is not None:
+                step()
             if index + 1 == args.skip:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -60,13 +102,17 @@ def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: 
         stream.close()
         batches.close()
     measured = args.batches - args.skip
-    return {"decode": images.decode, "workers": workers, "stage": stage, "batch": args.batch,
-            "first_batches_s": round(started - began, 2),
-            "samples_per_s": round(measured * args.batch / (ended - started), 1)}
+    row = {"decode": images.decode, "workers": workers, "stage": stage, "batch": args.batch,
+           "first_batches_s": round(started - began, 2),
+           "samples_per_s": round(measured * args.batch / (ended - started), 1)}
+    if step is not None:
+        row.update(step_ms=round(step.ms, 2), step_alone_samples_per_s=round(args.batch / step.ms * 1e3, 1))
+    return row
 
 
-def decode_parts(args, model, tokenizer, device: torch.device) -> list[dict]:
-    """Wall and CPU milliseconds per batch of each part of the device decode (see --parts)."""
+def decode_parts(args, model, tokenizer, device: torch.device, busy: Optional[EmulatedStep] = None) -> list[dict]:
+    """Wall and CPU milliseconds per batch of each part of the device decode (see --parts), on a GPU
+    kept busy by another thread replaying `busy` in a loop, if given."""
     spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=max(args.workers), decode="gpu")
     batches, _ = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
                                     device, pin_memory=False)
@@ -87,7 +133,13 @@ def decode_parts(args, model, tokenizer, device: torch.device) -> list[dict]:
              "resized_crops": lambda i: resized_crops(decoded[i], encoded[i].boxes.to(device), encoded[i].size),
              "decoded_pixels": lambda i: decoded_pixels(encoded[i], device),
              "pin_memory": lambda i: pinned(encoded[i])}
-    rows = []
+    rows, done = [], threading.Event()
+    if busy is not None:
+        def keep_busy() -> None:
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                while not done.is_set():
+                    busy()
+        threading.Thread(target=keep_busy, daemon=True).start()
     for name, part in parts.items():
         part(0)
         torch.cuda.synchronize()
@@ -97,9 +149,11 @@ def decode_parts(args, model, tokenizer, device: torch.device) -> list[dict]:
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         rows.append({"part": name, "batches": len(encoded), "batch": args.batch,
+                     "busy_step_ms": None if busy is None else round(busy.ms, 2),
                      "wall_ms_per_batch": round(wall / len(encoded) * 1e3, 2),
                      "cpu_ms_per_batch": round(cpu / len(encoded) * 1e3, 2),
                      "samples_per_s": round(len(encoded) * args.batch / wall, 1)})
+    done.set()
     return rows
 
 
@@ -113,8 +167,10 @@ def main() -> None:
     parser.add_argument("--decode", nargs="+", default=["gpu", "cpu"], choices=("gpu", "cpu", "auto"))
     parser.add_argument("--batches", type=int, default=80)
     parser.add_argument("--skip", type=int, default=40, help="batches before the timing starts")
+    parser.add_argument("--step-ms", type=float, nargs="*", default=[], help="emulated steps (see above)")
     parser.add_argument("--parts", action="store_true", help="also time the device decode's parts (see above)")
     parser.add_argument("--part-batches", type=int, default=20)
+    parser.add_argument("--parts-busy-ms", type=float, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -125,17 +181,22 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda" and ("gpu" in args.decode or args.parts):
-        parser.error("--decode gpu and --parts need a CUDA --device")
+    if device.type != "cuda" and ("gpu" in args.decode or args.parts or args.step_ms):
+        parser.error("--decode gpu, --parts and --step-ms need a CUDA --device")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the pinning thread decodes on the current device
     spec = ModelSpec(**({"config": args.model} if args.model.endswith(".json") else {"name": args.model}))
     config = model_config(spec)
     model, tokenizer = model_from_config(config, device="meta"), build_tokenizer(config)
+    steps = [EmulatedStep(ms, device) for ms in args.step_ms]
     measurements = itertools.chain(
         decode_parts(args, model, tokenizer, device) if args.parts else (),
+        decode_parts(args, model, tokenizer, device, EmulatedStep(args.parts_busy_ms, device))
+        if args.parts and args.parts_busy_ms else (),
         (rate(args, model, tokenizer, decode, workers, stage, device)
-         for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device"))))
+         for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device"))),
+        (rate(args, model, tokenizer, decode, workers, "device+step", device, step)
+         for decode, workers, step in itertools.product(args.decode, args.workers, steps)))
     for row in measurements:  # each printed as soon as it is measured
         print(json.dumps(row), flush=True)
         if args.out:
