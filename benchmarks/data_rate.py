@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from fsdpclip.data import webdataset_batches
-from fsdpclip.decode import EncodedBatch, _decode_jpegs, decoded_pixels, resized_crops
+from fsdpclip.decode import EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
 from fsdpclip.model import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.spec import ModelSpec, WebDatasetSpec
 
@@ -123,7 +123,7 @@ def decode_parts(args, model, tokenizer, device: torch.device, busy: Optional[Em
         stream.close()
         batches.close()
     encoded = [batch for batch in encoded if isinstance(batch, EncodedBatch)]
-    decoded = [_decode_jpegs(list(b.data.split(b.lengths)), b.boxes, device) for b in encoded]
+    decoded = [padded(_decode_jpegs(list(b.data.split(b.lengths)), b.boxes, device)) for b in encoded]
 
     def pinned(batch: EncodedBatch) -> None:
         batch.pin_memory().ready.synchronize()
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--model", default="ViT-B-32", help="an OpenCLIP name or a model config file")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="+", default=[8])
-    parser.add_argument("--decode", nargs="+", default=["gpu", "cpu"], choices=("gpu", "cpu", "auto"))
+    parser.add_argument("--decode", nargs="+", default=["gpu", "cpu"], choices=("gpu", "mixed", "cpu", "auto"))
     parser.add_argument("--batches", type=int, default=80)
     parser.add_argument("--skip", type=int, default=40, help="batches before the timing starts")
     parser.add_argument("--step-ms", type=float, nargs="*", default=[], help="emulated steps (see above)")

@@ -1,4 +1,4 @@
-"""Real JPEG shards: fsdpclip (synthetic data, data.decode "cpu" and "gpu") beside open_clip_train.
+"""Real JPEG shards: fsdpclip (synthetic data, data.decode "cpu", "gpu", "mixed") beside open_clip_train.
 
     python benchmarks/jpeg_data.py --out results/jpeg --shards 100 --per-shard 1000 --gpus 2 --model ViT-B-32 \\
         --batch 256 --workers 8 --steps 100 --openclip-site /opt/openclip-site
@@ -165,6 +165,7 @@ def main() -> None:
     sides = {"synthetic": lambda: fsdpclip_side("synthetic", {"source": "synthetic"}, args),
              "cpu": lambda: fsdpclip_side("decode-cpu", {**shards, "decode": "cpu"}, args),
              "gpu": lambda: fsdpclip_side("decode-gpu", {**shards, "decode": "gpu"}, args),
+             "mixed": lambda: fsdpclip_side("decode-mixed", {**shards, "decode": "mixed"}, args),
              "open_clip_train": lambda: openclip_side(urls, args) if args.openclip_site
              else {"error": "no --openclip-site"}}
     rows = []

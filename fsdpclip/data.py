@@ -20,7 +20,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from fsdpclip.decode import EncodedBatch, EncodedJpeg, TrainImages, collate, decode_mode, for_device
+from fsdpclip.decode import (EncodedBatch, EncodedJpeg, TrainImages, UncroppedBatch, UncroppedImage, collate,
+                             decode_mode, for_device, uncropped)
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
 from fsdpclip.tarshards import shard_samples
 from fsdpclip.urls import shard_urls
@@ -225,10 +226,11 @@ class ShardStream(IterableDataset):
         """The samples of one shard, in order (broken members and shards go to `handler`)."""
         return shard_samples(self.urls[index], handler)
 
-    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg, torch.Tensor]:
+    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | UncroppedImage, torch.Tensor]:
         """Image and tokens of one sample; its random augmentation depends only on `seed`. With
         `spec.decode` "gpu" (settled by the trainer: decode.decode_mode) a JPEG the device decodes stays
-        encoded, with the crop box `preprocess` would draw for it."""
+        encoded, with the crop box `preprocess` would draw for it; with "mixed" every image is decoded
+        whole, with that box."""
         from PIL import Image
 
         key = next((k for k in self.image_keys if k in sample), None)
@@ -238,14 +240,17 @@ class ShardStream(IterableDataset):
         caption = sample[self.spec.text_key].decode("utf-8")
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
-            pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
-            if pixels is None:
-                image.load()
-                pixels = self.preprocess(image.convert("RGB"))
+            if self.spec.decode == "mixed":
+                pixels = uncropped(image, self.preprocess)
+            else:
+                pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
+                if pixels is None:
+                    image.load()
+                    pixels = self.preprocess(image.convert("RGB"))
         return pixels, self.tokenize([caption])[0]
 
-    def _collate(self, images: list) -> torch.Tensor | EncodedBatch:
-        """One micro batch of decoded images (with JPEGs for the device: decode.EncodedBatch)."""
+    def _collate(self, images: list) -> torch.Tensor | EncodedBatch | UncroppedBatch:
+        """One micro batch of images (decode.collate)."""
         return collate(images)
 
     def __iter__(self):

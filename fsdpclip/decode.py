@@ -11,16 +11,22 @@ matrices, two batched matrix products whatever the crops. On CUDA that happens i
 thread (in the rank's main process, ahead of the step, on a stream of its own; nvJPEG releases the GIL), so
 the step does not wait for it. Progressive and CMYK JPEGs, JPEGs that do not end where a JPEG ends, and
 other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and merged into the batch.
+
+nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/benchmarks.md "Where the
+JPEG supply stops"): with "mixed" the workers decode every image with PIL and draw its crop, and the
+device crops and resizes the batch as part of the step's stream (the pinning thread only copies).
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from torch.utils.data import get_worker_info
 
 log = logging.getLogger("fsdpclip.decode")
 DEVICE_MODES = ("RGB", "L")  # JPEG modes the device decodes to the RGB that PIL's convert("RGB") gives
@@ -32,6 +38,10 @@ def device_jpeg_decoder() -> bool:
     import torchvision.io  # noqa: F401  (loads the image ops)
 
     return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
+
+
+DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG)",
+                 "mixed": "by the data workers, cropped and resized on the device"}  # per data.decode
 
 
 def decode_mode(requested: str, device_type: str) -> str:
@@ -64,8 +74,33 @@ def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
     return EncodedJpeg(data, crop.get_params(image, crop.scale, crop.ratio), crop.size)
 
 
-def collate(items: list) -> Union[torch.Tensor, "EncodedBatch"]:
-    """One micro batch: the images stacked, or with JPEGs for the device an EncodedBatch."""
+@dataclass
+class UncroppedImage:
+    """A worker's sample for the device to crop ("mixed"): the whole image decoded, RGB uint8 (h, w, 3)
+    as PIL holds it (made channels-first on the device, where the copy is cheap), its crop box (top,
+    left, height, width) and the size the crop is resized to."""
+
+    pixels: torch.Tensor
+    box: tuple[int, int, int, int]
+    size: tuple[int, int]
+
+
+def uncropped(image, worker_transform) -> UncroppedImage:
+    """`image` (opened by PIL, its pixels not yet read) decoded to RGB, with the crop box the worker
+    transform's random resized crop draws for it (the same draws as running the transform)."""
+    import numpy as np
+
+    crop = _crop(worker_transform.transforms)
+    box = crop.get_params(image, crop.scale, crop.ratio)
+    return UncroppedImage(torch.from_numpy(np.asarray(image.convert("RGB")).copy()), box, crop.size)
+
+
+def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "UncroppedBatch"]:
+    """One micro batch: the images stacked, with JPEGs for the device an EncodedBatch, or ("mixed") an
+    UncroppedBatch."""
+    if isinstance(items[0], UncroppedImage):
+        return UncroppedBatch(padded([item.pixels for item in items], shared=get_worker_info() is not None),
+                              torch.tensor([item.box for item in items]), items[0].size)
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     if not jpegs:
         return torch.stack(items)
@@ -110,6 +145,21 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}  # the pinning thread's decoding str
 
 
 @dataclass
+class UncroppedBatch:
+    """A micro batch decoded by the workers for the device to crop and resize ("mixed"): the images
+    zero-padded to the largest, their crop boxes and the output size."""
+
+    pixels: torch.Tensor  # (batch, H, W, 3) uint8
+    boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
+    size: tuple[int, int]
+
+    def pin_memory(self) -> "UncroppedBatch":
+        """What the DataLoader's pinning thread calls on a batch: pinned, so that its copy to the device
+        does not wait; nothing runs on the device here (it would wait for the step's kernels)."""
+        return UncroppedBatch(self.pixels.pin_memory(), self.boxes.pin_memory(), self.size)
+
+
+@dataclass
 class DecodedBatch:
     """A micro batch decoded on the device by the pinning thread: its pixels, there once `ready` is."""
 
@@ -120,7 +170,7 @@ class DecodedBatch:
 def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's pixels on `device` in sample order: float (batch, 3, H, W), integers in 0..255."""
     jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
-    pixels = resized_crops(jpegs, batch.boxes.to(device, non_blocking=True), batch.size)
+    pixels = resized_crops(padded(jpegs), batch.boxes.to(device, non_blocking=True), batch.size)
     if batch.pixels is not None:
         pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
     return pixels[batch.order.to(device, non_blocking=True)]
@@ -177,16 +227,19 @@ class TrainImages:
         normalize = steps[-1]
         self.mean, self.std = (torch.as_tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
                                for v in (normalize.mean, normalize.std))
-        if decode == "gpu":
+        if decode in ("gpu", "mixed"):
             crop = _crop(steps[:cut])
             extra = [step for step in steps[:cut] if step is not crop and not _to_rgb(step)]
             if extra:
-                raise ValueError(f"data.decode 'gpu' crops and resizes on the device, but the model's train "
+                raise ValueError(f"data.decode '{decode}' crops and resizes on the device, but the model's train "
                                  f"transform also does {extra}: use data.decode 'cpu'")
 
-    def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch]) -> torch.Tensor:
+    def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, UncroppedBatch]) -> torch.Tensor:
         """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
-        if isinstance(batch, DecodedBatch):
+        if isinstance(batch, UncroppedBatch):
+            pixels = resized_crops(batch.pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2),
+                                   batch.boxes.to(self.device, non_blocking=True), batch.size)
+        elif isinstance(batch, DecodedBatch):
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(batch.ready)
             batch.pixels.record_stream(stream)  # made on the pinning thread's stream, used on this one
@@ -198,21 +251,32 @@ class TrainImages:
         return pixels.float().div_(255).sub_(self.mean).div_(self.std)  # ToTensor's scaling, then Normalize
 
 
-def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Each uint8 (3, h, w) image's box (top, left, height, width) resized to `size` as PIL's bicubic
-    resize of the crop does (a horizontal pass rounded to 8 bits, then a vertical one): float
-    (n, 3, *size), integers in 0..255. Images of different sizes share one zero-padded batch (a box lies
-    inside its image, and the weights outside the box are 0)."""
-    count, height, width = len(images), max(i.shape[1] for i in images), max(i.shape[2] for i in images)
-    if all(image.shape[1:] == (height, width) for image in images):
-        batch = torch.stack(images)
+def padded(images: list[torch.Tensor], shared: bool = False) -> torch.Tensor:
+    """Images of one layout ((3, h, w) or (h, w, 3)) as one batch, each zero-padded at the end of its
+    height and width to the largest. `shared`: in shared memory, as DataLoader's default_collate makes a
+    worker's batch, so that it crosses to the rank's process without another copy."""
+    shape = (len(images),) + tuple(max(sizes) for sizes in zip(*(image.shape for image in images)))
+    if shared:
+        storage = torch.empty(0, dtype=images[0].dtype)._typed_storage()._new_shared(math.prod(shape))
+        batch = images[0].new(storage).view(shape)
     else:
-        batch = images[0].new_zeros(count, 3, height, width)
-        for slot, image in zip(batch, images):
-            slot[:, :image.shape[1], :image.shape[2]] = image
+        batch = images[0].new_empty(shape)
+    if any(image.shape != shape[1:] for image in images):
+        batch.zero_()
+    for slot, image in zip(batch, images):
+        slot[tuple(slice(0, extent) for extent in image.shape)] = image
+    return batch
+
+
+def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Each uint8 image's box (top, left, height, width) resized to `size` as PIL's bicubic resize of the
+    crop does (a horizontal pass rounded to 8 bits, then a vertical one): float (n, 3, *size), integers in
+    0..255. `batch` (n, 3, H, W) may be zero-padded (`padded`): a box lies inside its image, and the
+    weights outside the box are 0."""
+    count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]  # any strides: (n, h, w, 3) permuted too
     across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1])  # (n, out width, width)
     down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0])  # (n, out height, height)
-    rows = torch.bmm(batch.float().view(count, 3 * height, width), across.transpose(1, 2))
+    rows = torch.bmm(batch.float().reshape(count, 3 * height, width), across.transpose(1, 2))
     rows = rows.round_().clamp_(0, 255).view(count, 3, height, size[1])
     return torch.matmul(down.unsqueeze(1), rows).round_().clamp_(0, 255)
 

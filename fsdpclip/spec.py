@@ -370,14 +370,17 @@ class WebDatasetSpec(Section):
                                                "without `resampled` there must be ≥ world size × workers shards.")
     image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
     text_key: str = Field("txt", description="Sample key of the caption.")
-    decode: Literal["cpu", "gpu", "auto"] = Field(
+    decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
         "cpu", description="Where images are decoded and augmented. 'cpu': on the data workers (the batch crosses "
                             "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
                             "cropped and resized on the device ahead of the step; the workers read their headers "
                             "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
-                            "the workers). 'auto': 'gpu' when training on CUDA with a torchvision that decodes "
-                            "JPEGs there, else 'cpu'. The default stays 'cpu' until a GPU run shows the device "
-                            "path ending as cleanly as it trains (docs/benchmarks.md).")
+                            "the workers). 'mixed': the workers decode every image and draw its crop; the device "
+                            "crops and resizes the batch in the step's stream (nvJPEG's decode does not overlap "
+                            "a step that keeps the GPU busy; whole images cross, so the workers' shared memory "
+                            "holds several times more). 'auto': 'gpu' when training on CUDA with a torchvision "
+                            "that decodes JPEGs there, else 'cpu'. The default stays 'cpu' until a GPU run shows "
+                            "the device path ending as cleanly as it trains (docs/benchmarks.md).")
 
 
 class SyntheticSpec(Section):

@@ -1,5 +1,6 @@
 """Training images: OpenCLIP's train transform split between the data workers (uint8) and the device, and
-data.decode "gpu" (workers draw the crops, the device decodes, crops, resizes) against the "cpu" path."""
+data.decode "gpu" (workers draw the crops, the device decodes, crops, resizes) and "mixed" (workers decode
+and draw the crops, the device crops and resizes) against the "cpu" path."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
-from fsdpclip.decode import EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder
+from fsdpclip.decode import EncodedBatch, TrainImages, UncroppedBatch, decode_mode, device_jpeg_decoder
 from fsdpclip.spec import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
@@ -89,8 +90,9 @@ def test_a_transform_the_split_cannot_express_is_refused():
     jitter = train_transform()
     jitter.transforms.insert(1, T.ColorJitter(0.4))
     TrainImages(jitter, "cpu", "cpu")  # the workers can do it
-    with pytest.raises(ValueError, match="also does .*ColorJitter.*use data.decode 'cpu'"):
-        TrainImages(jitter, "gpu", "cpu")
+    for decode in ("gpu", "mixed"):
+        with pytest.raises(ValueError, match=f"'{decode}' crops .* also does .*ColorJitter.*use data.decode 'cpu'"):
+            TrainImages(jitter, decode, "cpu")
 
 
 def _both_paths(tmp_path) -> tuple[list[bytes], torch.Tensor, EncodedBatch]:
@@ -151,10 +153,33 @@ def test_gpu_decode_on_cuda_matches_the_cpu_path(tmp_path):
     assert levels(got, cpu(cpu_images), transform).mean() <= 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
+    """"mixed": the workers' whole decoded images are PIL's, their crop boxes the gpu path's (the same
+    draws), and the device's crop and resize are PIL's within 2 levels, mean 0.1, as for "gpu" on the CPU
+    (on CUDA: as the trainer runs it, pinned by the pinning thread)."""
+    data, cpu_images, encoded_batch = _both_paths(tmp_path)
+    transform = train_transform()
+    (batch, _), _ = batches(tmp_path, [("jpg", d) for d in data], "mixed", transform, len(data))
+    assert isinstance(batch, UncroppedBatch) and batch.pixels.dtype == torch.uint8
+    assert torch.equal(batch.boxes, encoded_batch.boxes[encoded_batch.order])
+    for image, jpeg in zip(batch.pixels, data):  # (H, W, 3), as PIL holds them
+        whole = torch.from_numpy(np.array(Image.open(io.BytesIO(jpeg)).convert("RGB")))
+        assert torch.equal(image[:whole.shape[0], :whole.shape[1]], whole)
+        assert not image[whole.shape[0]:].any() and not image[:, whole.shape[1]:].any()  # zero padding
+    target = torch.device(device)
+    got = TrainImages(transform, "mixed", target)(batch.pin_memory() if device == "cuda" else batch)
+    assert got.device.type == device
+    error = levels(got, TrainImages(transform, "cpu", target)(cpu_images), transform)
+    assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
 def test_a_batch_of_mixed_images(tmp_path):
     """JPEGs of two sizes and a grayscale one go to the device; a PNG and a CMYK JPEG are decoded on the
     worker and take their places among them; an image that is no JPEG and a truncated JPEG are skipped
-    and counted as broken, as the cpu path does. Through a real DataLoader worker process."""
+    and counted as broken, as the cpu path does; "mixed" decodes all of them on the worker, padded to the
+    largest. Through a real DataLoader worker process."""
     rng = np.random.default_rng(2)
     jpeg = encoded(picture(rng, 64, 64))
     shard = [("jpg", jpeg), ("png", encoded(picture(rng, 50, 70), "PNG")), ("jpg", encoded(picture(rng, 90, 60))),
@@ -168,6 +193,12 @@ def test_a_batch_of_mixed_images(tmp_path):
         return images, texts, stream.position.broken
 
     cpu_images, cpu_texts, cpu_broken = run("cpu")
+    mixed, mixed_texts, mixed_broken = run("mixed")
+    assert torch.equal(mixed_texts, cpu_texts) and mixed_broken == cpu_broken == 2  # every format on the workers
+    assert isinstance(mixed, UncroppedBatch) and mixed.pixels.shape == (len(good), 90, 70, 3)
+    error = levels(TrainImages(transform, "mixed", torch.device("cpu"))(mixed),
+                   TrainImages(transform, "cpu", torch.device("cpu"))(cpu_images), transform)
+    assert error.amax(dim=(1, 2, 3)).tolist() <= [2] * len(good)
     batch, texts, broken = run("gpu")
     assert texts[:, 0].tolist() == cpu_texts[:, 0].tolist() == good
     assert broken == cpu_broken == 2
@@ -187,7 +218,7 @@ def test_decode_mode_is_settled_in_one_place(cli, tiny_job, tmp_path):
     the trainer will do."""
     assert decode_mode("auto", "cpu") == "cpu" and decode_mode("gpu", "cpu") == "gpu"
     assert decode_mode("auto", "cuda") == ("gpu" if device_jpeg_decoder() else "cpu")
-    for asked, settled in (("auto", "cpu"), ("gpu", "gpu"), ("cpu", "cpu")):
+    for asked, settled in (("auto", "cpu"), ("gpu", "gpu"), ("mixed", "mixed"), ("cpu", "cpu")):
         job = dict(tiny_job, data={**tiny_job["data"], "decode": asked})
         code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
         assert code == 0 and out["summary"]["batch"]["decode"] == settled, out
