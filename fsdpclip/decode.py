@@ -23,10 +23,13 @@ import io
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch.utils.data import get_worker_info
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("fsdpclip.decode")
 DEVICE_MODES = ("RGB", "L")  # JPEG modes the device decodes to the RGB that PIL's convert("RGB") gives
@@ -77,10 +80,10 @@ def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
 @dataclass
 class UncroppedImage:
     """A worker's sample for the device to crop ("mixed"): the whole image decoded, RGB uint8 (h, w, 3)
-    as PIL holds it (made channels-first on the device, where the copy is cheap), its crop box (top,
-    left, height, width) and the size the crop is resized to."""
+    as PIL holds it (a numpy array; made channels-first on the device, where the copy is cheap), its crop
+    box (top, left, height, width) and the size the crop is resized to."""
 
-    pixels: torch.Tensor
+    pixels: np.ndarray
     box: tuple[int, int, int, int]
     size: tuple[int, int]
 
@@ -92,7 +95,9 @@ def uncropped(image, worker_transform) -> UncroppedImage:
 
     crop = _crop(worker_transform.transforms)
     box = crop.get_params(image, crop.scale, crop.ratio)
-    return UncroppedImage(torch.from_numpy(np.asarray(image.convert("RGB")).copy()), box, crop.size)
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return UncroppedImage(np.asarray(image), box, crop.size)  # one copy of the pixels (PIL's own: another)
 
 
 def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "UncroppedBatch"]:
@@ -251,19 +256,23 @@ class TrainImages:
         return pixels.float().div_(255).sub_(self.mean).div_(self.std)  # ToTensor's scaling, then Normalize
 
 
-def padded(images: list[torch.Tensor], shared: bool = False) -> torch.Tensor:
-    """Images of one layout ((3, h, w) or (h, w, 3)) as one batch, each zero-padded at the end of its
-    height and width to the largest. `shared`: in shared memory, as DataLoader's default_collate makes a
-    worker's batch, so that it crosses to the rank's process without another copy."""
+def padded(images: list, shared: bool = False) -> torch.Tensor:
+    """Images of one layout ((3, h, w) or (h, w, 3); tensors, or uint8 numpy arrays as PIL gives them)
+    as one batch, each zero-padded at the end of its height and width to the largest. `shared`: in
+    shared memory, as DataLoader's default_collate makes a worker's batch, so that it crosses to the
+    rank's process without another copy."""
     shape = (len(images),) + tuple(max(sizes) for sizes in zip(*(image.shape for image in images)))
+    arrays = not isinstance(images[0], torch.Tensor)
+    dtype = torch.uint8 if arrays else images[0].dtype
     if shared:
-        storage = torch.empty(0, dtype=images[0].dtype)._typed_storage()._new_shared(math.prod(shape))
-        batch = images[0].new(storage).view(shape)
+        batch = torch.empty(0, dtype=dtype).new(torch.empty(0, dtype=dtype)._typed_storage()._new_shared(
+            math.prod(shape))).view(shape)
     else:
-        batch = images[0].new_empty(shape)
+        batch = torch.empty(shape, dtype=dtype, device="cpu" if arrays else images[0].device)
     if any(image.shape != shape[1:] for image in images):
         batch.zero_()
-    for slot, image in zip(batch, images):
+    slots = batch.numpy() if arrays else batch  # arrays are copied in by numpy (PIL's are read-only)
+    for slot, image in zip(slots, images):
         slot[tuple(slice(0, extent) for extent in image.shape)] = image
     return batch
 
