@@ -136,7 +136,8 @@ class _Reader:
 
     def restore(self, refs: list[Ref]) -> list[tuple[Ref, dict]]:
         """Read again what a saved position needs, and nothing more: the current shard up to its offset
-        (left open to go on from there) and each buffered sample's shard up to the deepest one buffered.
+        (left open to go on from there) and each buffered sample's shard up to the deepest one buffered,
+        the bytes of the buffered samples only (the others' are skipped: tar headers alone).
         What is read again is not counted as broken again. Returns the buffer, in its order."""
         position, wanted = self.position, [tuple(ref) for ref in refs]
         needed: dict[int, set[int]] = {}
@@ -147,8 +148,9 @@ class _Reader:
         try:
             if position.offset:  # the current shard: read up to where it stands, keep it open
                 index = self._shard()
-                samples = iter(self.stream._shard_samples(index, self.broken))
                 here = needed.get(index, set())
+                samples = iter(self.stream._shard_samples(  # the samples before its offset: keys only
+                    index, self.broken, lambda offset: offset in here or offset >= position.offset))
                 for offset in range(position.offset):
                     sample = next(samples, None)
                     if sample is None:
@@ -164,7 +166,7 @@ class _Reader:
                 offsets = offsets - {offset for i, offset in found if i == index}
                 if not offsets:
                     continue
-                samples = self.stream._shard_samples(index, self.broken)
+                samples = self.stream._shard_samples(index, self.broken, offsets.__contains__)
                 for offset, sample in enumerate(samples):
                     if offset in offsets:
                         found[(index, offset)] = sample
@@ -222,9 +224,11 @@ class ShardStream(IterableDataset):
         """Resampled: the shard a logical worker draws as its `cursor`-th of the epoch."""
         return random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{logical}/draw/{cursor}").randrange(len(self.urls))
 
-    def _shard_samples(self, index: int, handler: Callable[[Exception], bool]) -> Iterator[dict]:
-        """The samples of one shard, in order (broken members and shards go to `handler`)."""
-        return shard_samples(self.urls[index], handler)
+    def _shard_samples(self, index: int, handler: Callable[[Exception], bool],
+                       wanted: Optional[Callable[[int], bool]] = None) -> Iterator[dict]:
+        """The samples of one shard, in order (broken members and shards go to `handler`; those not
+        `wanted` with their keys only: tarshards.shard_samples)."""
+        return shard_samples(self.urls[index], handler, wanted)
 
     def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | UncroppedImage, torch.Tensor]:
         """Image and tokens of one sample; its random augmentation depends only on `seed`. With

@@ -29,11 +29,14 @@ class TarError(ValueError):
     """The stream is not a tar archive, or is cut short."""
 
 
-def shard_samples(url: str, handler: Callable[[Exception], bool]) -> Iterator[dict]:
+def shard_samples(url: str, handler: Callable[[Exception], bool],
+                  wanted: Optional[Callable[[int], bool]] = None) -> Iterator[dict]:
     """The samples of one shard in order: dicts of `__key__`, `__url__` and each file's lower-cased
     extensions → its bytes. A shard that cannot be opened or read further, and a file whose extension
     the sample already has, go to `handler` (webdataset's contract: False stops the reading with the
-    error); what was read before an error is kept."""
+    error); what was read before an error is kept. `wanted(i)` False: sample i comes with its key
+    only, its files' bytes skipped (by seeking, where the stream can: a resumed worker finds its place
+    in a shard from the tar headers alone)."""
     from webdataset.gopen import gopen
 
     try:
@@ -42,18 +45,29 @@ def shard_samples(url: str, handler: Callable[[Exception], bool]) -> Iterator[di
         _handled(handler, exc, url)
         return
     sample: Optional[dict] = None
+    index, last_key = -1, None
+
+    def read(name: str) -> bool:  # called for each file in order, before its bytes
+        nonlocal index, last_key
+        parts = _sample_file(name)
+        if parts is None:
+            return False
+        if parts[0] != last_key:
+            index, last_key = index + 1, parts[0]
+        return wanted is None or wanted(index)
+
     try:
-        for name, data in tar_members(stream):
-            if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
-                continue
-            parts = _KEY.match(name)
+        for name, data in tar_members(stream, read):
+            parts = _sample_file(name)
             if parts is None:
                 continue
-            key, extension = parts.group(1), parts.group(2).lower()
+            key, extension = parts
             if sample is None or key != sample["__key__"]:
                 if sample is not None:
                     yield sample
                 sample = {"__key__": key, "__url__": url}
+            if data is None:
+                continue
             if extension in sample:
                 _handled(handler, ValueError(f"{name}: duplicate file name in tar file"), url)
                 continue
@@ -69,15 +83,24 @@ def shard_samples(url: str, handler: Callable[[Exception], bool]) -> Iterator[di
         yield sample
 
 
+def _sample_file(name: str) -> Optional[tuple[str, str]]:
+    """A file's sample key and lower-cased extensions, as webdataset splits them; None: in no sample."""
+    if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
+        return None
+    parts = _KEY.match(name)
+    return None if parts is None else (parts.group(1), parts.group(2).lower())
+
+
 def _handled(handler: Callable[[Exception], bool], exc: Exception, url: str) -> None:
     exc.args = exc.args + (url,)
     if not handler(exc):
         raise exc
 
 
-def tar_members(stream) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file of a tar stream, in order. A header whose checksum is wrong
-    (not a tar archive, or damaged) or a member cut short raises TarError; a stream ending without the
+def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Optional[bytes]]]:
+    """(name, bytes) of each regular file of a tar stream, in order; bytes None where `read(name)` says
+    not to read them (skipped by seeking where the stream can). A header whose checksum is wrong (not a
+    tar archive, or damaged) or a member cut short raises TarError; a stream ending without the
     end-of-archive blocks ends quietly, as with tarfile."""
     header = _read(stream, BLOCK)
     for magic, opener in _COMPRESSED:
@@ -92,20 +115,52 @@ def tar_members(stream) -> Iterator[tuple[str, bytes]]:
             raise TarError(f"a tar header cut short ({len(header)} of {BLOCK} bytes)")
         _check(header)
         kind = header[156:157]
-        size = _number(header[124:136]) if long_size is None or kind in (b"x", b"L", b"g", b"K") else long_size
-        body = _read(stream, size + -size % BLOCK)
-        if len(body) < size:
-            raise TarError(f"a tar member cut short ({len(body)} of {size} bytes)")
-        if kind == b"x":
-            long_name, long_size = _pax(body[:size], long_name, long_size)
-        elif kind == b"L":
-            long_name = body[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        elif kind not in (b"g", b"K"):
+        extended = kind in (b"x", b"L", b"g", b"K")  # headers about the next member
+        size = _number(header[124:136]) if long_size is None or extended else long_size
+        if extended:
+            body = _body(stream, size)
+            if kind == b"x":
+                long_name, long_size = _pax(body, long_name, long_size)
+            elif kind == b"L":
+                long_name = body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        else:
             name = long_name or _name(header)
-            if kind in _REGULAR and not (kind == b"\0" and name.endswith("/")):  # old tars' directories
-                yield name, body[:size]
+            regular = kind in _REGULAR and not (kind == b"\0" and name.endswith("/"))  # old tars' directories
+            if regular and (read is None or read(name)):
+                yield name, _body(stream, size)
+            else:
+                _skip(stream, size + -size % BLOCK)
+                if regular:
+                    yield name, None
             long_name = long_size = None
         header = _read(stream, BLOCK)
+
+
+def _body(stream, size: int) -> bytes:
+    """A member's `size` bytes (and the padding to its last block)."""
+    body = _read(stream, size + -size % BLOCK)
+    if len(body) < size:
+        raise TarError(f"a tar member cut short ({len(body)} of {size} bytes)")
+    return body[:size]
+
+
+def _skip(stream, count: int) -> None:
+    """Past `count` bytes of the stream: a seek where it can (past its end: the next header read finds
+    nothing, and the archive ends there), else read and dropped."""
+    if not count:
+        return
+    try:
+        seekable = stream.seekable()
+    except (AttributeError, OSError, ValueError):
+        seekable = False
+    if seekable:
+        stream.seek(count, io.SEEK_CUR)
+        return
+    while count:
+        chunk = stream.read(min(count, 1 << 20))
+        if not chunk:
+            return
+        count -= len(chunk)
 
 
 def _read(stream, size: int) -> bytes:

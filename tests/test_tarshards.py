@@ -127,3 +127,52 @@ def test_a_handler_that_says_stop_raises(tmp_path):
     path.write_bytes(b"no tar here " * 100)
     with pytest.raises(TarError):
         list(shard_samples(str(path), lambda exc: False))
+
+
+class CountingStream(io.RawIOBase):
+    """A file's bytes, counting those read; seekable or not."""
+
+    def __init__(self, data: bytes, seekable: bool):
+        self.data, self.at, self.read_bytes, self.can_seek = data, 0, 0, seekable
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self.can_seek
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        assert self.can_seek and whence == io.SEEK_CUR
+        self.at += offset
+        return self.at
+
+    def readinto(self, buffer) -> int:
+        chunk = self.data[self.at:self.at + len(buffer)]
+        buffer[:len(chunk)] = chunk
+        self.at += len(chunk)
+        self.read_bytes += len(chunk)
+        return len(chunk)
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_unwanted_samples_come_with_their_keys_only(tmp_path, seekable, monkeypatch):
+    """A resumed reader's samples before its place: their keys from the headers, their bytes skipped (a
+    seek where the stream can; read and dropped from a pipe); the wanted ones are whole."""
+    import importlib
+
+    url = write_tar(tmp_path / "shard.tar", [(f"{i:03d}.{ext}", bytes([i]) * 5000) for i in range(20)
+                                             for ext in ("jpg", "txt")])
+    streams = []
+
+    def opened(path, *args, **kwargs):
+        streams.append(CountingStream((tmp_path / "shard.tar").read_bytes(), seekable))
+        return streams[-1]
+
+    monkeypatch.setattr(importlib.import_module("webdataset.gopen"), "gopen", opened)
+    wanted, errors = {3, 17, 18}, []
+    samples = list(shard_samples(url, lambda exc: errors.append(exc) or True, wanted.__contains__))
+    assert [s["__key__"] for s in samples] == [f"{i:03d}" for i in range(20)] and not errors
+    assert [i for i, s in enumerate(samples) if len(s) > 2] == sorted(wanted)
+    assert samples[17] == {"__key__": "017", "__url__": url, "jpg": bytes([17]) * 5000, "txt": bytes([17]) * 5000}
+    whole = 40 * (512 + 5120)
+    assert streams[0].read_bytes < (whole / 2 if seekable else whole + 10240)
