@@ -33,11 +33,12 @@ JPEG) limits it, not the GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import threading
 import time
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -75,6 +76,26 @@ class EmulatedStep:
     def __call__(self) -> None:
         self.graph.replay()
         torch.cuda.current_stream().synchronize()
+
+
+@contextlib.contextmanager
+def kept_busy(step: EmulatedStep, device: torch.device) -> Iterator[None]:
+    """The GPU kept busy, while inside, by another thread replaying `step` in a loop on its own stream."""
+    done = threading.Event()
+
+    def loop() -> None:
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            while not done.is_set():
+                step()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: torch.device,
@@ -133,28 +154,26 @@ def decode_parts(args, model, tokenizer, device: torch.device, busy: Optional[Em
              "resized_crops": lambda i: resized_crops(decoded[i], encoded[i].boxes.to(device), encoded[i].size),
              "decoded_pixels": lambda i: decoded_pixels(encoded[i], device),
              "pin_memory": lambda i: pinned(encoded[i])}
-    rows, done = [], threading.Event()
-    if busy is not None:
-        def keep_busy() -> None:
-            with torch.cuda.stream(torch.cuda.Stream(device)):
-                while not done.is_set():
-                    busy()
-        threading.Thread(target=keep_busy, daemon=True).start()
-    for name, part in parts.items():
-        part(0)
-        torch.cuda.synchronize()
-        wall, cpu = time.perf_counter(), time.thread_time()
-        for index in range(len(encoded)):
-            part(index)
-            torch.cuda.synchronize()
-        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-        rows.append({"part": name, "batches": len(encoded), "batch": args.batch,
-                     "busy_step_ms": None if busy is None else round(busy.ms, 2),
-                     "wall_ms_per_batch": round(wall / len(encoded) * 1e3, 2),
-                     "cpu_ms_per_batch": round(cpu / len(encoded) * 1e3, 2),
-                     "samples_per_s": round(len(encoded) * args.batch / wall, 1)})
-    done.set()
+    rows = []
+    with kept_busy(busy, device) if busy is not None else contextlib.nullcontext():
+        for name, part in parts.items():
+            rows.append(timed_part(name, part, len(encoded), args.batch, busy))
     return rows
+
+
+def timed_part(name: str, part: Callable[[int], object], batches: int, batch: int,
+               busy: Optional[EmulatedStep]) -> dict:
+    """One part of the decode timed over the batches, each synchronised."""
+    part(0)
+    torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for index in range(batches):
+        part(index)
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    return {"part": name, "batches": batches, "batch": batch, "busy_step_ms": None if busy is None else round(busy.ms, 2),
+            "wall_ms_per_batch": round(wall / batches * 1e3, 2), "cpu_ms_per_batch": round(cpu / batches * 1e3, 2),
+            "samples_per_s": round(batches * batch / wall, 1)}
 
 
 def main() -> None:

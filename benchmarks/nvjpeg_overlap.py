@@ -14,6 +14,7 @@ state and stream) in K threads, a batch's JPEGs dealt out among them. One JSON l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import glob
 import itertools
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_rate import EmulatedStep  # noqa: E402
+from data_rate import EmulatedStep, kept_busy  # noqa: E402
 
 from fsdpclip.tarshards import shard_samples  # noqa: E402
 from fsdpclip.urls import shard_urls  # noqa: E402
@@ -158,28 +159,17 @@ def main() -> None:
         print(json.dumps({"decoder": f"nvjpeg direct, {count} threads", "busy_step_ms": None,
                           "ms_per_batch": round(wall * 1e3, 2), "samples_per_s": round(args.batch / wall, 1)}),
               flush=True)
-    for busy_ms in (None, args.busy_ms):
-        done = threading.Event()
-        if busy_ms:
-            step = EmulatedStep(busy_ms, device)
-
-            def keep_busy() -> None:
-                with torch.cuda.stream(torch.cuda.Stream(device)):
-                    while not done.is_set():
-                        step()
-            threading.Thread(target=keep_busy, daemon=True).start()
-            time.sleep(0.5)
-        for name, decode in (("torchvision", torchvision_decode), ("nvjpeg direct", our_decode)):
-            decode(batches[0])
-            began = time.perf_counter()
-            for jpegs in batches:
-                decode(jpegs)
-            wall = (time.perf_counter() - began) / len(batches)
-            print(json.dumps({"decoder": name, "busy_step_ms": busy_ms and round(step.ms, 2),
-                              "ms_per_batch": round(wall * 1e3, 2),
-                              "samples_per_s": round(args.batch / wall, 1)}), flush=True)
-        done.set()
-        time.sleep(0.2)
+    for step in (None, EmulatedStep(args.busy_ms, device)):
+        with kept_busy(step, device) if step is not None else contextlib.nullcontext():
+            for name, decode in (("torchvision", torchvision_decode), ("nvjpeg direct", our_decode)):
+                decode(batches[0])
+                began = time.perf_counter()
+                for jpegs in batches:
+                    decode(jpegs)
+                wall = (time.perf_counter() - began) / len(batches)
+                print(json.dumps({"decoder": name, "busy_step_ms": step and round(step.ms, 2),
+                                  "ms_per_batch": round(wall * 1e3, 2),
+                                  "samples_per_s": round(args.batch / wall, 1)}), flush=True)
 
 
 if __name__ == "__main__":
