@@ -102,7 +102,7 @@ def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: 
          step: Optional[EmulatedStep] = None) -> dict:
     spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=workers, decode=decode)
     batches, images = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
-                                         device, pin_memory=device.type == "cuda" and stage == "device")
+                                         device, pin_memory=device.type == "cuda" and stage != "workers")
     stream = iter(batches)
     began = time.perf_counter()
     started = None

@@ -102,7 +102,10 @@ class BatchedDecoder:
 
 def jpeg_batches(urls: str, batch: int, count: int) -> list[list[bytes]]:
     samples = (s["jpg"] for url in shard_urls(urls) for s in shard_samples(url, lambda exc: False))
-    return [list(itertools.islice(samples, batch)) for _ in range(count)]
+    batches = [list(itertools.islice(samples, batch)) for _ in range(count)]
+    if len(batches[-1]) < batch:
+        raise SystemExit(f"the shards hold fewer than {count} batches of {batch} JPEGs")
+    return batches
 
 
 def main() -> None:
@@ -136,6 +139,8 @@ def main() -> None:
     worst = max((x.int() - y.int()).abs().max().item() for x, y in zip(a, b))
     print(json.dumps({"same_pixels": same, "largest_difference": worst}), flush=True)
     for count in args.threads:
+        if args.batch % count:
+            raise SystemExit(f"--batch {args.batch} does not split among {count} threads")
         decoders = [BatchedDecoder(args.batch // count, device) for _ in range(count)]
         share = args.batch // count
 

@@ -20,8 +20,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from fsdpclip.decode import (EncodedBatch, EncodedJpeg, TrainImages, UncroppedBatch, UncroppedImage, collate,
-                             decode_mode, for_device, uncropped)
+from fsdpclip.decode import (CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, TrainImages, collate, cropped,
+                             decode_mode, for_device)
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
 from fsdpclip.tarshards import shard_samples
 from fsdpclip.urls import shard_urls
@@ -149,8 +149,9 @@ class _Reader:
             if position.offset:  # the current shard: read up to where it stands, keep it open
                 index = self._shard()
                 here = needed.get(index, set())
-                samples = iter(self.stream._shard_samples(  # the samples before its offset: keys only
-                    index, self.broken, lambda offset: offset in here or offset >= position.offset))
+                start = position.offset  # the samples before it: keys only, but for the buffered ones
+                samples = iter(self.stream._shard_samples(index, self.broken,
+                                                          lambda offset: offset in here or offset >= start))
                 for offset in range(position.offset):
                     sample = next(samples, None)
                     if sample is None:
@@ -230,11 +231,11 @@ class ShardStream(IterableDataset):
         `wanted` with their keys only: tarshards.shard_samples)."""
         return shard_samples(self.urls[index], handler, wanted)
 
-    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | UncroppedImage, torch.Tensor]:
+    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | CroppedImage, torch.Tensor]:
         """Image and tokens of one sample; its random augmentation depends only on `seed`. With
         `spec.decode` "gpu" (settled by the trainer: decode.decode_mode) a JPEG the device decodes stays
         encoded, with the crop box `preprocess` would draw for it; with "mixed" every image is decoded
-        whole, with that box."""
+        and cut to that box."""
         from PIL import Image
 
         key = next((k for k in self.image_keys if k in sample), None)
@@ -245,7 +246,7 @@ class ShardStream(IterableDataset):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
             if self.spec.decode == "mixed":
-                pixels = uncropped(image, self.preprocess)
+                pixels = cropped(image, self.preprocess)
             else:
                 pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
                 if pixels is None:
@@ -253,7 +254,7 @@ class ShardStream(IterableDataset):
                     pixels = self.preprocess(image.convert("RGB"))
         return pixels, self.tokenize([caption])[0]
 
-    def _collate(self, images: list) -> torch.Tensor | EncodedBatch | UncroppedBatch:
+    def _collate(self, images: list) -> torch.Tensor | EncodedBatch | CroppedBatch:
         """One micro batch of images (decode.collate)."""
         return collate(images)
 

@@ -13,8 +13,8 @@ the step does not wait for it. Progressive and CMYK JPEGs, JPEGs that do not end
 other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and merged into the batch.
 
 nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/benchmarks.md "Where the
-JPEG supply stops"): with "mixed" the workers decode every image with PIL and draw its crop, and the
-device crops and resizes the batch as part of the step's stream (the pinning thread only copies).
+JPEG supply stops"): with "mixed" the workers decode every image with PIL and cut its crop, and the
+device resizes the batch as part of the step's stream (the pinning thread only copies).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def device_jpeg_decoder() -> bool:
     return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
 
 
-DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG)",
-                 "mixed": "by the data workers, cropped and resized on the device"}  # per data.decode
+DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG on CUDA)",
+                 "mixed": "and cropped by the data workers, resized on the device"}  # per data.decode
 
 
 def decode_mode(requested: str, device_type: str) -> str:
@@ -78,34 +78,34 @@ def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
 
 
 @dataclass
-class UncroppedImage:
-    """A worker's sample for the device to crop ("mixed"): the whole image decoded, RGB uint8 (h, w, 3)
-    as PIL holds it (a numpy array; made channels-first on the device, where the copy is cheap), its crop
-    box (top, left, height, width) and the size the crop is resized to."""
+class CroppedImage:
+    """A worker's sample for the device to resize ("mixed"): its crop (the box the worker transform's
+    random resized crop draws) of the decoded image, RGB uint8 (h, w, 3) as PIL holds it (a numpy view;
+    made channels-first on the device), and the size it is resized to."""
 
     pixels: np.ndarray
-    box: tuple[int, int, int, int]
     size: tuple[int, int]
 
 
-def uncropped(image, worker_transform) -> UncroppedImage:
-    """`image` (opened by PIL, its pixels not yet read) decoded to RGB, with the crop box the worker
+def cropped(image, worker_transform) -> CroppedImage:
+    """`image` (opened by PIL, its pixels not yet read) decoded to RGB and cut to the crop box the worker
     transform's random resized crop draws for it (the same draws as running the transform)."""
     import numpy as np
 
     crop = _crop(worker_transform.transforms)
-    box = crop.get_params(image, crop.scale, crop.ratio)
+    top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
     if image.mode != "RGB":
         image = image.convert("RGB")
-    return UncroppedImage(np.asarray(image), box, crop.size)  # one copy of the pixels (PIL's own: another)
+    return CroppedImage(np.asarray(image)[top:top + height, left:left + width], crop.size)
 
 
-def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "UncroppedBatch"]:
-    """One micro batch: the images stacked, with JPEGs for the device an EncodedBatch, or ("mixed") an
-    UncroppedBatch."""
-    if isinstance(items[0], UncroppedImage):
-        return UncroppedBatch(padded([item.pixels for item in items], shared=get_worker_info() is not None),
-                              torch.tensor([item.box for item in items]), items[0].size)
+def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
+    """One micro batch: the images stacked, with JPEGs for the device an EncodedBatch, or ("mixed") a
+    CroppedBatch."""
+    if isinstance(items[0], CroppedImage):
+        crops = [item.pixels for item in items]
+        return CroppedBatch(padded(crops, shared=get_worker_info() is not None),
+                            torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]), items[0].size)
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     if not jpegs:
         return torch.stack(items)
@@ -150,18 +150,19 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}  # the pinning thread's decoding str
 
 
 @dataclass
-class UncroppedBatch:
-    """A micro batch decoded by the workers for the device to crop and resize ("mixed"): the images
-    zero-padded to the largest, their crop boxes and the output size."""
+class CroppedBatch:
+    """A micro batch cropped by the workers for the device to resize ("mixed"): the crops zero-padded to
+    the largest (so a batch takes as much shared and pinned memory as its largest crop times the batch),
+    their boxes in that batch (top 0, left 0, height, width) and the output size."""
 
     pixels: torch.Tensor  # (batch, H, W, 3) uint8
     boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
     size: tuple[int, int]
 
-    def pin_memory(self) -> "UncroppedBatch":
+    def pin_memory(self) -> "CroppedBatch":
         """What the DataLoader's pinning thread calls on a batch: pinned, so that its copy to the device
         does not wait; nothing runs on the device here (it would wait for the step's kernels)."""
-        return UncroppedBatch(self.pixels.pin_memory(), self.boxes.pin_memory(), self.size)
+        return CroppedBatch(self.pixels.pin_memory(), self.boxes.pin_memory(), self.size)
 
 
 @dataclass
@@ -239,10 +240,10 @@ class TrainImages:
                 raise ValueError(f"data.decode '{decode}' crops and resizes on the device, but the model's train "
                                  f"transform also does {extra}: use data.decode 'cpu'")
 
-    def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, UncroppedBatch]) -> torch.Tensor:
+    def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, CroppedBatch]) -> torch.Tensor:
         """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
-        if isinstance(batch, UncroppedBatch):
-            pixels = resized_crops(batch.pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2),
+        if isinstance(batch, CroppedBatch):  # channels first in uint8, before resized_crops makes it float
+            pixels = resized_crops(batch.pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2).contiguous(),
                                    batch.boxes.to(self.device, non_blocking=True), batch.size)
         elif isinstance(batch, DecodedBatch):
             stream = torch.cuda.current_stream(self.device)
@@ -269,7 +270,10 @@ def padded(images: list, shared: bool = False) -> torch.Tensor:
             math.prod(shape))).view(shape)
     else:
         batch = torch.empty(shape, dtype=dtype, device="cpu" if arrays else images[0].device)
-    if any(image.shape != shape[1:] for image in images):
+    ragged = any(image.shape != shape[1:] for image in images)
+    if not (ragged or arrays):
+        return torch.stack(images, out=batch)
+    if ragged:
         batch.zero_()
     slots = batch.numpy() if arrays else batch  # arrays are copied in by numpy (PIL's are read-only)
     for slot, image in zip(slots, images):
@@ -282,7 +286,7 @@ def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int
     crop does (a horizontal pass rounded to 8 bits, then a vertical one): float (n, 3, *size), integers in
     0..255. `batch` (n, 3, H, W) may be zero-padded (`padded`): a box lies inside its image, and the
     weights outside the box are 0."""
-    count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]  # any strides: (n, h, w, 3) permuted too
+    count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]
     across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1])  # (n, out width, width)
     down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0])  # (n, out height, height)
     rows = torch.bmm(batch.float().reshape(count, 3 * height, width), across.transpose(1, 2))

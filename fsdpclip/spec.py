@@ -375,10 +375,11 @@ class WebDatasetSpec(Section):
                             "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
                             "cropped and resized on the device ahead of the step; the workers read their headers "
                             "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
-                            "the workers). 'mixed': the workers decode every image and draw its crop; the device "
-                            "crops and resizes the batch in the step's stream (nvJPEG's decode does not overlap "
-                            "a step that keeps the GPU busy; whole images cross, so the workers' shared memory "
-                            "holds several times more). 'auto': 'gpu' when training on CUDA with a torchvision "
+                            "the workers). 'mixed': the workers decode every image and cut its crop; the device "
+                            "resizes the batch in the step's stream (nvJPEG's decode does not overlap a step that "
+                            "keeps the GPU busy; the crops cross unresized, padded to the batch's largest, so "
+                            "shared memory holds several times more: for images near the model's size). "
+                            "'auto': 'gpu' when training on CUDA with a torchvision "
                             "that decodes JPEGs there, else 'cpu'. The default stays 'cpu' until a GPU run shows "
                             "the device path ending as cleanly as it trains (docs/benchmarks.md).")
 

@@ -1,10 +1,13 @@
-"""Webdataset shards read as samples: a tar stream's files grouped by key, as webdataset groups them
-(`tar_file_expander` + `group_by_keys`), without `tarfile`.
+"""Webdataset shards read as samples: a tar stream's files grouped by key as webdataset's
+`group_by_keys` groups them, without `tarfile`.
 
 `tarfile` spends ~0.1 ms of Python per member (two header objects and a parsed pax header each, for
 shards written by webdataset's TarWriter): that was a third of a data worker's time per sample. Here a
 member costs a header checksum, two number fields and a name. Understood: ustar (with its name prefix),
-GNU long names, pax path and size records, and gzip, bzip2 or xz compression of the whole tar.
+GNU long names, pax path and size records, and gzip, bzip2 or xz compression of the whole tar (a
+gzip file of several members is read to its end, where tarfile's stream stops after the first). As
+with `tarfile`, an archive ends quietly at a header that cannot be read after the first one (a cut or
+a tail of other bytes); GNU sparse files are skipped.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ BLOCK = 512
 _EMPTY = bytes(BLOCK)
 _REGULAR = (b"0", b"\0", b"7")  # tarfile's regular files (contiguous files read as regular ones)
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta: files it never puts in a sample
-_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: key, extensions
-_COMPRESSED = ((b"\x1f\x8b", lambda raw: gzip.GzipFile(fileobj=raw)), (b"BZh", bz2.BZ2File),
-               (b"\xfd7zXZ\x00", lzma.LZMAFile))  # magic bytes, reader
+_COMPRESSED = ((re.compile(b"\x1f\x8b"), lambda raw: gzip.GzipFile(fileobj=raw)),
+               (re.compile(b"BZh[1-9]1AY&SY"), bz2.BZ2File),
+               (re.compile(b"\xfd7zXZ\x00"), lzma.LZMAFile))  # magic bytes, reader (tried where no tar header is)
 
 
 class TarError(ValueError):
@@ -33,19 +36,29 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
                   wanted: Optional[Callable[[int], bool]] = None) -> Iterator[dict]:
     """The samples of one shard in order: dicts of `__key__`, `__url__` and each file's lower-cased
     extensions → its bytes. A shard that cannot be opened or read further, and a file whose extension
-    the sample already has, go to `handler` (webdataset's contract: False stops the reading with the
-    error); what was read before an error is kept. `wanted(i)` False: sample i comes with its key
-    only, its files' bytes skipped (by seeking, where the stream can: a resumed worker finds its place
-    in a shard from the tar headers alone)."""
+    the sample already has, go to `handler`, once each, the URL added to the error's arguments; if the
+    handler returns False the error is raised (webdataset's handlers raise it themselves). What was
+    read before an error is kept. A stream's error on closing (a `pipe:` command's exit status) counts
+    only where the stream was read to its end without error: closed early, a command may well fail.
+    `wanted(i)` False: sample i comes with its key only, its files' bytes skipped (by seeking, where
+    the stream can: a resumed worker finds its place in a shard from the tar headers alone)."""
     from webdataset.gopen import gopen
+
+    reported: list[Exception] = []
+
+    def report(exc: Exception) -> None:
+        reported.append(exc)
+        exc.args = exc.args + (url,)
+        if not handler(exc):
+            raise exc
 
     try:
         stream = gopen(url)
     except Exception as exc:
-        _handled(handler, exc, url)
+        report(exc)
         return
     sample: Optional[dict] = None
-    index, last_key = -1, None
+    index, last_key, read_to_end = -1, None, False
 
     def read(name: str) -> bool:  # called for each file in order, before its bytes
         nonlocal index, last_key
@@ -69,51 +82,54 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
             if data is None:
                 continue
             if extension in sample:
-                _handled(handler, ValueError(f"{name}: duplicate file name in tar file"), url)
+                report(ValueError(f"{name}: duplicate file name in tar file"))
                 continue
             sample[extension] = data
+        read_to_end = True
     except Exception as exc:
-        _handled(handler, exc, url)
+        if exc not in reported:  # one the handler said to raise goes on as it is
+            report(exc)
+        else:
+            raise
     finally:
         try:
             stream.close()  # a pipe: reports its command's exit status here
         except Exception as exc:
-            _handled(handler, exc, url)
+            if read_to_end and not reported:
+                report(exc)
     if sample is not None:
         yield sample
 
 
 def _sample_file(name: str) -> Optional[tuple[str, str]]:
     """A file's sample key and lower-cased extensions, as webdataset splits them; None: in no sample."""
+    from webdataset.tariterators import base_plus_ext
+
     if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
         return None
-    parts = _KEY.match(name)
-    return None if parts is None else (parts.group(1), parts.group(2).lower())
-
-
-def _handled(handler: Callable[[Exception], bool], exc: Exception, url: str) -> None:
-    exc.args = exc.args + (url,)
-    if not handler(exc):
-        raise exc
+    key, extension = base_plus_ext(name)
+    return None if key is None else (key, extension.lower())
 
 
 def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Optional[bytes]]]:
     """(name, bytes) of each regular file of a tar stream, in order; bytes None where `read(name)` says
-    not to read them (skipped by seeking where the stream can). A header whose checksum is wrong (not a
-    tar archive, or damaged) or a member cut short raises TarError; a stream ending without the
-    end-of-archive blocks ends quietly, as with tarfile."""
+    not to read them (skipped by seeking where the stream can). A first block that is no tar header
+    (nor a compressed tar) or a member cut short raises TarError; as with tarfile, a later header that
+    cannot be read (cut, damaged, other bytes) ends the archive quietly."""
     header = _read(stream, BLOCK)
-    for magic, opener in _COMPRESSED:
-        if header.startswith(magic):
-            stream = opener(io.BufferedReader(_Rejoined(header, stream)))
-            header = _read(stream, BLOCK)
-            break
+    if not (len(header) == BLOCK and _valid(header)):
+        for magic, opener in _COMPRESSED:
+            if magic.match(header):
+                stream = opener(io.BufferedReader(_Rejoined(header, stream)))
+                header = _read(stream, BLOCK)
+                break
+    if not header or header == _EMPTY:
+        return
+    if len(header) < BLOCK or not _valid(header):
+        raise TarError("not a tar archive (its first header's checksum does not match)")
     long_name: Optional[str] = None
     long_size: Optional[int] = None
-    while header and header != _EMPTY:
-        if len(header) < BLOCK:
-            raise TarError(f"a tar header cut short ({len(header)} of {BLOCK} bytes)")
-        _check(header)
+    while True:
         kind = header[156:157]
         extended = kind in (b"x", b"L", b"g", b"K")  # headers about the next member
         size = _number(header[124:136]) if long_size is None or extended else long_size
@@ -133,7 +149,12 @@ def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterato
                 if regular:
                     yield name, None
             long_name = long_size = None
-        header = _read(stream, BLOCK)
+        try:
+            header = _read(stream, BLOCK)
+        except (EOFError, OSError, lzma.LZMAError):  # a compressed stream cut, or other bytes after it
+            return
+        if len(header) < BLOCK or header == _EMPTY or not _valid(header):
+            return
 
 
 def _body(stream, size: int) -> bytes:
@@ -174,14 +195,14 @@ def _read(stream, size: int) -> bytes:
     return data
 
 
-def _check(header: bytes) -> None:
-    stored = _number(header[148:156])
+def _valid(header: bytes) -> bool:
+    """Whether a 512-byte block is a tar header: its checksum (unsigned, or signed as some old tars sum)."""
+    try:
+        stored = _number(header[148:156])
+    except TarError:
+        return False
     unsigned = sum(header) - sum(header[148:156]) + 8 * 32  # the checksum field counts as spaces
-    if stored == unsigned:
-        return
-    signed = unsigned - 256 * sum(b > 127 for b in header[:148] + header[156:])  # as some old tars sum
-    if stored != signed:
-        raise TarError("not a tar archive here (a header's checksum does not match)")
+    return stored == unsigned or stored == unsigned - 256 * sum(b > 127 for b in header[:148] + header[156:])
 
 
 def _number(field: bytes) -> int:
@@ -197,12 +218,9 @@ def _number(field: bytes) -> int:
 
 
 def _name(header: bytes) -> str:
-    name = header[:100].split(b"\0", 1)[0]
-    if header[257:265] == b"ustar\x0000":  # POSIX ustar: a prefix (GNU tars keep other fields there)
-        prefix = header[345:500].split(b"\0", 1)[0]
-        if prefix:
-            name = prefix + b"/" + name
-    return name.decode("utf-8", "surrogateescape")
+    """A header's name, with its ustar prefix where one is (as tarfile reads any header's)."""
+    name, prefix = header[:100].split(b"\0", 1)[0], header[345:500].split(b"\0", 1)[0]
+    return (prefix + b"/" + name if prefix else name).decode("utf-8", "surrogateescape")
 
 
 def _pax(records: bytes, name: Optional[str], size: Optional[int]) -> tuple[Optional[str], Optional[int]]:
