@@ -17,7 +17,10 @@ import gzip
 import io
 import lzma
 import re
+import zlib
 from typing import Callable, Iterator, Optional
+
+from webdataset.tariterators import base_plus_ext
 
 BLOCK = 512
 _EMPTY = bytes(BLOCK)
@@ -37,7 +40,7 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
     """The samples of one shard in order: dicts of `__key__`, `__url__` and each file's lower-cased
     extensions → its bytes. A shard that cannot be opened or read further, and a file whose extension
     the sample already has, go to `handler`, once each, the URL added to the error's arguments; if the
-    handler returns False the error is raised (webdataset's handlers raise it themselves). What was
+    handler returns False the error is raised (where webdataset would stop quietly). What was
     read before an error is kept. A stream's error on closing (a `pipe:` command's exit status) counts
     only where the stream was read to its end without error: closed early, a command may well fail.
     `wanted(i)` False: sample i comes with its key only, its files' bytes skipped (by seeking, where
@@ -49,7 +52,12 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
     def report(exc: Exception) -> None:
         reported.append(exc)
         exc.args = exc.args + (url,)
-        if not handler(exc):
+        try:
+            keep_going = handler(exc)
+        except Exception as raised:  # the handler's own error goes on as it is
+            reported.append(raised)
+            raise
+        if not keep_going:
             raise exc
 
     try:
@@ -95,7 +103,7 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
         try:
             stream.close()  # a pipe: reports its command's exit status here
         except Exception as exc:
-            if read_to_end and not reported:
+            if read_to_end:
                 report(exc)
     if sample is not None:
         yield sample
@@ -103,8 +111,6 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
 
 def _sample_file(name: str) -> Optional[tuple[str, str]]:
     """A file's sample key and lower-cased extensions, as webdataset splits them; None: in no sample."""
-    from webdataset.tariterators import base_plus_ext
-
     if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
         return None
     key, extension = base_plus_ext(name)
@@ -113,26 +119,37 @@ def _sample_file(name: str) -> Optional[tuple[str, str]]:
 
 def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Optional[bytes]]]:
     """(name, bytes) of each regular file of a tar stream, in order; bytes None where `read(name)` says
-    not to read them (skipped by seeking where the stream can). A first block that is no tar header
-    (nor a compressed tar) or a member cut short raises TarError; as with tarfile, a later header that
-    cannot be read (cut, damaged, other bytes) ends the archive quietly."""
+    not to read them (skipped by seeking where the stream can). An empty stream, a first block that is no
+    tar header (nor a compressed tar), a member cut short and an unreadable header after a pax or GNU
+    long-name header raise TarError; as with tarfile, any other unreadable header after the first (cut,
+    damaged, other bytes after the archive, a compressed stream's tail) ends the archive quietly."""
     header = _read(stream, BLOCK)
+    compressed = False
     if not (len(header) == BLOCK and _valid(header)):
         for magic, opener in _COMPRESSED:
             if magic.match(header):
-                stream = opener(io.BufferedReader(_Rejoined(header, stream)))
+                stream, compressed = opener(io.BufferedReader(_Rejoined(header, stream))), True
                 header = _read(stream, BLOCK)
                 break
-    if not header or header == _EMPTY:
+    if not header:
+        raise TarError("an empty file, not a tar archive")
+    if header == _EMPTY:
         return
     if len(header) < BLOCK or not _valid(header):
         raise TarError("not a tar archive (its first header's checksum does not match)")
     long_name: Optional[str] = None
     long_size: Optional[int] = None
+    first = True
     while True:
         kind = header[156:157]
         extended = kind in (b"x", b"L", b"g", b"K")  # headers about the next member
-        size = _number(header[124:136]) if long_size is None or extended else long_size
+        try:
+            size = _number(header[124:136]) if long_size is None or extended else long_size
+        except TarError:
+            if first:
+                raise
+            return  # a damaged header whose checksum happens to match: tarfile ends there too
+        first = False
         if extended:
             body = _body(stream, size)
             if kind == b"x":
@@ -151,9 +168,13 @@ def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterato
             long_name = long_size = None
         try:
             header = _read(stream, BLOCK)
-        except (EOFError, OSError, lzma.LZMAError):  # a compressed stream cut, or other bytes after it
-            return
+        except (EOFError, gzip.BadGzipFile, lzma.LZMAError, zlib.error):  # a decompressor's: a cut or a tail
+            if not compressed:
+                raise
+            header = b""
         if len(header) < BLOCK or header == _EMPTY or not _valid(header):
+            if extended:
+                raise TarError("the header after a pax or GNU long-name header cannot be read")
             return
 
 

@@ -108,7 +108,7 @@ def test_no_archive(tmp_path, content):
     path.write_bytes(content)
     ours, errors = our_samples(str(path))
     assert ours == webdataset_samples(str(path))[0] == []
-    assert len(errors) == (1 if content.startswith(b"no tar") else 0)
+    assert len(errors) == (0 if content.startswith(b"\0") else 1)  # an empty file is an error, as in tarfile
     if errors:
         assert isinstance(errors[0], TarError) and str(path) in errors[0].args
 
@@ -126,6 +126,10 @@ def test_a_missing_shard_and_a_failing_pipe_go_to_the_handler_once(tmp_path):
     ours, errors = our_samples(failing)
     assert [s["__key__"] for s in ours] == ["0", "1", "2"] and len(errors) == 1 and "3" in str(errors[0])
     assert our_samples("pipe:exit 3")[0] == [] and len(our_samples("pipe:exit 3")[1]) == 1
+    assert our_samples("pipe:printf junk; exit 3")[0] == [] and len(our_samples("pipe:printf junk; exit 3")[1]) == 1
+    doubled = write_tar(tmp_path / "doubled.tar", [("a.txt", b"one"), ("a.txt", b"two")])
+    ours, errors = our_samples(f"pipe:cat {doubled}; sleep 0.5; exit 3")
+    assert len(ours) == 1 and ["duplicate" in str(e) for e in errors] == [True, False]  # the exit status too
     errors = []
     samples = shard_samples(failing, lambda exc: errors.append(exc) or True)
     assert next(samples)["__key__"] == "0"
@@ -142,8 +146,11 @@ def test_where_tarfile_ends_quietly(tmp_path):
     write_tar(raw, members)
     data = raw.read_bytes()
     end = data.rstrip(b"\0")
+    unended = data[:len(end) + -len(end) % 512]  # the members, no end-of-archive blocks
     cases = {"cut in the end blocks": end + bytes(700), "bytes after the end": data + b"trailing bytes" * 50,
+             "no end blocks, bytes after": unended + b"trailing bytes" * 50,
              "gzip, bytes after": gzip.compress(data) + b"junk" * 10,
+             "gzip, no end blocks, bytes after": gzip.compress(unended) + b"junk" * 200,
              "gzip, cut after a member": gzip.compress(data)[:len(gzip.compress(data)) - 40]}
     for name, content in cases.items():
         path = tmp_path / f"{name}.tar"
@@ -151,6 +158,13 @@ def test_where_tarfile_ends_quietly(tmp_path):
         ours, errors = our_samples(str(path))
         assert ours == webdataset_samples(str(path))[0] and not errors, (name, errors)
         assert len(ours) == 4 or name.startswith("gzip, cut"), name
+    pax = raw.with_name("pax.tar")
+    write_tar(pax, [("a.txt", b"one"), ("ä" * 120 + ".txt", b"two")], tarfile.PAX_FORMAT)
+    content = pax.read_bytes()
+    pax.write_bytes(content[:1536 + 512] + b"junk" * 256)  # a.txt, then a pax header, then no header
+    ours, errors = our_samples(str(pax))
+    theirs, their_errors = webdataset_samples(str(pax))
+    assert ours == theirs and len(ours) == 1 and len(errors) == len(their_errors) == 1, (errors, their_errors)
     url = write_tar(tmp_path / "bzh.tar", [("BZh001.jpg", b"a"), ("BZh001.txt", b"b")])
     ours, errors = our_samples(url)
     assert ours == webdataset_samples(url)[0] and len(ours) == 1 and not errors
@@ -212,3 +226,21 @@ def test_unwanted_samples_come_with_their_keys_only(tmp_path, seekable, monkeypa
     assert samples[17] == {"__key__": "017", "__url__": url, "jpg": bytes([17]) * 5000, "txt": bytes([17]) * 5000}
     whole = 40 * (512 + 5120)
     assert streams[0].read_bytes < whole / 2 if seekable else streams[0].read_bytes >= whole  # read, dropped
+
+
+def test_a_read_error_of_the_stream_is_reported(tmp_path, monkeypatch):
+    """An error of the stream itself (EIO on a network file system) at a header is no end of the archive."""
+    import importlib
+
+    url = write_tar(tmp_path / "shard.tar", [(f"{i}.txt", b"x" * 700) for i in range(4)])
+
+    class Failing(CountingStream):
+        def readinto(self, buffer) -> int:
+            if self.at >= 3 * 1536:
+                raise OSError(5, "Input/output error")
+            return super().readinto(buffer)
+
+    monkeypatch.setattr(importlib.import_module("webdataset.gopen"), "gopen",
+                        lambda *a, **k: Failing((tmp_path / "shard.tar").read_bytes(), True))
+    ours, errors = our_samples(url)
+    assert [s["__key__"] for s in ours] == ["0", "1", "2"] and len(errors) == 1 and isinstance(errors[0], OSError)
