@@ -67,9 +67,10 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
         return
     sample: Optional[dict] = None
     index, last_key, read_to_end = -1, None, False
+    parts: Optional[tuple[str, str]] = None  # the key and extensions of the file tar_members yields next
 
-    def read(name: str) -> bool:  # called for each file in order, before its bytes
-        nonlocal index, last_key
+    def read(name: str) -> bool:  # called for each regular file in order, right before it is yielded
+        nonlocal index, last_key, parts
         parts = _sample_file(name)
         if parts is None:
             return False
@@ -79,7 +80,6 @@ def shard_samples(url: str, handler: Callable[[Exception], bool],
 
     try:
         for name, data in tar_members(stream, read):
-            parts = _sample_file(name)
             if parts is None:
                 continue
             key, extension = parts
@@ -118,8 +118,9 @@ def _sample_file(name: str) -> Optional[tuple[str, str]]:
 
 
 def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Optional[bytes]]]:
-    """(name, bytes) of each regular file of a tar stream, in order; bytes None where `read(name)` says
-    not to read them (skipped by seeking where the stream can). An empty stream, a first block that is no
+    """(name, bytes) of each regular file of a tar stream, in order; bytes None where `read(name)`,
+    called for each of them right before it is yielded, says not to read them (skipped by seeking where
+    the stream can). An empty stream, a first block that is no
     tar header (nor a compressed tar), a member cut short and an unreadable header after a pax or GNU
     long-name header raise TarError; as with tarfile, any other unreadable header after the first (cut,
     damaged, other bytes after the archive, a compressed stream's tail) ends the archive quietly."""
