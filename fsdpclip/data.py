@@ -246,7 +246,7 @@ class ShardStream(IterableDataset):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
             if self.spec.decode == "mixed":
-                pixels = cropped(image, self.preprocess)
+                pixels = cropped(sample[key], image, self.preprocess)
             else:
                 pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
                 if pixels is None:

@@ -14,7 +14,7 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
-from fsdpclip.decode import EncodedBatch, TrainImages, CroppedBatch, decode_mode, device_jpeg_decoder
+from fsdpclip.decode import CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, rgb_pixels
 from fsdpclip.spec import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
@@ -26,9 +26,9 @@ def picture(rng, height: int, width: int) -> Image.Image:
     return Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
 
 
-def encoded(image: Image.Image, fmt: str = "JPEG") -> bytes:
+def encoded(image: Image.Image, fmt: str = "JPEG", **options) -> bytes:
     out = io.BytesIO()
-    image.save(out, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    image.save(out, fmt, **({"quality": 90} if fmt == "JPEG" else {}), **options)
     return out.getvalue()
 
 
@@ -175,6 +175,35 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert got.device.type == device
     error = levels(got, TrainImages(transform, "cpu", target)(cpu_images), transform)
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
+def test_host_pixels_are_pils_whichever_decoder_reads_them(monkeypatch):
+    """rgb_pixels ("mixed"'s worker decode): baseline, progressive, 4:4:4 and grayscale JPEGs go through
+    torchvision's libjpeg-turbo, a CMYK JPEG, a PNG and a JPEG it refuses through PIL; all are the pixels
+    of PIL's convert("RGB")."""
+    import torchvision.io
+
+    rng = np.random.default_rng(5)
+    image = picture(rng, 37, 53)
+    through_torchvision = [encoded(image), encoded(image, progressive=True), encoded(image, subsampling=0),
+                           encoded(image.convert("L"))]
+    through_pil = [encoded(image.convert("CMYK")), encoded(image, "PNG")]
+    calls = []
+    real = torchvision.io.decode_jpeg
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for data in through_torchvision + through_pil:
+        got = rgb_pixels(data, Image.open(io.BytesIO(data)))
+        assert got.shape == (37, 53, 3) and got.dtype == np.uint8
+        assert np.array_equal(got, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+    assert len(calls) == len(through_torchvision)
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", refuses)
+    data = through_torchvision[0]
+    assert np.array_equal(rgb_pixels(data, Image.open(io.BytesIO(data))),
+                          np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
 
 
 def test_a_batch_of_mixed_images(tmp_path):
