@@ -21,13 +21,15 @@ work, like fsdpclip's graphed step) runs on the current stream, which is then sy
 reading its loss is. Where "device+step" delivers less than both "device" and the step alone
 (`step_alone_samples_per_s`), the training step's use of the GPU slows the rank's side of the pipeline.
 
---parts (decode 'gpu', CUDA) also times the device decode's parts (with --parts-busy-ms, while another
-thread keeps the GPU busy with an emulated step in a loop) on --part-batches batches taken from the
-workers, one at a time and synchronised, on the calling thread: nvJPEG's decode of the batch's JPEGs, the
-crops' resize, the whole `decoded_pixels`, and the pinning thread's call (`EncodedBatch.pin_memory`,
-waited for). Each part reports wall and this thread's CPU milliseconds per batch: CPU near wall means the
-host side of the decode (header parsing, Huffman decoding where the hardware decoder does not take the
-JPEG) limits it, not the GPU.
+--parts (CUDA) also times, for decode 'gpu' and 'mixed', the device's parts (with --parts-busy-ms, while
+another thread keeps the GPU busy with an emulated step in a loop) on --part-batches batches taken from the
+workers, one at a time and synchronised, on the calling thread. 'gpu': nvJPEG's decode of the batch's
+JPEGs, the crops' resize, the whole `decoded_pixels`, and the pinning thread's call
+(`EncodedBatch.pin_memory`, waited for); 'mixed': the pinned crops' copy to the device, their resize, and
+the pinning thread's call (`CroppedBatch.pin_memory`: pinning, copy and resize, waited for). Each part
+reports wall and this thread's CPU milliseconds per batch: CPU near wall means the host side (for 'gpu'
+header parsing, Huffman decoding where the hardware decoder does not take the JPEG; launching kernels)
+limits it, not the GPU.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from fsdpclip.data import webdataset_batches
-from fsdpclip.decode import EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
+from fsdpclip.decode import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
 from fsdpclip.model import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.spec import ModelSpec, WebDatasetSpec
 
@@ -131,34 +133,49 @@ def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: 
     return row
 
 
-def decode_parts(args, model, tokenizer, device: torch.device, busy: Optional[EmulatedStep] = None) -> list[dict]:
-    """Wall and CPU milliseconds per batch of each part of the device decode (see --parts), on a GPU
-    kept busy by another thread replaying `busy` in a loop, if given."""
-    spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=max(args.workers), decode="gpu")
+def decode_parts(args, model, tokenizer, decode: str, device: torch.device,
+                 busy: Optional[EmulatedStep] = None) -> list[dict]:
+    """Wall and CPU milliseconds per batch of each part of the device's share of `decode` (see --parts),
+    on a GPU kept busy by another thread replaying `busy` in a loop, if given."""
+    spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=max(args.workers), decode=decode)
     batches, _ = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
                                     device, pin_memory=False)
     stream = iter(batches)
     try:
-        encoded = [pixels for pixels, _ in itertools.islice(stream, args.part_batches)]
+        taken = [pixels for pixels, _ in itertools.islice(stream, args.part_batches)]
     finally:
         stream.close()
         batches.close()
-    encoded = [batch for batch in encoded if isinstance(batch, EncodedBatch)]
-    decoded = [padded(_decode_jpegs(list(b.data.split(b.lengths)), b.boxes, device)) for b in encoded]
-
-    def pinned(batch: EncodedBatch) -> None:
-        batch.pin_memory().ready.synchronize()
-
-    parts = {"decode_jpeg": lambda i: _decode_jpegs(list(encoded[i].data.split(encoded[i].lengths)),
-                                                    encoded[i].boxes, device),
-             "resized_crops": lambda i: resized_crops(decoded[i], encoded[i].boxes.to(device), encoded[i].size),
-             "decoded_pixels": lambda i: decoded_pixels(encoded[i], device),
-             "pin_memory": lambda i: pinned(encoded[i])}
+    parts = gpu_decode_parts(taken, device) if decode == "gpu" else mixed_decode_parts(taken, device)
     rows = []
     with kept_busy(busy, device) if busy is not None else contextlib.nullcontext():
-        for name, part in parts.items():
-            rows.append(timed_part(name, part, len(encoded), args.batch, busy))
+        for name, (part, count) in parts.items():
+            rows.append(dict(decode=decode, **timed_part(name, part, count, args.batch, busy)))
     return rows
+
+
+def gpu_decode_parts(taken: list, device: torch.device) -> dict:
+    """'gpu': nvJPEG's decode, the crops' resize, the whole decode, the pinning thread's call."""
+    encoded = [batch for batch in taken if isinstance(batch, EncodedBatch)]
+    decoded = [padded(_decode_jpegs(list(b.data.split(b.lengths)), b.boxes, device)) for b in encoded]
+    return {"decode_jpeg": (lambda i: _decode_jpegs(list(encoded[i].data.split(encoded[i].lengths)),
+                                                    encoded[i].boxes, device), len(encoded)),
+            "resized_crops": (lambda i: resized_crops(decoded[i], encoded[i].boxes.to(device), encoded[i].size),
+                              len(encoded)),
+            "decoded_pixels": (lambda i: decoded_pixels(encoded[i], device), len(encoded)),
+            "pin_memory": (lambda i: encoded[i].pin_memory().ready.synchronize(), len(encoded))}
+
+
+def mixed_decode_parts(taken: list, device: torch.device) -> dict:
+    """'mixed': the pinned crops' copy to the device (made channels-first), their resize, the pinning
+    thread's call (pinning, copy and resize)."""
+    pinned = [CroppedBatch(batch.pixels.pin_memory(), batch.boxes, batch.size) for batch in taken]
+    copied = [batch.pixels.to(device).permute(0, 3, 1, 2).contiguous() for batch in pinned]
+    return {"copy": (lambda i: pinned[i].pixels.to(device, non_blocking=True).permute(0, 3, 1, 2).contiguous(),
+                     len(taken)),
+            "resized_crops": (lambda i: resized_crops(copied[i], pinned[i].boxes.to(device), pinned[i].size),
+                              len(taken)),
+            "pin_memory": (lambda i: taken[i].pin_memory().ready.synchronize(), len(taken))}
 
 
 def timed_part(name: str, part: Callable[[int], object], batches: int, batch: int,
@@ -208,10 +225,11 @@ def main() -> None:
     config = model_config(spec)
     model, tokenizer = model_from_config(config, device="meta"), build_tokenizer(config)
     steps = [EmulatedStep(ms, device) for ms in args.step_ms]
+    parted = [decode for decode in args.decode if decode in ("gpu", "mixed")] if args.parts else []
+    busy = EmulatedStep(args.parts_busy_ms, device) if parted and args.parts_busy_ms else None
     measurements = itertools.chain(
-        decode_parts(args, model, tokenizer, device) if args.parts else (),
-        decode_parts(args, model, tokenizer, device, EmulatedStep(args.parts_busy_ms, device))
-        if args.parts and args.parts_busy_ms else (),
+        (row for decode in parted for row in decode_parts(args, model, tokenizer, decode, device)),
+        (row for decode in parted if busy for row in decode_parts(args, model, tokenizer, decode, device, busy)),
         (rate(args, model, tokenizer, decode, workers, stage, device)
          for decode, workers, stage in itertools.product(args.decode, args.workers, ("workers", "device"))),
         (rate(args, model, tokenizer, decode, workers, "device+step", device, step)
