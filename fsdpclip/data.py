@@ -322,6 +322,9 @@ class StreamPosition:
     broken: int = 0  # broken samples skipped so far, in total
 
 
+PREFETCH = 4  # micro batches each data worker makes ahead of the step
+
+
 class WebDatasetBatches:
     """An endless iterator of (images, texts) micro batches for one rank, epoch after epoch, each epoch
     exactly `stream.batches_per_epoch` of them, taken from the logical workers in turn."""
@@ -329,7 +332,7 @@ class WebDatasetBatches:
     def __init__(self, stream: ShardStream, workers: int, pin_memory: bool):
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
         self.position = StreamPosition()
-        self.started: Optional[Iterator] = None  # the loader `start` set going, not yet iterated
+        self.started: Optional[Iterator] = None  # a loader set going ahead (`start`, the next epoch's), not iterated
 
     def start(self) -> None:
         """Set the data workers going now: they fill their prefetch queues while the rest of the run
@@ -340,7 +343,7 @@ class WebDatasetBatches:
             self.started = self._loader(self.position)
 
     def close(self) -> None:
-        """Stop the workers `start` set going, if no iteration took them over."""
+        """Stop the workers set going ahead (by `start`, or the next epoch's), if no iteration took them over."""
         started, self.started = self.started, None
         if started is not None:
             shutdown_workers(started)
@@ -367,6 +370,9 @@ class WebDatasetBatches:
                                        workers={int(w): WorkerPosition(**s) for w, s in workers.items()})
 
     def __iter__(self):
+        """The batches, epoch after epoch. The next epoch's workers start while this epoch's last
+        `workers × PREFETCH` batches are taken (all of them already asked of this epoch's workers), so
+        that the next epoch's first batches are ready when it begins."""
         workers, per_epoch = max(1, self.workers), self.stream.batches_per_epoch
         while True:
             position = self.position
@@ -383,7 +389,13 @@ class WebDatasetBatches:
                         position.batches += 1
                         position.workers[batch["worker"]] = batch["position"]
                         position.broken += batch["broken"]
+                        if self.workers and self.started is None and \
+                                per_epoch - position.batches <= self.workers * PREFETCH:
+                            self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
                         yield batch["images"], batch["texts"]
+                except BaseException:  # the consumer closed this generator, or the data failed
+                    self.close()  # the next epoch's workers, if started
+                    raise
                 finally:  # also when the consumer closes this generator: the workers stop now, not at exit
                     shutdown_workers(batches)
                 if position.batches != per_epoch:
@@ -397,7 +409,7 @@ class WebDatasetBatches:
         self.stream.worker_offset = position.batches % max(1, self.workers)
         self.stream.resume = dict(position.workers)
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
-                            prefetch_factor=4 if self.workers else None, worker_init_fn=ignore_stop_signals)
+                            prefetch_factor=PREFETCH if self.workers else None, worker_init_fn=ignore_stop_signals)
         return iter(loader)
 
 

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import sys
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from conftest import TINY_CONFIG, write_job
 from ranks import run_group
 from fsdpclip import data as data_module
 from fsdpclip.checkpoint import CheckpointError
-from fsdpclip.data import ShardStream, WebDatasetBatches
+from fsdpclip.data import ShardStream, StreamPosition, WebDatasetBatches
 from fsdpclip.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 from fsdpclip.spec import WebDatasetSpec
 
@@ -141,6 +142,36 @@ def test_workers_started_early_give_the_same_stream_and_stop_on_close(tmp_path):
     unused.close()
     assert len(multiprocessing.active_children()) == before
 
+
+
+def test_the_next_epochs_workers_start_before_it_begins(tmp_path):
+    """With the last workers × PREFETCH batches of an epoch left, the next epoch's workers are started
+    (their batches are those of that epoch started afresh), and closing the iteration there stops them
+    with the current ones."""
+    urls = write_shards(tmp_path, [9, 12, 7, 11])
+    before = len(multiprocessing.active_children())
+    stream = _stream(urls, batch=2, workers=1, samples=39, shuffle_buffer=5)  # 19 batches an epoch
+    iterator = iter(stream)
+    try:
+        children, first = [], []
+        for _ in range(19):
+            first.append(next(iterator)[0])
+            children.append(len(multiprocessing.active_children()) - before)
+        assert children == [1] * 14 + [2] * 5  # from batch 15 on, 19 - 15 = 4 = 1 worker × PREFETCH left
+        second = [next(iterator)[0] for _ in range(19)]
+        assert len(multiprocessing.active_children()) - before == 2  # epoch 2's tail: epoch 3's worker started
+        iterator.close()
+        assert len(multiprocessing.active_children()) == before
+    finally:  # no worker outlives a failed assertion
+        iterator.close()
+        stream.close()
+    fresh = _stream(urls, batch=2, workers=1, samples=39, shuffle_buffer=5)
+    fresh.load_state_dict(asdict(StreamPosition(epoch=1)))
+    iterator = iter(fresh)
+    want = [next(iterator)[0] for _ in range(19)]
+    iterator.close()
+    assert all(torch.equal(a, b) for a, b in zip(second, want)) and len(second) == len(want)
+    assert not all(torch.equal(a, b) for a, b in zip(first, second))  # another epoch, another order
 
 UNEVEN = [3, 25, 7, 14, 30, 2, 9, 18]  # 108 samples in 8 shards: 2 ranks × 2 workers × 2 shards each
 
