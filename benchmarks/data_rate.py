@@ -12,8 +12,8 @@ pinning thread's decode for 'gpu'), synchronised at the end. Rates count the bat
 --skip: the workers' start-up queues (prefetch 4 batches per worker) are not the steady supply. Where
 "device" is well below "workers", the rank's side limits (for 'gpu': the pinning thread's decode); where
 both are equal and grow with the workers, the workers do. One JSON line per measurement on stdout and in
---out. --batches must stay within one epoch (samples ÷ batch): an epoch's end restarts the workers. Runs
-on CPU too (decode 'cpu', device cpu).
+--out. --batches must stay within one epoch (samples ÷ batch), before its last workers × 4 batches, where
+the next epoch's workers start. Runs on CPU too (decode 'cpu', device cpu).
 
 --step-ms MS (CUDA) adds a "device+step" measurement: after each batch is made the model's input, an
 emulated training step of MS milliseconds of GPU work (bf16 matmuls replayed as one CUDA graph, so no host
@@ -44,7 +44,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from fsdpclip.data import webdataset_batches
+from fsdpclip.data import PREFETCH, webdataset_batches
 from fsdpclip.decode import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
 from fsdpclip.model import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.spec import ModelSpec, WebDatasetSpec
@@ -212,8 +212,10 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 < args.skip < args.batches:
         parser.error("--skip must be between 0 and --batches")
-    if args.batches > args.samples // args.batch:
-        parser.error(f"--batches {args.batches} runs past one epoch ({args.samples // args.batch} batches)")
+    ahead = max(args.workers) * PREFETCH  # with this many batches left, the next epoch's workers start
+    if args.batches + ahead > args.samples // args.batch:
+        parser.error(f"--batches {args.batches} and the next epoch's workers, started {ahead} batches before its "
+                     f"end, need more than the {args.samples // args.batch} batches of one epoch: more --samples")
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -393,14 +393,14 @@ class WebDatasetBatches:
                                 per_epoch - position.batches <= self.workers * PREFETCH:
                             self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
                         yield batch["images"], batch["texts"]
+                    if position.batches != per_epoch:
+                        raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in "
+                                           f"epoch {position.epoch}, not {per_epoch}")
                 except BaseException:  # the consumer closed this generator, or the data failed
                     self.close()  # the next epoch's workers, if started
                     raise
                 finally:  # also when the consumer closes this generator: the workers stop now, not at exit
                     shutdown_workers(batches)
-                if position.batches != per_epoch:
-                    raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in epoch "
-                                       f"{position.epoch}, not {per_epoch}")
             self.position = StreamPosition(epoch=position.epoch + 1, broken=position.broken)
 
     def _loader(self, position: StreamPosition) -> Iterator:

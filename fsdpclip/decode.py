@@ -14,8 +14,8 @@ other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and mer
 
 nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/benchmarks.md "Where the
 JPEG supply stops"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
-torchvision, the same pixels as PIL's, others with PIL) and cut its crop; the pinning thread copies the
-batch to the device and resizes it there, on its stream, as with "gpu".
+torchvision, whose pixels equal PIL's in the tests; others with PIL) and cut its crop; the pinning thread
+copies the batch to the device and resizes it there, on its stream, as with "gpu".
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 log = logging.getLogger("fsdpclip.decode")
-DEVICE_MODES = ("RGB", "L")  # JPEG modes decode_jpeg (nvJPEG; libjpeg-turbo on the host) turns into PIL's RGB
+DEVICE_MODES = ("RGB", "L")  # JPEG modes decode_jpeg turns into RGB as PIL's convert("RGB") does
 
 
 def device_jpeg_decoder() -> bool:
@@ -67,12 +67,17 @@ class EncodedJpeg:
     size: tuple[int, int]
 
 
+def whole_rgb_jpeg(data: bytes, image) -> bool:
+    """Whether `data` (opened by PIL as `image`) is a JPEG that decode_jpeg decodes to PIL's RGB: RGB or
+    grayscale, ending where a JPEG ends (a cut one goes to PIL, which decides whether it is broken)."""
+    return image.format == "JPEG" and image.mode in DEVICE_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9")
+
+
 def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
     """`data` with the crop box the worker transform's random resized crop draws for it (the same draws, so
     the same box, as running the transform), if the device decodes it; None: decode it on the worker.
     `image` is `data` opened by PIL, its header read and its pixels not."""
-    if image.format != "JPEG" or image.mode not in DEVICE_MODES or image.info.get("progressive") or \
-            not data.rstrip(b"\0").endswith(b"\xff\xd9"):  # progressive: nvJPEG decodes those on the host
+    if not whole_rgb_jpeg(data, image) or image.info.get("progressive"):  # nvJPEG decodes those on the host
         return None
     crop = _crop(worker_transform.transforms)
     return EncodedJpeg(data, crop.get_params(image, crop.scale, crop.ratio), crop.size)
@@ -81,8 +86,8 @@ def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
 @dataclass
 class CroppedImage:
     """A worker's sample for the device to resize ("mixed"): its crop (the box the worker transform's
-    random resized crop draws) of the decoded image, RGB uint8 (h, w, 3) as PIL holds it (a numpy view;
-    made channels-first on the device), and the size it is resized to."""
+    random resized crop draws) of the decoded image, RGB uint8 (h, w, 3) as the decoder left it (a numpy
+    view; made channels-first on the device), and the size it is resized to."""
 
     pixels: np.ndarray
     size: tuple[int, int]
@@ -98,12 +103,15 @@ def cropped(data: bytes, image, worker_transform) -> CroppedImage:
 
 def rgb_pixels(data: bytes, image) -> np.ndarray:
     """The (h, w, 3) uint8 pixels PIL's `image.convert("RGB")` gives (`image`: `data` opened by PIL).
-    JPEGs that PIL decodes to RGB or L go through torchvision's decode_jpeg: libjpeg-turbo as in PIL, the
-    same pixels, without PIL's copy out of its own memory (0.64 vs 1.09 ms per 256-px JPEG on the H200
-    host). Others, and those it refuses, go through PIL, which decides what is broken."""
+    JPEGs of `whole_rgb_jpeg` go through torchvision's decode_jpeg, without PIL's copy out of its own
+    memory (0.64 vs 1.09 ms per 256-px JPEG on the H200 host). Both wrap libjpeg-turbo, each its own
+    build: their pixels were equal in every test (tests/test_decode.py checks it); a version of either
+    that changes the IDCT would show there. libjpeg's warnings on a damaged JPEG it still decodes are
+    printed to the worker's stderr by torchvision (PIL is silent). Other images, and JPEGs it refuses, go
+    through PIL, which decides what is broken."""
     import numpy as np
 
-    if image.format == "JPEG" and image.mode in DEVICE_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9"):
+    if whole_rgb_jpeg(data, image):
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:  # (3, h, w), a view of the decoder's (h, w, 3)
@@ -186,14 +194,15 @@ class CroppedBatch:
         return _ahead_of_the_step(CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size).resized)
 
     def resized(self, device: torch.device) -> torch.Tensor:
-        """The crops resized on `device`: floating (batch, 3, *size), integers in 0..255."""
+        """The crops resized on `device`: float (batch, 3, *size), integers in 0..255."""
         channels_first = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2).contiguous()
         return resized_crops(channels_first, self.boxes.to(device, non_blocking=True), self.size)
 
 
 @dataclass
 class DecodedBatch:
-    """A micro batch decoded on the device by the pinning thread: its pixels, there once `ready` is."""
+    """A micro batch made the model's pixels on the device by the pinning thread (decoded, cropped and
+    resized for 'gpu', resized for 'mixed'): uint8, there once `ready` is."""
 
     pixels: torch.Tensor  # (batch, 3, H, W) uint8
     ready: torch.cuda.Event
@@ -268,7 +277,7 @@ class TrainImages:
 
     def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, CroppedBatch]) -> torch.Tensor:
         """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
-        if isinstance(batch, CroppedBatch):  # no pinning thread (not on CUDA): resize here
+        if isinstance(batch, CroppedBatch):  # no pinning thread (pin_memory off): resize here
             pixels = batch.resized(self.device)
         elif isinstance(batch, DecodedBatch):
             stream = torch.cuda.current_stream(self.device)
@@ -308,15 +317,13 @@ def padded(images: list, shared: bool = False) -> torch.Tensor:
 
 def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Each uint8 image's box (top, left, height, width) resized to `size` as PIL's bicubic resize of the
-    crop does (a horizontal pass rounded to 8 bits, then a vertical one): (n, 3, *size), integers in
-    0..255, float32 on the CPU and float16 on CUDA (its matrix units: an output may differ from float32's
-    by a level where float16's weights round it the other way). `batch` (n, 3, H, W) may be zero-padded
-    (`padded`): a box lies inside its image, and the weights outside the box are 0."""
+    crop does (a horizontal pass rounded to 8 bits, then a vertical one): float (n, 3, *size), integers in
+    0..255. `batch` (n, 3, H, W) may be zero-padded (`padded`): a box lies inside its image, and the
+    weights outside the box are 0."""
     count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]
-    dtype = torch.float16 if batch.is_cuda else torch.float32
-    across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1]).to(dtype)  # (n, out width, width)
-    down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0]).to(dtype)  # (n, out height, height)
-    rows = torch.bmm(batch.to(dtype).reshape(count, 3 * height, width), across.transpose(1, 2))
+    across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1])  # (n, out width, width)
+    down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0])  # (n, out height, height)
+    rows = torch.bmm(batch.float().reshape(count, 3 * height, width), across.transpose(1, 2))
     rows = rows.round_().clamp_(0, 255).view(count, 3, height, size[1])
     return torch.matmul(down.unsqueeze(1), rows).round_().clamp_(0, 255)
 

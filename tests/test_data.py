@@ -172,6 +172,10 @@ def test_the_next_epochs_workers_start_before_it_begins(tmp_path):
     iterator.close()
     assert all(torch.equal(a, b) for a, b in zip(second, want)) and len(second) == len(want)
     assert not all(torch.equal(a, b) for a, b in zip(first, second))  # another epoch, another order
+    in_process = iter(_stream(urls, batch=2, workers=0, samples=39, shuffle_buffer=5))  # no early start
+    want = [next(in_process)[0] for _ in range(38)]
+    in_process.close()
+    assert all(torch.equal(a, b) for a, b in zip(first + second, want))
 
 UNEVEN = [3, 25, 7, 14, 30, 2, 9, 18]  # 108 samples in 8 shards: 2 ranks × 2 workers × 2 shards each
 

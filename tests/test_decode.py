@@ -178,15 +178,15 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
 
 
 def test_host_pixels_are_pils_whichever_decoder_reads_them(monkeypatch):
-    """rgb_pixels ("mixed"'s worker decode): baseline, progressive, 4:4:4 and grayscale JPEGs go through
-    torchvision's libjpeg-turbo, a CMYK JPEG, a PNG and a JPEG it refuses through PIL; all are the pixels
-    of PIL's convert("RGB")."""
+    """rgb_pixels ("mixed"'s worker decode): baseline, progressive, 4:4:4, 4:2:2, grayscale JPEGs and one
+    followed by zero bytes go through torchvision's libjpeg-turbo, a CMYK JPEG, a PNG and a JPEG it
+    refuses through PIL; all are the pixels of PIL's convert("RGB")."""
     import torchvision.io
 
     rng = np.random.default_rng(5)
     image = picture(rng, 37, 53)
     through_torchvision = [encoded(image), encoded(image, progressive=True), encoded(image, subsampling=0),
-                           encoded(image.convert("L"))]
+                           encoded(image, subsampling=1), encoded(image.convert("L")), encoded(image) + b"\0" * 7]
     through_pil = [encoded(image.convert("CMYK")), encoded(image, "PNG")]
     calls = []
     real = torchvision.io.decode_jpeg
