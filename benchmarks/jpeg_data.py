@@ -1,4 +1,4 @@
-"""Real JPEG shards: fsdpclip (synthetic data, data.decode "cpu", "gpu", "mixed[:share]") beside open_clip_train.
+"""Real JPEG shards: fsdpclip (synthetic data, data.decode "cpu", "gpu", "mixed") beside open_clip_train.
 
     python benchmarks/jpeg_data.py --out results/jpeg --shards 100 --per-shard 1000 --gpus 2 --model ViT-B-32 \\
         --batch 256 --workers 8 --steps 100 --openclip-site /opt/openclip-site
@@ -152,8 +152,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--sides", default="synthetic,cpu,gpu,open_clip_train",
-                        help="comma-separated; 'mixed:S' is 'mixed' with data.device_decode_share S")
+    parser.add_argument("--sides", default="synthetic,cpu,gpu,open_clip_train")
     parser.add_argument("--openclip-site", type=Path, default=None,
                         help="where webdataset<=0.2.86 is installed for open_clip_train (without: no such side)")
     parser.add_argument("--timeout", type=float, default=900)
@@ -171,11 +170,8 @@ def main() -> None:
              else {"error": "no --openclip-site"}}
     rows = []
     for side in args.sides.split(","):
-        share = side.partition("mixed:")[2]  # 'mixed' with that data.device_decode_share
-        shared = {**shards, "decode": "mixed", "device_decode_share": float(share or 0)}
-        result = fsdpclip_side(f"decode-mixed-{share}", shared, args) if share else sides[side]()
         rows.append({"side": side, "model": args.model, "batch_per_gpu": args.batch, "gpus": args.gpus,
-                     "workers": None if side == "synthetic" else args.workers, **result})
+                     "workers": None if side == "synthetic" else args.workers, **sides[side]()})
         print(json.dumps(rows[-1]), flush=True)
     (args.out / "jpeg_data.json").write_text(json.dumps(rows, indent=2))
     print("\n| side | samples/s/GPU | data wait | launch → first step | exit |\n|---|---|---|---|---|")

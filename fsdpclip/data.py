@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from fsdpclip.decode import (CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, TrainImages, collate, cropped,
-                             decode_mode, for_device, on_device)
+                             decode_mode, for_device)
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
 from fsdpclip.tarshards import shard_samples
 from fsdpclip.urls import shard_urls
@@ -231,12 +231,11 @@ class ShardStream(IterableDataset):
         `wanted` with their keys only: tarshards.shard_samples)."""
         return shard_samples(self.urls[index], handler, wanted)
 
-    def _decode(self, sample: dict, seed: int, index: int) -> tuple[torch.Tensor | EncodedJpeg | CroppedImage,
-                                                                   torch.Tensor]:
-        """Image and tokens of the worker's `index`-th sample; its random augmentation depends only on
-        `seed`. With `spec.decode` "gpu" (settled by the trainer: decode.decode_mode) a JPEG the device
-        decodes stays encoded, with the crop box `preprocess` would draw for it; with "mixed" the image is
-        decoded and cut to that box, unless it is a JPEG of the `device_decode_share` the device decodes."""
+    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | CroppedImage, torch.Tensor]:
+        """Image and tokens of one sample; its random augmentation depends only on `seed`. With
+        `spec.decode` "gpu" (settled by the trainer: decode.decode_mode) a JPEG the device decodes stays
+        encoded, with the crop box `preprocess` would draw for it; with "mixed" every image is decoded
+        and cut to that box."""
         from PIL import Image
 
         key = next((k for k in self.image_keys if k in sample), None)
@@ -247,10 +246,7 @@ class ShardStream(IterableDataset):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
             if self.spec.decode == "mixed":
-                ours = not on_device(index, self.spec.device_decode_share)
-                pixels = None if ours else for_device(sample[key], image, self.preprocess)
-                if pixels is None:
-                    pixels = cropped(sample[key], image, self.preprocess)
+                pixels = cropped(sample[key], image, self.preprocess)
             else:
                 pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
                 if pixels is None:
@@ -295,8 +291,7 @@ class ShardStream(IterableDataset):
                 ref, sample = buffer.pop()
             position.emitted += 1
             try:
-                seed = hash((self.seed, self.epoch, self.rank, logical, position.emitted))
-                image, text = self._decode(sample, seed, position.emitted)
+                image, text = self._decode(sample, hash((self.seed, self.epoch, self.rank, logical, position.emitted)))
             except Exception as exc:  # a broken sample must never stop the run
                 broken(exc)
                 failed += 1

@@ -15,9 +15,7 @@ other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and mer
 nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/benchmarks.md "Where the
 JPEG supply stops"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
 torchvision, whose pixels equal PIL's in the tests; others with PIL) and cut its crop; the pinning thread
-copies the batch to the device and resizes it there, on its stream, as with "gpu". `data.device_decode_share`
-hands that share of each worker's JPEGs to the device instead, as "gpu" does: workers that cannot keep up
-decode fewer, and nvJPEG only a share of the batch.
+copies the batch to the device and resizes it there, on its stream, as with "gpu".
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from __future__ import annotations
 import io
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
@@ -46,12 +44,8 @@ def device_jpeg_decoder() -> bool:
     return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
 
 
-def where_decoded(decode: str, device_share: float = 0.0) -> str:
-    """Where a settled `data.decode` (with its `device_decode_share`) decodes training images, in words."""
-    if decode == "mixed" and device_share:
-        return f"and cropped by the data workers, resized on the device; {device_share * 100:g}% of the JPEGs on the device"
-    return {"cpu": "by the data workers", "gpu": "on the device (nvJPEG on CUDA)",
-            "mixed": "and cropped by the data workers, resized on the device"}[decode]
+DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG on CUDA)",
+                 "mixed": "and cropped by the data workers, resized on the device"}  # per data.decode
 
 
 def decode_mode(requested: str, device_type: str) -> str:
@@ -128,18 +122,16 @@ def rgb_pixels(data: bytes, image) -> np.ndarray:
     return np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
 
 
-def on_device(index: int, share: float) -> bool:
-    """Whether a worker's `index`-th sample (from 1) is one of the `share` of its JPEGs that "mixed" hands to
-    the device: every 1/share-th, evenly spread, depending only on the index (so resumed runs choose alike)."""
-    return math.floor(index * share) > math.floor((index - 1) * share)
-
-
 def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
-    """One micro batch: the worker's images (stacked, or "mixed"'s crops a CroppedBatch); where some are
-    JPEGs for the device, an EncodedBatch holding those and the worker's images."""
+    """One micro batch: the images stacked, with JPEGs for the device an EncodedBatch, or ("mixed") a
+    CroppedBatch."""
+    if isinstance(items[0], CroppedImage):
+        crops = [item.pixels for item in items]
+        return CroppedBatch(padded(crops, shared=get_worker_info() is not None),
+                            torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]), items[0].size)
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     if not jpegs:
-        return _worker_images(items)
+        return torch.stack(items)
     decoded = [i for i, item in enumerate(items) if not isinstance(item, EncodedJpeg)]
     order = [0] * len(items)
     for row, index in enumerate(jpegs + decoded):
@@ -147,40 +139,26 @@ def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
     data = [items[i].data for i in jpegs]
     return EncodedBatch(torch.frombuffer(bytearray().join(data), dtype=torch.uint8), [len(d) for d in data],
                         torch.tensor([items[i].box for i in jpegs]), items[jpegs[0]].size,
-                        _worker_images([items[i] for i in decoded]) if decoded else None, torch.tensor(order))
-
-
-def _worker_images(items: list) -> Union[torch.Tensor, "CroppedBatch"]:
-    """Images decoded on the worker as one batch: uint8 (n, 3, H, W) or, cropped for the device to resize, a
-    CroppedBatch."""
-    if not isinstance(items[0], CroppedImage):
-        return torch.stack(items)
-    crops = [item.pixels for item in items]
-    return CroppedBatch(padded(crops, shared=get_worker_info() is not None),
-                        torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]), items[0].size)
+                        torch.stack([items[i] for i in decoded]) if decoded else None, torch.tensor(order))
 
 
 @dataclass
 class EncodedBatch:
     """A micro batch whose JPEGs the device decodes: their bytes end to end (one tensor crosses from the
-    worker, not one per image), crop boxes and output size, the images decoded on the worker (uint8
-    pixels; for "mixed", crops to resize), and `order`: sample i is row order[i] of the JPEGs followed by
-    the worker's images."""
+    worker, not one per image), crop boxes and output size, the pixels of the images decoded on the
+    worker, and `order`: sample i is row order[i] of the JPEGs followed by the decoded images."""
 
     data: torch.Tensor  # uint8
     lengths: list[int]
     boxes: torch.Tensor  # (jpegs, 4) int64: top, left, height, width
     size: tuple[int, int]
-    pixels: Union[torch.Tensor, "CroppedBatch", None]  # (decoded, 3, *size) uint8, or crops
+    pixels: Optional[torch.Tensor]  # (decoded, 3, *size) uint8
     order: torch.Tensor  # (batch,) int64
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: decodes it on that
-        thread's CUDA device, on a stream of its own (the worker's images pinned first, so their copy
-        overlaps the step)."""
-        pixels = self.pixels.pinned() if isinstance(self.pixels, CroppedBatch) else self.pixels
-        batch = replace(self, pixels=pixels)
-        return _ahead_of_the_step(lambda device: decoded_pixels(batch, device))
+        thread's CUDA device, on a stream of its own."""
+        return _ahead_of_the_step(lambda device: decoded_pixels(self, device))
 
 
 def _ahead_of_the_step(pixels_on) -> "DecodedBatch":
@@ -213,11 +191,7 @@ class CroppedBatch:
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: pinned, copied and
         resized on that thread's CUDA device, on a stream of its own (so the copy overlaps the step)."""
-        return _ahead_of_the_step(self.pinned().resized)
-
-    def pinned(self) -> "CroppedBatch":
-        """The batch with its crops in pinned memory."""
-        return CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size)
+        return _ahead_of_the_step(CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size).resized)
 
     def resized(self, device: torch.device) -> torch.Tensor:
         """The crops resized on `device`: float (batch, 3, *size), integers in 0..255."""
@@ -238,9 +212,7 @@ def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's pixels on `device` in sample order: float (batch, 3, H, W), integers in 0..255."""
     jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
     pixels = resized_crops(padded(jpegs), batch.boxes.to(device, non_blocking=True), batch.size)
-    if isinstance(batch.pixels, CroppedBatch):
-        pixels = torch.cat([pixels, batch.pixels.resized(device)])
-    elif batch.pixels is not None:
+    if batch.pixels is not None:
         pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
     return pixels[batch.order.to(device, non_blocking=True)]
 

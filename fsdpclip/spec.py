@@ -384,18 +384,6 @@ class WebDatasetSpec(Section):
                             "'auto': 'gpu' when training on CUDA with a torchvision "
                             "that decodes JPEGs there, else 'cpu'. The default stays 'cpu' until a GPU run shows "
                             "the device path ending as cleanly as it trains (docs/benchmarks.md).")
-    device_decode_share: float = Field(
-        0.0, ge=0, le=1, description="With decode 'mixed': this share of each worker's JPEGs (every 1/share-th "
-                                     "sample) is decoded on the device, as 'gpu' decodes them, instead of by the "
-                                     "workers: for workers that cannot keep up with the step. Only 'mixed' uses it.")
-
-    @field_validator("device_decode_share")
-    @classmethod
-    def _share_needs_mixed(cls, value: float, info: ValidationInfo) -> float:
-        decode = info.data.get("decode")
-        if value and decode is not None and decode != "mixed":
-            raise ValueError(f"applies to decode 'mixed' only (decode is '{decode}'): set it to 0 or decode 'mixed'")
-        return value
 
 
 class SyntheticSpec(Section):

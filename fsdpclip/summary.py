@@ -38,7 +38,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": job.samples_per_step(world), "steps": steps,
                         "decode": decode_mode(job.data.decode, job.launch.device) if job.data.source == "webdataset"
-                        else None, "device_decode_share": getattr(job.data, "device_decode_share", 0.0)}
+                        else None}
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from fsdpclip.decode import where_decoded
+from fsdpclip.decode import DECODED_WHERE
 from fsdpclip.estimate import GIB
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def summary_tables(summary: dict) -> list:
     batch_line = (f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
                   f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
     if batch["decode"]:
-        batch_line += f"; images decoded {where_decoded(batch['decode'], batch['device_decode_share'])}"
+        batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line]
 
 

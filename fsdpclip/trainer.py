@@ -23,7 +23,7 @@ from fsdpclip.checkpoint import (
     CheckpointError, Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
 )
 from fsdpclip.data import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
-from fsdpclip.decode import where_decoded
+from fsdpclip.decode import DECODED_WHERE
 from fsdpclip.distributed import Dist, all_max, all_mean, all_sum, shard_mesh
 from fsdpclip.estimate import GIB
 from fsdpclip.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
@@ -212,7 +212,7 @@ class Trainer:
         batches, self.images = webdataset_batches(job.data, image_transform(model, train=True), self.tokenizer,
                                                   job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device)
         if env.is_main:
-            log.info("data: images decoded %s", where_decoded(self.images.decode, job.data.device_decode_share))
+            log.info("data: images decoded %s", DECODED_WHERE[self.images.decode])
         return batches
 
     def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,7 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
-from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, on_device,
-                             rgb_pixels)
+from fsdpclip.decode import CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, rgb_pixels
 from fsdpclip.spec import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
@@ -40,16 +39,14 @@ def train_transform(size: int = SIZE):
     return image_transform_v2(PreprocessCfg(size=size), is_train=True)
 
 
-def batches(tmp_path, images: list[tuple[str, bytes]], decode: str, transform, batch: int, workers: int = 0,
-            **options):
+def batches(tmp_path, images: list[tuple[str, bytes]], decode: str, transform, batch: int, workers: int = 0):
     """The first micro batch of `batch` samples of a shard of (key, image) samples, whose captions are
-    their indices, decoded as `decode` (and the data spec's other `options`) says, through a real stream;
-    and the stream."""
+    their indices, decoded as `decode` says, through a real stream; and the stream."""
     path = tmp_path / f"shard-{decode}.tar"
     with wds.TarWriter(str(path)) as sink:
         for index, (key, data) in enumerate(images):
             sink.write({"__key__": f"{index:04d}", key: data, "txt": f"sample {index}"})
-    spec = WebDatasetSpec(urls=str(path), samples=batch, workers=workers, shuffle_buffer=0, decode=decode, **options)
+    spec = WebDatasetSpec(urls=str(path), samples=batch, workers=workers, shuffle_buffer=0, decode=decode)
     tokenize = lambda captions: torch.tensor([[int(c.split()[-1])] for c in captions])  # noqa: E731
     worker_transform = TrainImages(transform, decode, torch.device("cpu")).worker_transform
     stream = WebDatasetBatches(ShardStream(spec, worker_transform, tokenize, batch, rank=0, world_size=1, seed=3),
@@ -180,50 +177,6 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_mixed_hands_its_device_share_of_jpegs_to_the_device(tmp_path, device):
-    """"mixed" with `device_decode_share` 1/3: every third sample of the worker (the 3rd, 6th, ...) that is a
-    JPEG the device decodes stays encoded with its crop box, the others are the workers' crops, through a real
-    DataLoader worker; a PNG in the device's turn is cropped on the worker. The same crops as without a
-    share; on the CPU (libjpeg-turbo in both places) the same pixels within a level, the workers' rows
-    exactly; on CUDA, as the trainer runs it (the pinning thread), the device's rows within nvJPEG's
-    differences (test_gpu_decode_on_cuda_matches_the_cpu_path)."""
-    rng = np.random.default_rng(7)
-    shard = [("jpg", encoded(picture(rng, 40 + 6 * i, 70 - 4 * i))) for i in range(8)]
-    shard[2] = ("jpg", encoded(picture(rng, 64, 64).convert("L")))
-    shard[5] = ("png", encoded(picture(rng, 50, 60), "PNG"))
-    shard.append(("jpg", encoded(picture(rng, 33, 80))))
-    transform, target = train_transform(), torch.device(device)
-    (whole, texts), _ = batches(tmp_path, shard, "mixed", transform, len(shard), workers=1)
-    (shared, shared_texts), _ = batches(tmp_path, shard, "mixed", transform, len(shard), workers=1,
-                                        device_decode_share=1 / 3)
-    assert torch.equal(texts, shared_texts) and isinstance(whole, CroppedBatch)
-    assert isinstance(shared, EncodedBatch) and isinstance(shared.pixels, CroppedBatch)
-    rows = shared.order.tolist()
-    assert [i for i, row in enumerate(rows) if row < len(shared.lengths)] == [2, 8]  # samples 3 and 9; 6 a PNG
-    crops = torch.cat([shared.boxes[:, 2:], shared.pixels.boxes[:, 2:]])[shared.order]
-    assert torch.equal(crops, whole.boxes[:, 2:])
-    workers_rows = [i for i, row in enumerate(rows) if row >= len(shared.lengths)]
-    assert torch.equal(shared.pixels.pixels, whole.pixels[workers_rows][:, :shared.pixels.pixels.shape[1],
-                                                                         :shared.pixels.pixels.shape[2]])
-    images = TrainImages(transform, "mixed", target)
-    pinned = (lambda batch: batch.pin_memory()) if device == "cuda" else (lambda batch: batch)
-    error = levels(images(pinned(shared)), images(pinned(whole)), transform).amax(dim=(1, 2, 3))
-    assert error[workers_rows].max() == 0, error
-    assert error.max() <= (1 + 1e-3 if device == "cpu" else 40), error
-
-
-def test_the_device_share_is_spread_evenly_over_a_workers_samples():
-    """on_device: exactly round-down(n × share) of a worker's first n samples, every 1/share-th."""
-    for share in (0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0):
-        chosen = [index for index in range(1, 61) if on_device(index, share)]
-        assert len(chosen) == int(60 * share + 1e-9), (share, chosen)
-        if 0 < share < 1:
-            gaps = {b - a for a, b in zip(chosen, chosen[1:])}
-            assert gaps <= {int(1 / share), int(1 / share) + 1}, (share, gaps)
-
-
 def test_host_pixels_are_pils_whichever_decoder_reads_them(monkeypatch):
     """rgb_pixels ("mixed"'s worker decode): baseline, progressive, 4:4:4, 4:2:2, grayscale JPEGs and one
     followed by zero bytes go through torchvision's libjpeg-turbo, a CMYK JPEG, a PNG and a JPEG it
@@ -293,17 +246,13 @@ def test_a_batch_of_mixed_images(tmp_path):
 
 def test_decode_mode_is_settled_in_one_place(cli, tiny_job, tmp_path):
     """'auto' is 'gpu' on CUDA where torchvision decodes JPEGs there, else 'cpu'; validate reports what
-    the trainer will do, with the share of 'mixed''s JPEGs decoded on the device."""
+    the trainer will do."""
     assert decode_mode("auto", "cpu") == "cpu" and decode_mode("gpu", "cpu") == "gpu"
     assert decode_mode("auto", "cuda") == ("gpu" if device_jpeg_decoder() else "cpu")
     for asked, settled in (("auto", "cpu"), ("gpu", "gpu"), ("mixed", "mixed"), ("cpu", "cpu")):
         job = dict(tiny_job, data={**tiny_job["data"], "decode": asked})
         code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
         assert code == 0 and out["summary"]["batch"]["decode"] == settled, out
-    job = dict(tiny_job, data={**tiny_job["data"], "decode": "mixed", "device_decode_share": 0.125})
-    result = cli("validate", write_job(tmp_path, job), "--no-check-paths")
-    assert result.exit_code == 0 and "resized on the device; 12.5% of the JPEGs on the device" in " ".join(
-        result.stdout.split()), result.stdout
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -105,8 +105,6 @@ CASES = [
     ("cuda-graph-patch-dropout", lambda j: _set(_set(_set(j, "launch.device", "cuda"), "fsdp.cuda_graph", True),
                                                 "model.image", {"patch_dropout": 0.5}),
      "fsdp.cuda_graph", "patch dropout", None),
-    ("device-share-without-mixed", lambda j: _set(_set(j, "data.decode", "gpu"), "data.device_decode_share", 0.2),
-     "data.device_decode_share", "decode 'mixed' only", None),
     ("env-name", lambda j: _set(j, "launch.env", {"NCCL_DEBUG=INFO": "1"}), "launch.env",
      "not an environment variable name", None),
     ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
