@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import multiprocessing
-import os
 import random
 import signal
 from dataclasses import asdict, dataclass, field, fields
@@ -204,7 +202,6 @@ class ShardStream(IterableDataset):
         self.image_keys = [k.strip().lower() for k in spec.image_key.split(";")]
         self.epoch, self.worker_offset = 0, 0
         self.resume: dict[int, WorkerPosition] = {}
-        self.begun = None  # set by the rank when its workers' epoch begins; None: it has (WebDatasetBatches)
         self.batches_per_epoch = batches_per_epoch(spec.samples, world_size, batch_size)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.samples {spec.samples} holds no micro batch of {batch_size} for each of "
@@ -265,10 +262,7 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
         try:
-            for made, batch in enumerate(self.worker_batches((worker + self.worker_offset) % workers, workers), 1):
-                yield batch
-                if made == BEFORE_THE_EPOCH and not _epoch_begun(self.begun):
-                    return  # the rank is gone
+            yield from self.worker_batches((worker + self.worker_offset) % workers, workers)
         except DataError as exc:
             yield {"error": str(exc)}
 
@@ -329,17 +323,6 @@ class StreamPosition:
 
 
 PREFETCH = 4  # micro batches each data worker makes ahead of the step
-BEFORE_THE_EPOCH = 2  # micro batches each of the next epoch's workers makes before that epoch begins
-
-
-def _epoch_begun(begun) -> bool:
-    """In a data worker: wait until the rank sets `begun` (None: no wait); False if the rank exits first
-    (the worker ignores stop signals, so it must not wait for an event that never comes)."""
-    rank = os.getppid()
-    while begun is not None and not begun.wait(1.0):
-        if os.getppid() != rank:
-            return False
-    return True
 
 
 class WebDatasetBatches:
@@ -350,7 +333,6 @@ class WebDatasetBatches:
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
         self.position = StreamPosition()
         self.started: Optional[Iterator] = None  # a loader set going ahead (`start`, the next epoch's), not iterated
-        self.begun = None  # the next epoch's workers wait on this event after their first batches
 
     def start(self) -> None:
         """Set the data workers going now: they fill their prefetch queues while the rest of the run
@@ -363,15 +345,8 @@ class WebDatasetBatches:
     def close(self) -> None:
         """Stop the workers set going ahead (by `start`, or the next epoch's), if no iteration took them over."""
         started, self.started = self.started, None
-        self._begin()  # (a worker waiting for its epoch would not see the stop)
         if started is not None:
             shutdown_workers(started)
-
-    def _begin(self) -> None:
-        """Let the next epoch's workers, started ahead, go on past their first batches."""
-        begun, self.begun = self.begun, None
-        if begun is not None:
-            begun.set()
 
     def state_dict(self) -> dict:
         return asdict(self.position)
@@ -397,16 +372,13 @@ class WebDatasetBatches:
     def __iter__(self):
         """The batches, epoch after epoch. The next epoch's workers start while this epoch's last
         `workers × PREFETCH` batches are taken (all of them already asked of this epoch's workers), so
-        that the next epoch's first batches are ready when it begins. They make BEFORE_THE_EPOCH batches
-        each and wait for it: filling all their queues at once would take the cores this epoch's
-        workers need for its last batches."""
+        that the next epoch's first batches are ready when it begins."""
         workers, per_epoch = max(1, self.workers), self.stream.batches_per_epoch
         while True:
             position = self.position
             if position.batches < per_epoch:
                 batches = self.started if self.started is not None else self._loader(position)
                 self.started = None
-                self._begin()
                 try:
                     for batch in batches:
                         if "error" in batch:
@@ -419,8 +391,7 @@ class WebDatasetBatches:
                         position.broken += batch["broken"]
                         if self.workers and self.started is None and \
                                 per_epoch - position.batches <= self.workers * PREFETCH:
-                            self.begun = multiprocessing.Event()
-                            self.started = self._loader(StreamPosition(epoch=position.epoch + 1), self.begun)
+                            self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
                         yield batch["images"], batch["texts"]
                     if position.batches != per_epoch:
                         raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in "
@@ -432,10 +403,9 @@ class WebDatasetBatches:
                     shutdown_workers(batches)
             self.position = StreamPosition(epoch=position.epoch + 1, broken=position.broken)
 
-    def _loader(self, position: StreamPosition, begun=None) -> Iterator:
-        """A DataLoader's iterator over the stream from `position` (its workers start at once; with an
-        event `begun`, each waits for it after BEFORE_THE_EPOCH batches)."""
-        self.stream.epoch, self.stream.begun = position.epoch, begun
+    def _loader(self, position: StreamPosition) -> Iterator:
+        """A DataLoader's iterator over the stream from `position` (its workers start at once)."""
+        self.stream.epoch = position.epoch
         self.stream.worker_offset = position.batches % max(1, self.workers)
         self.stream.resume = dict(position.workers)
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,

@@ -6,11 +6,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict
 
@@ -18,7 +14,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from conftest import REPO, TINY_CONFIG, write_job
+from conftest import TINY_CONFIG, write_job
 from ranks import run_group
 from fsdpclip import data as data_module
 from fsdpclip.checkpoint import CheckpointError
@@ -180,94 +176,6 @@ def test_the_next_epochs_workers_start_before_it_begins(tmp_path):
     want = [next(in_process)[0] for _ in range(38)]
     in_process.close()
     assert all(torch.equal(a, b) for a, b in zip(first + second, want))
-
-def test_the_next_epochs_workers_wait_for_it_after_their_first_batches(tmp_path):
-    """Started ahead, the next epoch's workers make BEFORE_THE_EPOCH batches each and wait (their whole
-    prefetch would take the cores this epoch's last batches need); when the epoch begins they go on."""
-    urls = write_shards(tmp_path, [9, 12, 7, 11])
-    made = multiprocessing.Array("i", 4)  # batches made, per epoch, counted in the (forked) workers
-    stream = _stream(urls, batch=2, workers=2, samples=39, shuffle_buffer=5)  # 19 batches an epoch
-    collate = stream.stream._collate
-
-    def counted(images):
-        with made.get_lock():
-            made[stream.stream.epoch] += 1
-        return collate(images)
-
-    def settled(epoch: int) -> int:
-        """made[epoch] once it has not changed for 0.5 s."""
-        seen = -1
-        while seen != made[epoch]:
-            seen = made[epoch]
-            time.sleep(0.5)
-        return seen
-
-    stream.stream._collate = counted
-    iterator = iter(stream)
-    try:
-        for _ in range(19 - 2 * data_module.PREFETCH):
-            next(iterator)
-        assert stream.started is not None  # the next epoch's 2 workers are going
-        assert settled(1) == 2 * data_module.BEFORE_THE_EPOCH < 2 * data_module.PREFETCH
-        for _ in range(2 * data_module.PREFETCH + 1):  # the rest of epoch 0 and epoch 1's first batch
-            next(iterator)
-        assert settled(1) == 2 * data_module.PREFETCH + 1  # going on: the one taken and full queues
-    finally:
-        iterator.close()
-        stream.close()
-
-
-_RANK_WITH_AN_EPOCH_AHEAD = r"""
-import json, multiprocessing, sys, time
-import torch, torchvision.transforms as T
-from fsdpclip.data import PREFETCH, ShardStream, WebDatasetBatches
-from fsdpclip.spec import WebDatasetSpec
-
-spec = WebDatasetSpec(urls=sys.argv[1], samples=39, workers=2, shuffle_buffer=5)
-tokenize = lambda texts: torch.zeros(len(texts), 4, dtype=torch.long)
-iterator = iter(WebDatasetBatches(ShardStream(spec, T.ToTensor(), tokenize, 2, rank=0, world_size=1, seed=0), 2,
-                                  pin_memory=False))
-for _ in range(19 - 2 * PREFETCH):  # the next epoch's workers start
-    next(iterator)
-time.sleep(2)  # they make their first batches and wait for their epoch
-print(json.dumps([child.pid for child in multiprocessing.active_children()]), flush=True)
-time.sleep(120)
-"""
-
-
-def _running(pid: int) -> bool:
-    """Whether a process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
-    except FileNotFoundError:
-        return False
-
-
-def test_workers_waiting_for_their_epoch_end_with_their_killed_rank(tmp_path):
-    """A rank killed (SIGKILL) while the next epoch's workers wait for it to begin: they ignore the stop
-    signals, so they must notice the rank is gone and end (within seconds), as the current epoch's do."""
-    urls = write_shards(tmp_path, [9, 12, 7, 11])
-    rank = subprocess.Popen([sys.executable, "-c", _RANK_WITH_AN_EPOCH_AHEAD, urls], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO)
-    workers, left = [], []
-    try:
-        workers = json.loads(rank.stdout.readline())
-        assert len(workers) == 4 and all(_running(pid) for pid in workers)  # 2 of this epoch, 2 of the next
-        rank.kill()
-        rank.wait()
-        deadline = time.monotonic() + 20  # DataLoader's own workers check on their rank every 5 s
-        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = [pid for pid in workers if _running(pid)]
-    finally:
-        rank.kill()
-        rank.wait()
-        for pid in workers:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
-    assert left == []
-
 
 UNEVEN = [3, 25, 7, 14, 30, 2, 9, 18]  # 108 samples in 8 shards: 2 ranks × 2 workers × 2 shards each
 
