@@ -15,9 +15,6 @@ import io
 import logging
 import random
 import signal
-import threading
-import time
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Iterator, Optional
 
@@ -335,7 +332,7 @@ class WebDatasetBatches:
     def __init__(self, stream: ShardStream, workers: int, pin_memory: bool):
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
         self.position = StreamPosition()
-        self.started: Optional[Future] = None  # a loader set going ahead (`start`, the next epoch's), not iterated
+        self.started: Optional[Iterator] = None  # a loader set going ahead (`start`, the next epoch's), not iterated
 
     def start(self) -> None:
         """Set the data workers going now: they fill their prefetch queues while the rest of the run
@@ -343,14 +340,13 @@ class WebDatasetBatches:
         position is fixed from here on (a resumed run loads it first). Iterating takes this loader
         over; `close` stops it if nothing does."""
         if self.started is None and self.position.batches < self.stream.batches_per_epoch:
-            self.started = Future()
-            self.started.set_result(self._loader(self.position))
+            self.started = self._loader(self.position)
 
     def close(self) -> None:
         """Stop the workers set going ahead (by `start`, or the next epoch's), if no iteration took them over."""
         started, self.started = self.started, None
-        if started is not None and started.exception() is None:  # (waits for a loader still being made)
-            shutdown_workers(started.result())
+        if started is not None:
+            shutdown_workers(started)
 
     def state_dict(self) -> dict:
         return asdict(self.position)
@@ -376,12 +372,12 @@ class WebDatasetBatches:
     def __iter__(self):
         """The batches, epoch after epoch. The next epoch's workers start while this epoch's last
         `workers × PREFETCH` batches are taken (all of them already asked of this epoch's workers), so
-        that the next epoch's first batches are ready when it begins; on a thread of their own (`_ahead`)."""
+        that the next epoch's first batches are ready when it begins."""
         workers, per_epoch = max(1, self.workers), self.stream.batches_per_epoch
         while True:
             position = self.position
             if position.batches < per_epoch:
-                batches = self.started.result() if self.started is not None else self._loader(position)
+                batches = self.started if self.started is not None else self._loader(position)
                 self.started = None
                 try:
                     for batch in batches:
@@ -395,7 +391,7 @@ class WebDatasetBatches:
                         position.broken += batch["broken"]
                         if self.workers and self.started is None and \
                                 per_epoch - position.batches <= self.workers * PREFETCH:
-                            self.started = self._ahead(StreamPosition(epoch=position.epoch + 1))
+                            self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
                         yield batch["images"], batch["texts"]
                     if position.batches != per_epoch:
                         raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in "
@@ -406,25 +402,6 @@ class WebDatasetBatches:
                 finally:  # also when the consumer closes this generator: the workers stop now, not at exit
                     shutdown_workers(batches)
             self.position = StreamPosition(epoch=position.epoch + 1, broken=position.broken)
-
-    def _ahead(self, position: StreamPosition) -> Future:
-        """`_loader(position)` made on a thread of its own. Forking the workers holds the interpreter's lock for
-        each fork, and a fork's time grows with the rank's memory; on the training thread the step waited for all
-        of them (docs/performance.md, row 38); on another, the forks fall where the training thread waits for
-        the device."""
-        made: Future = Future()
-
-        def make() -> None:
-            began = time.perf_counter()
-            try:
-                made.set_result(self._loader(position))
-            except BaseException as exc:  # (raised where the loader is taken)
-                made.set_exception(exc)
-            log.info("data: epoch %d's %d workers started in %.2f s", position.epoch, self.workers,
-                     time.perf_counter() - began)
-
-        threading.Thread(target=make, name="fsdpclip-next-epoch-workers", daemon=True).start()
-        return made
 
     def _loader(self, position: StreamPosition) -> Iterator:
         """A DataLoader's iterator over the stream from `position` (its workers start at once)."""
