@@ -160,20 +160,19 @@ def gpu_decode_parts(taken: list, device: torch.device) -> dict:
     decoded = [padded(_decode_jpegs(list(b.data.split(b.lengths)), b.boxes, device)) for b in encoded]
     return {"decode_jpeg": (lambda i: _decode_jpegs(list(encoded[i].data.split(encoded[i].lengths)),
                                                     encoded[i].boxes, device), len(encoded)),
-            "resized_crops": (lambda i: resized_crops(decoded[i], encoded[i].boxes.to(device), encoded[i].size),
+            "resized_crops": (lambda i: resized_crops(decoded[i], encoded[i].boxes, encoded[i].size),
                               len(encoded)),
             "decoded_pixels": (lambda i: decoded_pixels(encoded[i], device), len(encoded)),
             "pin_memory": (lambda i: encoded[i].pin_memory().ready.synchronize(), len(encoded))}
 
 
 def mixed_decode_parts(taken: list, device: torch.device) -> dict:
-    """'mixed': the pinned crops' copy to the device (made channels-first), their resize, the pinning
+    """'mixed': the pinned crops' copy to the device, their resize (from channels last), the pinning
     thread's call (pinning, copy and resize)."""
     pinned = [CroppedBatch(batch.pixels.pin_memory(), batch.boxes, batch.size) for batch in taken]
-    copied = [batch.pixels.to(device).permute(0, 3, 1, 2).contiguous() for batch in pinned]
-    return {"copy": (lambda i: pinned[i].pixels.to(device, non_blocking=True).permute(0, 3, 1, 2).contiguous(),
-                     len(taken)),
-            "resized_crops": (lambda i: resized_crops(copied[i], pinned[i].boxes.to(device), pinned[i].size),
+    copied = [batch.pixels.to(device).permute(0, 3, 1, 2) for batch in pinned]
+    return {"copy": (lambda i: pinned[i].pixels.to(device, non_blocking=True), len(taken)),
+            "resized_crops": (lambda i: resized_crops(copied[i], pinned[i].boxes, pinned[i].size),
                               len(taken)),
             "pin_memory": (lambda i: taken[i].pin_memory().ready.synchronize(), len(taken))}
 

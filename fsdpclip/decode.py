@@ -195,8 +195,8 @@ class CroppedBatch:
 
     def resized(self, device: torch.device) -> torch.Tensor:
         """The crops resized on `device`: float (batch, 3, *size), integers in 0..255."""
-        channels_first = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2).contiguous()
-        return resized_crops(channels_first, self.boxes.to(device, non_blocking=True), self.size)
+        channels_first = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
+        return resized_crops(channels_first, self.boxes, self.size)
 
 
 @dataclass
@@ -211,7 +211,7 @@ class DecodedBatch:
 def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's pixels on `device` in sample order: float (batch, 3, H, W), integers in 0..255."""
     jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
-    pixels = resized_crops(padded(jpegs), batch.boxes.to(device, non_blocking=True), batch.size)
+    pixels = resized_crops(padded(jpegs), batch.boxes, batch.size)
     if batch.pixels is not None:
         pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
     return pixels[batch.order.to(device, non_blocking=True)]
@@ -318,30 +318,39 @@ def padded(images: list, shared: bool = False) -> torch.Tensor:
 def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Each uint8 image's box (top, left, height, width) resized to `size` as PIL's bicubic resize of the
     crop does (a horizontal pass rounded to 8 bits, then a vertical one): float (n, 3, *size), integers in
-    0..255. `batch` (n, 3, H, W) may be zero-padded (`padded`): a box lies inside its image, and the
-    weights outside the box are 0."""
+    0..255. `batch` (n, 3, H, W), of any strides, may be zero-padded (`padded`): a box lies inside its
+    image, and the weights outside the box are 0. `boxes` are on the host (they size the weights' band)."""
     count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]
-    across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1])  # (n, out width, width)
-    down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0])  # (n, out height, height)
-    rows = torch.bmm(batch.float().reshape(count, 3 * height, width), across.transpose(1, 2))
+    across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1], batch.device)  # (n, out width, width)
+    down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0], batch.device)  # (n, out height, height)
+    pixels = batch.to(torch.float32, memory_format=torch.contiguous_format)  # one pass from channels last too
+    rows = torch.bmm(pixels.view(count, 3 * height, width), across.transpose(1, 2))
     rows = rows.round_().clamp_(0, 255).view(count, 3, height, size[1])
     return torch.matmul(down.unsqueeze(1), rows).round_().clamp_(0, 255)
 
 
-def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out: int) -> torch.Tensor:
-    """(n, out, extent) weights taking each row's [start, start + length) of `extent` pixels to `out`
-    samples: PIL's ImagingResample coefficients for bicubic (a = -0.5), its support widened by the
-    downscaling factor, the taps inside the crop normalised to sum to 1."""
-    start, length = start.float()[:, None, None], length.float()[:, None, None]
+def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out: int,
+                     device: torch.device) -> torch.Tensor:
+    """(n, out, extent) weights on `device` taking each row's [start, start + length) (host tensors) of
+    `extent` pixels to `out` samples: PIL's ImagingResample coefficients for bicubic (a = -0.5), its support
+    (2) widened by the downscaling factor, the taps inside the crop normalised to sum to 1. Computed at
+    each sample's taps only (a band as wide as the widest support), then spread into the dense matrix."""
+    taps = math.ceil(4 * max(1.0, float(length.max()) / out)) + 2  # covers every centre's open support
+    start, length = (v.to(device, non_blocking=True).float()[:, None, None] for v in (start, length))
     scale = length / out
-    centres = start + (torch.arange(out, device=start.device)[None, :, None] + 0.5) * scale
-    pixels = torch.arange(extent, device=start.device)[None, None, :] + 0.5
-    distance = ((pixels - centres) / scale.clamp(min=1)).abs()
+    stretch = scale.clamp(min=1)
+    centres = start + (torch.arange(out, device=device)[None, :, None] + 0.5) * scale  # (n, out, 1)
+    first = (centres - 0.5 - 2 * stretch).floor()
+    index = first + torch.arange(taps, device=device)  # (n, out, taps): pixel numbers, exact in float
+    pixels = index + 0.5
+    distance = ((pixels - centres) / stretch).abs()
     a = -0.5
     weights = torch.where(distance < 1, ((a + 2) * distance - (a + 3)) * distance * distance + 1,
                           torch.where(distance < 2, (((distance - 5) * distance + 8) * distance - 4) * a, 0.0))
     weights = weights * ((pixels > start) & (pixels < start + length))
-    return weights / weights.sum(-1, keepdim=True)
+    weights = weights / weights.sum(-1, keepdim=True)
+    dense = torch.zeros(weights.shape[0], out, extent, device=device)
+    return dense.scatter_add_(2, index.long().clamp_(0, extent - 1), weights)  # taps past an edge weigh 0
 
 
 def _crop(steps: list):
