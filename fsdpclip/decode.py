@@ -169,7 +169,7 @@ def _ahead_of_the_step(pixels_on) -> "DecodedBatch":
         _STREAMS[device.index] = torch.cuda.Stream(device)
     stream = _STREAMS[device.index]
     with torch.cuda.stream(stream):
-        pixels = pixels_on(device).to(torch.uint8)
+        pixels = pixels_on(device)
         ready = torch.cuda.Event()
         ready.record(stream)
     return DecodedBatch(pixels, ready)
@@ -194,7 +194,7 @@ class CroppedBatch:
         return _ahead_of_the_step(CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size).resized)
 
     def resized(self, device: torch.device) -> torch.Tensor:
-        """The crops resized on `device`: float (batch, 3, *size), integers in 0..255."""
+        """The crops resized on `device`: uint8 (batch, 3, *size)."""
         channels_first = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
         return resized_crops(channels_first, self.boxes, self.size)
 
@@ -209,7 +209,7 @@ class DecodedBatch:
 
 
 def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
-    """The batch's pixels on `device` in sample order: float (batch, 3, H, W), integers in 0..255."""
+    """The batch's pixels on `device` in sample order: uint8 (batch, 3, H, W)."""
     jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
     pixels = resized_crops(padded(jpegs), batch.boxes, batch.size)
     if batch.pixels is not None:
@@ -317,16 +317,41 @@ def padded(images: list, shared: bool = False) -> torch.Tensor:
 
 def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Each uint8 image's box (top, left, height, width) resized to `size` as PIL's bicubic resize of the
-    crop does (a horizontal pass rounded to 8 bits, then a vertical one): float (n, 3, *size), integers in
-    0..255. `batch` (n, 3, H, W), of any strides, may be zero-padded (`padded`): a box lies inside its
-    image, and the weights outside the box are 0. `boxes` are on the host (they size the weights' band)."""
+    crop does (a horizontal pass rounded to 8 bits, then a vertical one): uint8 (n, 3, *size). `batch`
+    (n, 3, H, W), of any strides, may be zero-padded (`padded`): a box lies inside its image, and the weights
+    outside the box are 0. `boxes` are on the host (they size the weights' band)."""
     count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]
     across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1], batch.device)  # (n, out width, width)
     down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0], batch.device)  # (n, out height, height)
-    pixels = batch.to(torch.float32, memory_format=torch.contiguous_format)  # one pass from channels last too
-    rows = torch.bmm(pixels.view(count, 3 * height, width), across.transpose(1, 2))
-    rows = rows.round_().clamp_(0, 255).view(count, 3, height, size[1])
-    return torch.matmul(down.unsqueeze(1), rows).round_().clamp_(0, 255)
+    half = _half_products(batch.device)
+    rows = batch.permute(0, 2, 1, 3).to(torch.float16 if half else torch.float32,
+                                        memory_format=torch.contiguous_format)  # (n, H, 3, W), one pass
+    rows = _weighted(rows.view(count, height * 3, width), across.transpose(1, 2), half)  # (n, H·3, out W)
+    rows = rows.round_().clamp_(0, 255).view(count, height, 3 * size[1])
+    resized = _weighted(down, rows.half() if half else rows, half).round_().clamp_(0, 255)  # (n, out H, 3·out W)
+    return resized.view(count, size[0], 3, size[1]).permute(0, 2, 1, 3).to(
+        torch.uint8, memory_format=torch.contiguous_format)
+
+
+def _half_products(device: torch.device) -> bool:
+    """Whether the resize's products run as float16 tensor-core products with float32 results (CUDA, and a
+    torch whose bmm takes out_dtype); else they run in float32."""
+    return device.type == "cuda" and hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def _weighted(first: torch.Tensor, second: torch.Tensor, half: bool) -> torch.Tensor:
+    """first @ second (batched; one is pixels, integers in 0..255, the other float32 weights) in float32.
+    `half`: the pixels are float16 (exact), and the weights are split into a float16 part and its float16
+    remainder (~22 bits, near float32's 24): two tensor-core products, each accumulated in float32."""
+    if not half:
+        return torch.bmm(first, second)
+    weights_first = first.dtype == torch.float32
+    weights = first if weights_first else second
+    high = weights.half()
+    low = (weights - high).half()
+    product = ((lambda w: torch.bmm(w, second, out_dtype=torch.float32)) if weights_first else
+               (lambda w: torch.bmm(first, w, out_dtype=torch.float32)))
+    return product(high).add_(product(low))
 
 
 def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out: int,
