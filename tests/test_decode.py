@@ -14,7 +14,8 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
-from fsdpclip.decode import CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, rgb_pixels
+from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, resample_weights,
+                             rgb_pixels)
 from fsdpclip.spec import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
@@ -175,6 +176,32 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert got.device.type == device
     error = levels(got, TrainImages(transform, "cpu", target)(cpu_images), transform)
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
+def test_resize_weights_made_at_the_taps_are_the_dense_definitions():
+    """decode.resample_weights computes the bicubic weights only at each output pixel's taps (a band as wide as
+    the batch's widest support) and spreads them into the dense matrix: it equals PIL's coefficients written
+    densely (every input pixel's distance to every output centre), for down- and upscaled boxes, boxes at
+    either edge and a batch mixing supports of several widths."""
+    def dense(start, length, extent, out):
+        start, length = start.double()[:, None, None], length.double()[:, None, None]
+        scale = length / out
+        centres = start + (torch.arange(out, dtype=torch.float64)[None, :, None] + 0.5) * scale
+        pixels = torch.arange(extent, dtype=torch.float64)[None, None, :] + 0.5
+        x = ((pixels - centres) / scale.clamp(min=1)).abs()
+        cubic = torch.where(x < 1, (1.5 * x - 2.5) * x * x + 1, torch.where(x < 2, -0.5 * (((x - 5) * x + 8) * x - 4), 0))
+        cubic = cubic * ((pixels > start) & (pixels < start + length))
+        return cubic / cubic.sum(-1, keepdim=True)
+
+    extent = 300
+    start = torch.tensor([0, 0, 17, 300 - 40, 5, 0, 299])
+    length = torch.tensor([300, 224, 250, 40, 7, 1, 1])  # down 1.34×, none, down 1.12×, up, up 32×, 1-pixel boxes
+    for out in (224, 37):  # the second: supports up to 8× as wide
+        got = resample_weights(start, length, extent, out, torch.device("cpu"))
+        want = dense(start, length, extent, out)
+        assert got.shape == (len(start), out, extent)
+        # float32's centres are off by up to an ulp of the pixel position; a missed tap would be off by ~0.01
+        assert torch.allclose(got.double(), want, atol=1e-4), (out, (got.double() - want).abs().max())
 
 
 def test_host_pixels_are_pils_whichever_decoder_reads_them(monkeypatch):

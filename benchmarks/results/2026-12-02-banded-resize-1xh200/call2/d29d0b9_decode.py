@@ -1,0 +1,369 @@
+"""Training images from encoded bytes to the model's input, split between the data workers and the device.
+
+OpenCLIP's train transform is a random resized crop, RGB, ToTensor and Normalize. The workers run it up
+to ToTensor and hand over uint8 pixels (a quarter of float32's bytes through shared memory, pinning and
+the host→device copy); the device does ToTensor's `/ 255` and Normalize, as they do it.
+
+With `data.decode` "gpu" the workers only read each JPEG's header and draw its crop with the random
+numbers the crop would draw; the batch's JPEGs are decoded with nvJPEG (`torchvision.io.decode_jpeg` on the
+device, one call), then cropped and resized all at once as PIL's antialiased bicubic does: separable weight
+matrices, two batched matrix products whatever the crops. On CUDA that happens in the DataLoader's pinning
+thread (in the rank's main process, ahead of the step, on a stream of its own; nvJPEG releases the GIL), so
+the step does not wait for it. Progressive and CMYK JPEGs, JPEGs that do not end where a JPEG ends, and
+other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and merged into the batch.
+
+nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/benchmarks.md "Where the
+JPEG supply stops"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
+torchvision, whose pixels equal PIL's in the tests; others with PIL) and cut its crop; the pinning thread
+copies the batch to the device and resizes it there, on its stream, as with "gpu".
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+from torch.utils.data import get_worker_info
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger("fsdpclip.decode")
+DEVICE_MODES = ("RGB", "L")  # JPEG modes decode_jpeg turns into RGB as PIL's convert("RGB") does
+
+
+def device_jpeg_decoder() -> bool:
+    """Whether this torchvision decodes JPEGs on CUDA devices (a CUDA build with its image ops: nvJPEG)."""
+    import torchvision
+    import torchvision.io  # noqa: F401  (loads the image ops)
+
+    return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
+
+
+DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG on CUDA)",
+                 "mixed": "and cropped by the data workers, resized on the device"}  # per data.decode
+
+
+def decode_mode(requested: str, device_type: str) -> str:
+    """Where training images are decoded: `data.decode`, with "auto" settled as "gpu" when training on
+    CUDA with a torchvision that decodes JPEGs there, else "cpu" (validate and the trainer both ask here)."""
+    if requested != "auto":
+        return requested
+    return "gpu" if device_type == "cuda" and device_jpeg_decoder() else "cpu"
+
+
+# ----------------------------------------------------------------------- workers
+@dataclass
+class EncodedJpeg:
+    """A worker's sample for the device to decode: the JPEG, its crop box (top, left, height, width) and the
+    size (height, width) the crop is resized to."""
+
+    data: bytes
+    box: tuple[int, int, int, int]
+    size: tuple[int, int]
+
+
+def whole_rgb_jpeg(data: bytes, image) -> bool:
+    """Whether `data` (opened by PIL as `image`) is a JPEG that decode_jpeg decodes to PIL's RGB: RGB or
+    grayscale, ending where a JPEG ends (a cut one goes to PIL, which decides whether it is broken)."""
+    return image.format == "JPEG" and image.mode in DEVICE_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9")
+
+
+def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
+    """`data` with the crop box the worker transform's random resized crop draws for it (the same draws, so
+    the same box, as running the transform), if the device decodes it; None: decode it on the worker.
+    `image` is `data` opened by PIL, its header read and its pixels not."""
+    if not whole_rgb_jpeg(data, image) or image.info.get("progressive"):  # nvJPEG decodes those on the host
+        return None
+    crop = _crop(worker_transform.transforms)
+    return EncodedJpeg(data, crop.get_params(image, crop.scale, crop.ratio), crop.size)
+
+
+@dataclass
+class CroppedImage:
+    """A worker's sample for the device to resize ("mixed"): its crop (the box the worker transform's
+    random resized crop draws) of the decoded image, RGB uint8 (h, w, 3) as the decoder left it (a numpy
+    view; made channels-first on the device), and the size it is resized to."""
+
+    pixels: np.ndarray
+    size: tuple[int, int]
+
+
+def cropped(data: bytes, image, worker_transform) -> CroppedImage:
+    """`image` (`data` opened by PIL, its pixels not yet read) decoded to RGB and cut to the crop box the
+    worker transform's random resized crop draws for it (the same draws as running the transform)."""
+    crop = _crop(worker_transform.transforms)
+    top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
+    return CroppedImage(rgb_pixels(data, image)[top:top + height, left:left + width], crop.size)
+
+
+def rgb_pixels(data: bytes, image) -> np.ndarray:
+    """The (h, w, 3) uint8 pixels PIL's `image.convert("RGB")` gives (`image`: `data` opened by PIL).
+    JPEGs of `whole_rgb_jpeg` go through torchvision's decode_jpeg, without PIL's copy out of its own
+    memory (0.64 vs 1.09 ms per 256-px JPEG on the H200 host). Both wrap libjpeg-turbo, each its own
+    build: their pixels were equal in every test (tests/test_decode.py checks it); a version of either
+    that changes the IDCT would show there. libjpeg's warnings on a damaged JPEG it still decodes are
+    printed to the worker's stderr by torchvision (PIL is silent). Other images, and JPEGs it refuses, go
+    through PIL, which decides what is broken."""
+    import numpy as np
+
+    if whole_rgb_jpeg(data, image):
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        try:  # (3, h, w), a view of the decoder's (h, w, 3)
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                               mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
+        except RuntimeError:
+            pass
+    return np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+
+
+def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
+    """One micro batch: the images stacked, with JPEGs for the device an EncodedBatch, or ("mixed") a
+    CroppedBatch."""
+    if isinstance(items[0], CroppedImage):
+        crops = [item.pixels for item in items]
+        return CroppedBatch(padded(crops, shared=get_worker_info() is not None),
+                            torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]), items[0].size)
+    jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+    if not jpegs:
+        return torch.stack(items)
+    decoded = [i for i, item in enumerate(items) if not isinstance(item, EncodedJpeg)]
+    order = [0] * len(items)
+    for row, index in enumerate(jpegs + decoded):
+        order[index] = row
+    data = [items[i].data for i in jpegs]
+    return EncodedBatch(torch.frombuffer(bytearray().join(data), dtype=torch.uint8), [len(d) for d in data],
+                        torch.tensor([items[i].box for i in jpegs]), items[jpegs[0]].size,
+                        torch.stack([items[i] for i in decoded]) if decoded else None, torch.tensor(order))
+
+
+@dataclass
+class EncodedBatch:
+    """A micro batch whose JPEGs the device decodes: their bytes end to end (one tensor crosses from the
+    worker, not one per image), crop boxes and output size, the pixels of the images decoded on the
+    worker, and `order`: sample i is row order[i] of the JPEGs followed by the decoded images."""
+
+    data: torch.Tensor  # uint8
+    lengths: list[int]
+    boxes: torch.Tensor  # (jpegs, 4) int64: top, left, height, width
+    size: tuple[int, int]
+    pixels: Optional[torch.Tensor]  # (decoded, 3, *size) uint8
+    order: torch.Tensor  # (batch,) int64
+
+    def pin_memory(self) -> "DecodedBatch":
+        """What the DataLoader's pinning thread calls on a batch, ahead of the step: decodes it on that
+        thread's CUDA device, on a stream of its own."""
+        return _ahead_of_the_step(lambda device: decoded_pixels(self, device))
+
+
+def _ahead_of_the_step(pixels_on) -> "DecodedBatch":
+    """`pixels_on(device)` run on the pinning thread's CUDA device and stream, so that the step's stream
+    does not wait for it: the batch's uint8 pixels, there once the returned batch is ready."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device.index not in _STREAMS:
+        _STREAMS[device.index] = torch.cuda.Stream(device)
+    stream = _STREAMS[device.index]
+    with torch.cuda.stream(stream):
+        pixels = pixels_on(device).to(torch.uint8)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return DecodedBatch(pixels, ready)
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}  # the pinning thread's stream, per device
+
+
+@dataclass
+class CroppedBatch:
+    """A micro batch cropped by the workers for the device to resize ("mixed"): the crops zero-padded to
+    the largest (so a batch takes as much shared and pinned memory as its largest crop times the batch),
+    their boxes in that batch (top 0, left 0, height, width) and the output size."""
+
+    pixels: torch.Tensor  # (batch, H, W, 3) uint8
+    boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
+    size: tuple[int, int]
+
+    def pin_memory(self) -> "DecodedBatch":
+        """What the DataLoader's pinning thread calls on a batch, ahead of the step: pinned, copied and
+        resized on that thread's CUDA device, on a stream of its own (so the copy overlaps the step)."""
+        return _ahead_of_the_step(CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size).resized)
+
+    def resized(self, device: torch.device) -> torch.Tensor:
+        """The crops resized on `device`: float (batch, 3, *size), integers in 0..255."""
+        channels_first = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
+        return resized_crops(channels_first, self.boxes, self.size)
+
+
+@dataclass
+class DecodedBatch:
+    """A micro batch made the model's pixels on the device by the pinning thread (decoded, cropped and
+    resized for 'gpu', resized for 'mixed'): uint8, there once `ready` is."""
+
+    pixels: torch.Tensor  # (batch, 3, H, W) uint8
+    ready: torch.cuda.Event
+
+
+def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
+    """The batch's pixels on `device` in sample order: float (batch, 3, H, W), integers in 0..255."""
+    jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
+    pixels = resized_crops(padded(jpegs), batch.boxes, batch.size)
+    if batch.pixels is not None:
+        pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
+    return pixels[batch.order.to(device, non_blocking=True)]
+
+
+def _decode_jpegs(jpegs: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """The JPEGs decoded to RGB on `device`, in one call. One the decoder refuses fails that call: then they
+    go one by one, and one it refuses is decoded by PIL, as a worker would; one PIL cannot decode either
+    (it passed the worker's checks of its header and end) becomes a black image covering its box."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        decoded = []
+        for jpeg, box in zip(jpegs, boxes.tolist()):
+            try:
+                decoded.append(decode_jpeg(jpeg, mode=ImageReadMode.RGB, device=device))
+            except RuntimeError as exc:
+                decoded.append(_decode_on_host(jpeg, box, exc).to(device))
+        return decoded
+
+
+def _decode_on_host(jpeg: torch.Tensor, box: list[int], refused: Exception) -> torch.Tensor:
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+
+    try:
+        image = Image.open(io.BytesIO(jpeg.numpy().tobytes())).convert("RGB")
+        log.warning("the JPEG decoder refused an image (%s); PIL decoded it", refused)
+        return pil_to_tensor(image)
+    except Exception as exc:  # a broken sample must never stop the run
+        log.warning("an undecodable JPEG (%s; PIL: %s) is a black image in its batch", refused, exc)
+        top, left, height, width = box
+        return torch.zeros(3, top + height, left + width, dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------------ device
+class TrainImages:
+    """OpenCLIP's train transform for one rank, cut at ToTensor: `worker_transform` (PIL image → uint8
+    tensor) for the data workers, and the call that turns a micro batch into the model's input on
+    `device`, bit for bit what the whole transform gives for the worker's pixels."""
+
+    def __init__(self, transform, decode: str, device: torch.device):
+        from torchvision.transforms import Compose, Normalize, PILToTensor, ToTensor
+
+        steps = list(getattr(transform, "transforms", ()))
+        cut = next((i for i, step in enumerate(steps) if isinstance(step, ToTensor)), None)
+        if cut is None or len(steps) != cut + 2 or not isinstance(steps[-1], Normalize):
+            raise ValueError(f"the model's train transform is not <PIL steps>, ToTensor, Normalize, so it cannot "
+                             f"be split between the data workers and the device: {transform}")
+        self.worker_transform = Compose(steps[:cut] + [PILToTensor()])
+        self.device, self.decode = device, decode
+        normalize = steps[-1]
+        self.mean, self.std = (torch.as_tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
+                               for v in (normalize.mean, normalize.std))
+        if decode in ("gpu", "mixed"):
+            crop = _crop(steps[:cut])
+            extra = [step for step in steps[:cut] if step is not crop and not _to_rgb(step)]
+            if extra:
+                raise ValueError(f"data.decode '{decode}' crops and resizes on the device, but the model's train "
+                                 f"transform also does {extra}: use data.decode 'cpu'")
+
+    def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, CroppedBatch]) -> torch.Tensor:
+        """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
+        if isinstance(batch, CroppedBatch):  # no pinning thread (pin_memory off): resize here
+            pixels = batch.resized(self.device)
+        elif isinstance(batch, DecodedBatch):
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(batch.ready)
+            batch.pixels.record_stream(stream)  # made on the pinning thread's stream, used on this one
+            pixels = batch.pixels
+        elif isinstance(batch, EncodedBatch):  # no pinning thread (not on CUDA): decode here
+            pixels = decoded_pixels(batch, self.device)
+        else:
+            pixels = batch.to(self.device, non_blocking=True)
+        return pixels.float().div_(255).sub_(self.mean).div_(self.std)  # ToTensor's scaling, then Normalize
+
+
+def padded(images: list, shared: bool = False) -> torch.Tensor:
+    """Images of one layout ((3, h, w) or (h, w, 3); tensors, or uint8 numpy arrays as PIL gives them)
+    as one batch, each zero-padded at the end of its height and width to the largest. `shared`: in
+    shared memory, as DataLoader's default_collate makes a worker's batch, so that it crosses to the
+    rank's process without another copy."""
+    shape = (len(images),) + tuple(max(sizes) for sizes in zip(*(image.shape for image in images)))
+    arrays = not isinstance(images[0], torch.Tensor)
+    dtype = torch.uint8 if arrays else images[0].dtype
+    if shared:
+        batch = torch.empty(0, dtype=dtype).new(torch.empty(0, dtype=dtype)._typed_storage()._new_shared(
+            math.prod(shape))).view(shape)
+    else:
+        batch = torch.empty(shape, dtype=dtype, device="cpu" if arrays else images[0].device)
+    ragged = any(image.shape != shape[1:] for image in images)
+    if not (ragged or arrays):
+        return torch.stack(images, out=batch)
+    if ragged:
+        batch.zero_()
+    slots = batch.numpy() if arrays else batch  # arrays are copied in by numpy (PIL's are read-only)
+    for slot, image in zip(slots, images):
+        slot[tuple(slice(0, extent) for extent in image.shape)] = image
+    return batch
+
+
+def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Each uint8 image's box (top, left, height, width) resized to `size` as PIL's bicubic resize of the
+    crop does (a horizontal pass rounded to 8 bits, then a vertical one): float (n, 3, *size), integers in
+    0..255. `batch` (n, 3, H, W), of any strides, may be zero-padded (`padded`): a box lies inside its
+    image, and the weights outside the box are 0. `boxes` are on the host (they size the weights' band)."""
+    count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]
+    across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1], batch.device)  # (n, out width, width)
+    down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0], batch.device)  # (n, out height, height)
+    pixels = batch.to(torch.float32, memory_format=torch.contiguous_format)  # one pass from channels last too
+    rows = torch.bmm(pixels.view(count, 3 * height, width), across.transpose(1, 2))
+    rows = rows.round_().clamp_(0, 255).view(count, 3, height, size[1])
+    return torch.matmul(down.unsqueeze(1), rows).round_().clamp_(0, 255)
+
+
+def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out: int,
+                     device: torch.device) -> torch.Tensor:
+    """(n, out, extent) weights on `device` taking each row's [start, start + length) (host tensors) of
+    `extent` pixels to `out` samples: PIL's ImagingResample coefficients for bicubic (a = -0.5), its support
+    (2) widened by the downscaling factor, the taps inside the crop normalised to sum to 1. Computed at
+    each sample's taps only (a band as wide as the widest support), then spread into the dense matrix."""
+    taps = math.ceil(4 * max(1.0, float(length.max()) / out)) + 2  # covers every centre's open support
+    start, length = (v.to(device, non_blocking=True).float()[:, None, None] for v in (start, length))
+    scale = length / out
+    stretch = scale.clamp(min=1)
+    centres = start + (torch.arange(out, device=device)[None, :, None] + 0.5) * scale  # (n, out, 1)
+    first = (centres - 0.5 - 2 * stretch).floor()
+    index = first + torch.arange(taps, device=device)  # (n, out, taps): pixel numbers, exact in float
+    pixels = index + 0.5
+    distance = ((pixels - centres) / stretch).abs()
+    a = -0.5
+    weights = torch.where(distance < 1, ((a + 2) * distance - (a + 3)) * distance * distance + 1,
+                          torch.where(distance < 2, (((distance - 5) * distance + 8) * distance - 4) * a, 0.0))
+    weights = weights * ((pixels > start) & (pixels < start + length))
+    weights = weights / weights.sum(-1, keepdim=True)
+    dense = torch.zeros(weights.shape[0], out, extent, device=device)
+    return dense.scatter_add_(2, index.long().clamp_(0, extent - 1), weights)  # taps past an edge weigh 0
+
+
+def _crop(steps: list):
+    """The random resized crop among the worker's steps (it must be bicubic, as OpenCLIP's is)."""
+    from torchvision.transforms import InterpolationMode, RandomResizedCrop
+
+    crops = [step for step in steps if isinstance(step, RandomResizedCrop)]
+    if len(crops) != 1 or crops[0].interpolation != InterpolationMode.BICUBIC:
+        raise ValueError(f"data.decode 'gpu' needs one bicubic random resized crop in the model's train transform; "
+                         f"it has {steps}: use data.decode 'cpu'")
+    return crops[0]
+
+
+def _to_rgb(step) -> bool:
+    """Whether a step only converts the image to RGB (which the device's decode to RGB already did)."""
+    return getattr(step, "mode", None) == "RGB" or getattr(step, "__name__", "") == "_convert_to_rgb"
