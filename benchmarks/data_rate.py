@@ -112,6 +112,8 @@ def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: 
         for index, (pixels, texts) in enumerate(itertools.islice(stream, args.batches)):
             if stage != "workers":
                 pixels, texts = images(pixels), texts.to(device, non_blocking=True)
+            elif isinstance(pixels, CroppedBatch):
+                pixels.release()  # taken: the worker may write its buffer again
             if step is not None:
                 step()
             if index + 1 == args.skip:

@@ -127,8 +127,9 @@ def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
     CroppedBatch."""
     if isinstance(items[0], CroppedImage):
         crops = [item.pixels for item in items]
-        return CroppedBatch(padded(crops, shared=get_worker_info() is not None),
-                            torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]), items[0].size)
+        pixels, released = (pooled_batch(padded_shape(crops)) if get_worker_info() is not None else (None, None))
+        return CroppedBatch(padded(crops, out=pixels), torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]),
+                            items[0].size, released)
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     if not jpegs:
         return torch.stack(items)
@@ -187,11 +188,19 @@ class CroppedBatch:
     pixels: torch.Tensor  # (batch, H, W, 3) uint8
     boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
     size: tuple[int, int]
+    released: Optional[torch.Tensor] = None  # a worker's pooled buffer: its flag, set once the rank copied it out
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: pinned, copied and
         resized on that thread's CUDA device, on a stream of its own (so the copy overlaps the step)."""
-        return _ahead_of_the_step(CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size).resized)
+        pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size)
+        self.release()
+        return _ahead_of_the_step(pinned.resized)
+
+    def release(self) -> None:
+        """Hands the pixels' buffer back to the worker that made it (the rank holds a copy, or is done)."""
+        if self.released is not None:
+            self.released.fill_(1)
 
     def resized(self, device: torch.device) -> torch.Tensor:
         """The crops resized on `device`: uint8 (batch, 3, *size)."""
@@ -278,7 +287,8 @@ class TrainImages:
     def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, CroppedBatch]) -> torch.Tensor:
         """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
         if isinstance(batch, CroppedBatch):  # no pinning thread (pin_memory off): resize here
-            pixels = batch.resized(self.device)
+            pixels = batch.resized(self.device)  # read out of the worker's buffer once this returns
+            batch.release()
         elif isinstance(batch, DecodedBatch):
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(batch.ready)
@@ -291,19 +301,19 @@ class TrainImages:
         return pixels.float().div_(255).sub_(self.mean).div_(self.std)  # ToTensor's scaling, then Normalize
 
 
-def padded(images: list, shared: bool = False) -> torch.Tensor:
+def padded_shape(images: list) -> tuple[int, ...]:
+    """The shape of `padded(images)`."""
+    return (len(images),) + tuple(max(sizes) for sizes in zip(*(image.shape for image in images)))
+
+
+def padded(images: list, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Images of one layout ((3, h, w) or (h, w, 3); tensors, or uint8 numpy arrays as PIL gives them)
-    as one batch, each zero-padded at the end of its height and width to the largest. `shared`: in
-    shared memory, as DataLoader's default_collate makes a worker's batch, so that it crosses to the
-    rank's process without another copy."""
-    shape = (len(images),) + tuple(max(sizes) for sizes in zip(*(image.shape for image in images)))
+    as one batch, each zero-padded at the end of its height and width to the largest; written into `out`
+    (of `padded_shape(images)`, e.g. a worker's `pooled_batch`) if given."""
+    shape = padded_shape(images)
     arrays = not isinstance(images[0], torch.Tensor)
     dtype = torch.uint8 if arrays else images[0].dtype
-    if shared:
-        batch = torch.empty(0, dtype=dtype).new(torch.empty(0, dtype=dtype)._typed_storage()._new_shared(
-            math.prod(shape))).view(shape)
-    else:
-        batch = torch.empty(shape, dtype=dtype, device="cpu" if arrays else images[0].device)
+    batch = out if out is not None else torch.empty(shape, dtype=dtype, device="cpu" if arrays else images[0].device)
     ragged = any(image.shape != shape[1:] for image in images)
     if not (ragged or arrays):
         return torch.stack(images, out=batch)
@@ -313,6 +323,31 @@ def padded(images: list, shared: bool = False) -> torch.Tensor:
     for slot, image in zip(slots, images):
         slot[tuple(slice(0, extent) for extent in image.shape)] = image
     return batch
+
+
+POOLED = 6  # a worker's pooled batch buffers: DataLoader's prefetch (4), the batch being made, one spare
+_POOL: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # this worker's: (buffer, its released flag)
+
+
+def pooled_batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uint8 batch of `shape` in shared memory (so it crosses to the rank's process without another copy)
+    from this data worker's pool, and the flag the rank sets when it has copied it out
+    (`CroppedBatch.release`). Fresh shared memory costs a page fault per 4 KiB on its first write (~0.1 ms
+    per 256² crop); a buffer the rank has released is written again without one. A buffer is taken only
+    once released, so the rank never sees it change; with none free that fits, a new one replaces the
+    smallest free one, or joins the pool, or (pool full and all in use) is used once."""
+    needed = math.prod(shape)
+    free = [entry for entry in _POOL if entry[1].item()]
+    entry = next((entry for entry in free if entry[0].nbytes() >= needed), None)
+    if entry is None:
+        entry = (torch.UntypedStorage._new_shared(needed), torch.zeros(1, dtype=torch.int32).share_memory_())
+        if free:
+            _POOL.remove(min(free, key=lambda e: e[0].nbytes()))
+        if len(_POOL) < POOLED:
+            _POOL.append(entry)
+    storage, released = entry
+    released.zero_()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape), released
 
 
 def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

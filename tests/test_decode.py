@@ -5,6 +5,9 @@ and draw the crops, the device crops and resizes) against the "cpu" path."""
 from __future__ import annotations
 
 import io
+import itertools
+import os
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -14,8 +17,9 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
-from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, resample_weights,
-                             rgb_pixels)
+from fsdpclip import decode
+from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, pooled_batch,
+                             resample_weights, rgb_pixels)
 from fsdpclip.spec import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
@@ -176,6 +180,73 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert got.device.type == device
     error = levels(got, TrainImages(transform, "cpu", target)(cpu_images), transform)
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
+def test_pooled_batch_buffers_are_reused_only_once_released(monkeypatch):
+    """A worker's pooled batch buffers: a held one is never handed out again; a released one is, for any batch
+    that fits; a free one too small is replaced; past decode.POOLED buffers in use, a batch gets fresh memory
+    that the pool does not keep."""
+    monkeypatch.setattr(decode, "_POOL", [])
+    first, first_released = pooled_batch((2, 8, 8, 3))
+    second, _ = pooled_batch((2, 8, 8, 3))
+    assert first.is_shared() and first.shape == (2, 8, 8, 3) and first.dtype == torch.uint8
+    assert second.data_ptr() != first.data_ptr()  # the first is held
+    first_released.fill_(1)
+    smaller, smaller_released = pooled_batch((1, 8, 8, 3))
+    assert smaller.data_ptr() == first.data_ptr() and smaller.is_contiguous()  # released: written again
+    smaller_released.fill_(1)
+    larger, _ = pooled_batch((4, 8, 8, 3))
+    assert larger.data_ptr() != first.data_ptr()
+    assert len(decode._POOL) == 2 and first.data_ptr() not in [s.data_ptr() for s, _ in decode._POOL]  # replaced
+    held = [pooled_batch((1, 2, 2, 3)) for _ in range(decode.POOLED)]
+    assert len(decode._POOL) == decode.POOLED
+    assert len({batch.data_ptr() for batch, _ in held}) == decode.POOLED and decode._POOL[-1][0].data_ptr() not in \
+        [batch.data_ptr() for batch, _ in held[-2:]]  # the pool full and all in use: fresh memory, not kept
+
+
+def test_a_workers_reused_buffers_leave_every_held_batch_intact(tmp_path):
+    """"mixed" through a real data worker: batches the rank still holds keep their pixels while the worker
+    goes on (it writes only buffers the rank released), those it released are written again (the same shared
+    memory comes back), and every batch, held or not, equals the in-process stream's, padding zeroed."""
+    rng = np.random.default_rng(4)
+    data = [encoded(picture(rng, 40 + index % 5, 44 + index % 3)) for index in range(60)]
+    path = tmp_path / "shard.tar"
+    with wds.TarWriter(str(path)) as sink:
+        for index, jpeg in enumerate(data):
+            sink.write({"__key__": f"{index:04d}", "jpg": jpeg, "txt": f"sample {index}"})
+    spec = WebDatasetSpec(urls=str(path), samples=len(data), workers=1, shuffle_buffer=0, decode="mixed")
+    tokenize = lambda captions: torch.tensor([[int(c.split()[-1])] for c in captions])  # noqa: E731
+    transform = TrainImages(train_transform(), "mixed", torch.device("cpu")).worker_transform
+
+    def first_epoch(workers: int) -> Iterator[CroppedBatch]:
+        batches = WebDatasetBatches(ShardStream(spec, transform, tokenize, 4, rank=0, world_size=1, seed=3),
+                                    workers, pin_memory=False)
+        try:
+            yield from (batch for batch, _ in itertools.islice(batches, len(data) // 4))
+        finally:
+            batches.close()
+
+    want = list(first_epoch(0))
+    assert len(want) == 15 and all(isinstance(batch, CroppedBatch) for batch in want)
+
+    def shm_file(batch: CroppedBatch) -> int:
+        return os.fstat(batch.pixels.untyped_storage()._share_fd_cpu_()[0]).st_ino
+
+    files, held = [], []
+    for index, batch in enumerate(first_epoch(1)):
+        assert torch.equal(batch.pixels, want[index].pixels) and torch.equal(batch.boxes, want[index].boxes), index
+        files.append(shm_file(batch))
+        if index < 3:
+            held.append(batch)  # kept while the worker makes the next ones
+        else:
+            batch.release()  # from here on the worker may write it again: the rank no longer reads it
+        if index == 9:
+            for kept, expected in zip(held, want):
+                assert torch.equal(kept.pixels, expected.pixels)  # intact after 7 more batches
+                kept.release()
+    assert len(files) == len(want)
+    assert len(set(files[:3])) == 3 and not set(files[:3]) & set(files[3:9])  # held: not written again
+    assert len(set(files[3:])) < len(files[3:])  # released: the same buffers came back
 
 
 def test_resize_weights_made_at_the_taps_are_the_dense_definitions():
