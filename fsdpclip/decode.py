@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -127,9 +128,9 @@ def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
     CroppedBatch."""
     if isinstance(items[0], CroppedImage):
         crops = [item.pixels for item in items]
-        pixels, released = (pooled_batch(padded_shape(crops)) if get_worker_info() is not None else (None, None))
+        pixels, release_flag = pooled_batch(padded_shape(crops)) if get_worker_info() is not None else (None, None)
         return CroppedBatch(padded(crops, out=pixels), torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]),
-                            items[0].size, released)
+                            items[0].size, release_flag)
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     if not jpegs:
         return torch.stack(items)
@@ -182,25 +183,31 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}  # the pinning thread's stream, per 
 @dataclass
 class CroppedBatch:
     """A micro batch cropped by the workers for the device to resize ("mixed"): the crops zero-padded to
-    the largest (so a batch takes as much shared and pinned memory as its largest crop times the batch),
-    their boxes in that batch (top 0, left 0, height, width) and the output size."""
+    the largest (in a worker's pooled shared-memory buffer, at least as large as its largest crop times the
+    batch), their boxes in that batch (top 0, left 0, height, width), the output size and the buffer's
+    release flag (`pooled_batch`)."""
 
     pixels: torch.Tensor  # (batch, H, W, 3) uint8
     boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
     size: tuple[int, int]
-    released: Optional[torch.Tensor] = None  # a worker's pooled buffer: its flag, set once the rank copied it out
+    release_flag: Optional[torch.Tensor] = None  # a worker's pooled buffer's: set once the rank is done reading it
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: pinned, copied and
         resized on that thread's CUDA device, on a stream of its own (so the copy overlaps the step)."""
-        pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size)
-        self.release()
+        try:
+            pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size)
+        finally:
+            self.release()
         return _ahead_of_the_step(pinned.resized)
 
     def release(self) -> None:
-        """Hands the pixels' buffer back to the worker that made it (the rank holds a copy, or is done)."""
-        if self.released is not None:
-            self.released.fill_(1)
+        """Hands the pixels' buffer back to the worker that made it, once (the rank holds a copy, or is done;
+        from here on the worker may write it again). The flag is set after the reads in program order; on
+        x86 that is enough; elsewhere, likely, the interpreter lock taken between them (a mutex) orders it."""
+        if self.release_flag is not None:
+            self.release_flag.fill_(1)
+            self.release_flag = None
 
     def resized(self, device: torch.device) -> torch.Tensor:
         """The crops resized on `device`: uint8 (batch, 3, *size)."""
@@ -287,8 +294,10 @@ class TrainImages:
     def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, CroppedBatch]) -> torch.Tensor:
         """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
         if isinstance(batch, CroppedBatch):  # no pinning thread (pin_memory off): resize here
-            pixels = batch.resized(self.device)  # read out of the worker's buffer once this returns
-            batch.release()
+            try:  # CUDA copies from pageable memory return once the source is read, non_blocking or not
+                pixels = batch.resized(self.device)
+            finally:
+                batch.release()
         elif isinstance(batch, DecodedBatch):
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(batch.ready)
@@ -325,29 +334,34 @@ def padded(images: list, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     return batch
 
 
-POOLED = 6  # a worker's pooled batch buffers: DataLoader's prefetch (4), the batch being made, one spare
-_POOL: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # this worker's: (buffer, its released flag)
+POOLED = 6  # a worker's pooled batch buffers: DataLoader's prefetch (4, the one being made among them), the
+# batch the rank holds, one spare
+_POOL: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # this process's: (buffer, its release flag)
+os.register_at_fork(after_in_child=lambda: _POOL.clear())  # a worker never shares its parent's buffers
 
 
 def pooled_batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """A uint8 batch of `shape` in shared memory (so it crosses to the rank's process without another copy)
-    from this data worker's pool, and the flag the rank sets when it has copied it out
+    from this data worker's pool, and its release flag, which the rank sets once it is done reading it
     (`CroppedBatch.release`). Fresh shared memory costs a page fault per 4 KiB on its first write (~0.1 ms
-    per 256² crop); a buffer the rank has released is written again without one. A buffer is taken only
-    once released, so the rank never sees it change; with none free that fits, a new one replaces the
-    smallest free one, or joins the pool, or (pool full and all in use) is used once."""
+    per 256² crop); a released buffer is written again without one. Only a released buffer is handed out
+    again, so a batch the rank has not released never changes. The smallest free one that fits is taken;
+    with none, a new one (an eighth larger than needed) replaces the smallest free one, or joins the pool,
+    or (pool full, all in use) is used once. The pool keeps up to POOLED buffers, as large as the largest
+    batches seen, for the worker's life."""
     needed = math.prod(shape)
     free = [entry for entry in _POOL if entry[1].item()]
-    entry = next((entry for entry in free if entry[0].nbytes() >= needed), None)
+    entry = min((entry for entry in free if entry[0].nbytes() >= needed), key=lambda e: e[0].nbytes(), default=None)
     if entry is None:
-        entry = (torch.UntypedStorage._new_shared(needed), torch.zeros(1, dtype=torch.int32).share_memory_())
+        entry = (torch.UntypedStorage._new_shared(needed + needed // 8),
+                 torch.zeros(1, dtype=torch.int32).share_memory_())
         if free:
             _POOL.remove(min(free, key=lambda e: e[0].nbytes()))
         if len(_POOL) < POOLED:
             _POOL.append(entry)
-    storage, released = entry
-    released.zero_()
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape), released
+    storage, release_flag = entry
+    release_flag.zero_()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape), release_flag
 
 
 def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

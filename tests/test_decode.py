@@ -204,6 +204,31 @@ def test_pooled_batch_buffers_are_reused_only_once_released(monkeypatch):
         [batch.data_ptr() for batch, _ in held[-2:]]  # the pool full and all in use: fresh memory, not kept
 
 
+def test_the_rank_hands_a_buffer_back_once_it_is_read(monkeypatch):
+    """The pinning thread releases a batch's buffer after its pinned copy, not before; without a pinning
+    thread TrainImages releases it after the resize; a batch releases its buffer once (a second release must
+    not hand back a buffer the worker has since taken again)."""
+    flag = torch.zeros(1, dtype=torch.int32)
+
+    class WorkersBuffer:  # what the pinning thread copies
+        def pin_memory(self):
+            assert flag.item() == 0, "handed back before the copy was made"
+            return torch.zeros(2, 8, 8, 3, dtype=torch.uint8)
+
+    monkeypatch.setattr(decode, "_ahead_of_the_step", lambda pixels_on: pixels_on)  # no CUDA device here
+    boxes = torch.tensor([[0, 0, 8, 8], [0, 0, 6, 7]])
+    batch = CroppedBatch(WorkersBuffer(), boxes, (4, 4), flag)
+    batch.pin_memory()
+    assert flag.item() == 1
+    flag.zero_()  # the worker took it again
+    batch.release()
+    assert flag.item() == 0
+    flag = torch.zeros(1, dtype=torch.int32)
+    pixels = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
+    got = TrainImages(train_transform(), "mixed", torch.device("cpu"))(CroppedBatch(pixels, boxes, (4, 4), flag))
+    assert got.shape == (2, 3, 4, 4) and flag.item() == 1
+
+
 def test_a_workers_reused_buffers_leave_every_held_batch_intact(tmp_path):
     """"mixed" through a real data worker: batches the rank still holds keep their pixels while the worker
     goes on (it writes only buffers the rank released), those it released are written again (the same shared
