@@ -10,9 +10,9 @@ per GPU, data_wait_fraction and launch → first step from its metrics.jsonl), a
 directory holding the webdataset<=0.2.86 that open_clip_train pins, put first on its PYTHONPATH only),
 `python -m open_clip_train.main` on the same shards, read from its log. Rates are the mean of the second
 half of the steps; fsdpclip's sides also give the step's own rate: the mean of the logged windows (the first
-left out) whose data wait is at most 2%, where the step and not the supply set the rate. Prints a table and writes OUT/jpeg_data.json. --device cpu with tiny sizes (a model
-config file for --model) checks that it runs. The open_clip_train site:
-`pip install --no-deps --target DIR 'webdataset<=0.2.86'` (it also imports pandas).
+left out) whose data wait is at most 2%, where the step and not the supply set the rate. Prints a table and
+writes OUT/jpeg_data.json. --device cpu with tiny sizes (a model config file for --model) checks that it
+runs. The open_clip_train site: `pip install --no-deps --target DIR 'webdataset<=0.2.86'` (it also imports pandas).
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
         return {"error": f"exit {code}; see {name}.log"}
     return {"samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
             "data_wait_fraction": second_half([r["data_wait_fraction"] for r in records]),
-            "step_limited_samples_per_s_per_gpu": step_rate(records), "time_to_first_step_s": records[0]["time_to_first_step_s"], "exit": code,
+            "step_limited_samples_per_s_per_gpu": step_rate(records),
+            "time_to_first_step_s": records[0]["time_to_first_step_s"], "exit": code,
             "last_step_to_exit_s": round(ended - records[-1]["time"], 1), "steps": records[-1]["step"],
             "launch_s": round(ended - launched, 1)}
 

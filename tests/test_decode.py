@@ -285,7 +285,8 @@ def test_resize_weights_made_at_the_taps_are_the_dense_definitions():
         centres = start + (torch.arange(out, dtype=torch.float64)[None, :, None] + 0.5) * scale
         pixels = torch.arange(extent, dtype=torch.float64)[None, None, :] + 0.5
         x = ((pixels - centres) / scale.clamp(min=1)).abs()
-        cubic = torch.where(x < 1, (1.5 * x - 2.5) * x * x + 1, torch.where(x < 2, -0.5 * (((x - 5) * x + 8) * x - 4), 0))
+        cubic = torch.where(x < 1, (1.5 * x - 2.5) * x * x + 1,
+                            torch.where(x < 2, -0.5 * (((x - 5) * x + 8) * x - 4), 0))
         cubic = cubic * ((pixels > start) & (pixels < start + length))
         return cubic / cubic.sum(-1, keepdim=True)
 

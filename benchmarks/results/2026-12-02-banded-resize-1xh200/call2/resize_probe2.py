@@ -3,8 +3,9 @@ copy, resize to uint8) in three trees' decode modules: edec907 (dense weights at
 weights at each sample's taps only) and this tree's (also float16 tensor-core products with float32 results,
 rows laid out for one bmm, uint8 out in one pass). A batch of 256 crops as OpenCLIP's RandomResizedCrop
 draws them from 256×256 images, padded (256, 256, 256, 3) uint8 in shared memory, as a worker hands it over.
-Pixels compared with edec907's; ms per call on an idle GPU and beside another thread's matmuls; device time
-of the kernels (copies apart) per call. One run. Run from a tree of fsdpclip: `python3 resize_probe2.py`."""
+The older trees' modules are loaded from edec907_decode.py and d29d0b9_decode.py beside this file (make them
+with `git show REV:fsdpclip/decode.py`). Pixels compared with edec907's; ms per call on an idle GPU and beside
+another thread's matmuls; device time of the kernels (copies apart) per call. One run. Run from a tree of fsdpclip: `python3 resize_probe2.py`."""
 import importlib.util, json, sys, threading, time
 from pathlib import Path
 import torch
