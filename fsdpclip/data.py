@@ -11,7 +11,6 @@ and continues exactly where a run stopped.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import random
 import signal
@@ -21,7 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from fsdpclip.decode import (CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, TrainImages, collate, cropped,
-                             decode_mode, for_device)
+                             decode_mode, for_device, read_header)
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
 from fsdpclip.tarshards import shard_samples
 from fsdpclip.urls import shard_urls
@@ -231,28 +230,26 @@ class ShardStream(IterableDataset):
         `wanted` with their keys only: tarshards.shard_samples)."""
         return shard_samples(self.urls[index], handler, wanted)
 
-    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | CroppedImage, torch.Tensor]:
-        """Image and tokens of one sample; its random augmentation depends only on `seed`. With
-        `spec.decode` "gpu" (settled by the trainer: decode.decode_mode) a JPEG the device decodes stays
-        encoded, with the crop box `preprocess` would draw for it; with "mixed" every image is decoded
-        and cut to that box."""
-        from PIL import Image
-
+    def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | CroppedImage, str]:
+        """Image and caption of one sample; the image's random augmentation is what `preprocess` draws with
+        torch's generator seeded with `seed`. With `spec.decode` "gpu" (settled by the trainer:
+        decode.decode_mode) a JPEG the device decodes stays encoded, with the crop box `preprocess` would
+        draw for it; with "mixed" every image is decoded and cut to that box."""
         key = next((k for k in self.image_keys if k in sample), None)
         if key is None or self.spec.text_key not in sample:
             raise ValueError(f"sample {sample.get('__key__')} lacks an image or a '{self.spec.text_key}' caption")
-        image = Image.open(io.BytesIO(sample[key]))
-        caption = sample[self.spec.text_key].decode("utf-8")
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
-            if self.spec.decode == "mixed":
-                pixels = cropped(sample[key], image, self.preprocess)
-            else:
-                pixels = for_device(sample[key], image, self.preprocess) if self.spec.decode == "gpu" else None
-                if pixels is None:
-                    image.load()
-                    pixels = self.preprocess(image.convert("RGB"))
-        return pixels, self.tokenize([caption])[0]
+        data, caption = sample[key], sample[self.spec.text_key].decode("utf-8")
+        header = read_header(data)
+        if self.spec.decode == "mixed":
+            return cropped(data, header, self.preprocess, seed), caption
+        pixels = for_device(data, header, self.preprocess, seed) if self.spec.decode == "gpu" else None
+        if pixels is None:
+            image = header.image(data)
+            image.load()
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
+                pixels = self.preprocess(image.convert("RGB"))
+        return pixels, caption
 
     def _collate(self, images: list) -> torch.Tensor | EncodedBatch | CroppedBatch:
         """One micro batch of images (decode.collate)."""
@@ -307,7 +304,7 @@ class ShardStream(IterableDataset):
                 position.batches += 1
                 state = WorkerPosition(position.batches, position.passes, position.cursor, position.offset,
                                        position.emitted, [ref for ref, _ in buffer], rng.getstate())
-                yield {"images": self._collate(images), "texts": torch.stack(texts), "worker": logical,
+                yield {"images": self._collate(images), "texts": self.tokenize(texts), "worker": logical,
                        "position": state, "broken": broken.take()}
                 images, texts = [], []
 

@@ -20,6 +20,7 @@ copies the batch to the device and resizes it there, on its stream, as with "gpu
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -32,6 +33,7 @@ from torch.utils.data import get_worker_info
 
 if TYPE_CHECKING:
     import numpy as np
+    from PIL import Image
 
 log = logging.getLogger("fsdpclip.decode")
 DEVICE_MODES = ("RGB", "L")  # JPEG modes decode_jpeg turns into RGB as PIL's convert("RGB") does
@@ -68,20 +70,87 @@ class EncodedJpeg:
     size: tuple[int, int]
 
 
-def whole_rgb_jpeg(data: bytes, image) -> bool:
-    """Whether `data` (opened by PIL as `image`) is a JPEG that decode_jpeg decodes to PIL's RGB: RGB or
-    grayscale, ending where a JPEG ends (a cut one goes to PIL, which decides whether it is broken)."""
-    return image.format == "JPEG" and image.mode in DEVICE_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9")
+@dataclass
+class Header:
+    """What a worker knows of an encoded image before decoding it: PIL's format and mode, its size, whether
+    it is a progressive JPEG, and PIL's image where PIL read the header (`read_header`)."""
+
+    format: str
+    mode: str
+    height: int
+    width: int
+    progressive: bool
+    opened: Optional["Image.Image"] = None
+
+    def image(self, data: bytes) -> "Image.Image":
+        """`data` opened by PIL (its pixels not yet read)."""
+        from PIL import Image
+
+        return self.opened if self.opened is not None else Image.open(io.BytesIO(data))
 
 
-def for_device(data: bytes, image, worker_transform) -> Optional[EncodedJpeg]:
-    """`data` with the crop box the worker transform's random resized crop draws for it (the same draws, so
-    the same box, as running the transform), if the device decodes it; None: decode it on the worker.
-    `image` is `data` opened by PIL, its header read and its pixels not."""
-    if not whole_rgb_jpeg(data, image) or image.info.get("progressive"):  # nvJPEG decodes those on the host
+_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # SOFn: a frame header
+_PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}  # PIL's info["progressive"]
+_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RSTn: no length
+
+
+def read_header(data: bytes) -> Header:
+    """`data`'s header. A plain 8-bit JPEG of 1 or 3 components is read here, segment by segment up to its
+    scan (PIL's `Image.open` costs ~0.03-0.06 ms per image, ~5% of a 'mixed' worker's time); anything else
+    (other formats, CMYK, MPO's APP2 index, 12-bit, markers out of place) by PIL, which raises for what it
+    cannot open. What is read here is what PIL reads: tests/test_decode.py checks it."""
+    from PIL import Image
+
+    header = _plain_jpeg_header(data)
+    if header is not None:
+        return header
+    image = Image.open(io.BytesIO(data))
+    return Header(image.format, image.mode, image.height, image.width, bool(image.info.get("progressive")), image)
+
+
+def _plain_jpeg_header(data: bytes) -> Optional[Header]:
+    """`data`'s header if it is a plain JPEG as `read_header` says, else None."""
+    if not data.startswith(b"\xff\xd8\xff"):
+        return None
+    frame, at = None, 2
+    while at + 4 <= len(data) and data[at] == 0xFF:
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+        elif marker in _STANDALONE:
+            at += 2
+        elif marker == 0xDA:  # the first scan: the header is whole
+            return frame
+        elif marker < 0xC0 or marker in (0xD8, 0xD9) or marker == 0xE2 and data[at + 4:at + 8] == b"MPF\0":
+            return None
+        else:
+            length = int.from_bytes(data[at + 2:at + 4], "big")
+            if marker in _FRAMES:
+                segment = data[at + 4:at + 2 + length]
+                if frame is not None or length < 8 or len(segment) < 6 or segment[0] != 8 or segment[5] not in (1, 3):
+                    return None
+                frame = Header("JPEG", "RGB" if segment[5] == 3 else "L", int.from_bytes(segment[1:3], "big"),
+                               int.from_bytes(segment[3:5], "big"), marker in _PROGRESSIVE)
+                if not frame.height or not frame.width:
+                    return None
+            at += 2 + length
+    return None
+
+
+def whole_rgb_jpeg(data: bytes, header: Header) -> bool:
+    """Whether `data` (of `header`) is a JPEG that decode_jpeg decodes to PIL's RGB: RGB or grayscale,
+    ending where a JPEG ends (a cut one goes to PIL, which decides whether it is broken)."""
+    return header.format == "JPEG" and header.mode in DEVICE_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9")
+
+
+def for_device(data: bytes, header: Header, worker_transform, seed: int) -> Optional[EncodedJpeg]:
+    """`data` (of `header`) with the crop box the worker transform's random resized crop draws for it with
+    torch's generator seeded with `seed` (the same box as running the transform so), if the device decodes
+    it; None: decode it on the worker."""
+    if not whole_rgb_jpeg(data, header) or header.progressive:  # nvJPEG decodes those on the host
         return None
     crop = _crop(worker_transform.transforms)
-    return EncodedJpeg(data, crop.get_params(image, crop.scale, crop.ratio), crop.size)
+    return EncodedJpeg(data, crop_box(crop, header.height, header.width, seed), crop.size)
 
 
 @dataclass
@@ -94,16 +163,53 @@ class CroppedImage:
     size: tuple[int, int]
 
 
-def cropped(data: bytes, image, worker_transform) -> CroppedImage:
-    """`image` (`data` opened by PIL, its pixels not yet read) decoded to RGB and cut to the crop box the
-    worker transform's random resized crop draws for it (the same draws as running the transform)."""
+def cropped(data: bytes, header: Header, worker_transform, seed: int) -> CroppedImage:
+    """`data` (of `header`) decoded to RGB and cut to the crop box the worker transform's random resized crop
+    draws for it with torch's generator seeded with `seed` (the box running the transform so would cut)."""
     crop = _crop(worker_transform.transforms)
-    top, left, height, width = crop.get_params(image, crop.scale, crop.ratio)
-    return CroppedImage(rgb_pixels(data, image)[top:top + height, left:left + width], crop.size)
+    top, left, height, width = crop_box(crop, header.height, header.width, seed)
+    return CroppedImage(rgb_pixels(data, header)[top:top + height, left:left + width], crop.size)
 
 
-def rgb_pixels(data: bytes, image) -> np.ndarray:
-    """The (h, w, 3) uint8 pixels PIL's `image.convert("RGB")` gives (`image`: `data` opened by PIL).
+ATTEMPTS = 10  # torchvision's RandomResizedCrop draws up to 10 boxes before it falls back to a central crop
+_DRAWS = torch.Generator()  # crop_box's own: torch's default generator is left as it is
+
+
+def crop_box(crop, height: int, width: int, seed: int) -> tuple[int, int, int, int]:
+    """The box (top, left, height, width) that `crop` (a RandomResizedCrop) draws for an image of `height` ×
+    `width` with torch's default generator seeded with `seed`: torchvision's `get_params`, draw for draw, in
+    5 calls into torch instead of ~8 per attempt (a 256-px image with OpenCLIP's scale (0.9, 1) needs ~5,
+    and one in 7 all 10). Each draw is one 32-bit output of the generator: an attempt's area is an even draw
+    of a run of uniform draws over the scale, its aspect ratio the next, odd, draw of a run over the log
+    ratios (the same kernels make them), and the box's corner is the two raw draws after the attempt that
+    fits, modulo the room left (torch.randint's rule). No attempt fitting: get_params' central crop."""
+    _DRAWS.manual_seed(seed)
+    areas = torch.empty(2 * ATTEMPTS).uniform_(*crop.scale, generator=_DRAWS)[0::2].tolist()
+    _DRAWS.manual_seed(seed)
+    log_ratios = torch.empty(2 * ATTEMPTS).uniform_(*_log_ratio(tuple(crop.ratio)), generator=_DRAWS)
+    for attempt, (share, aspect) in enumerate(zip(areas, torch.exp(log_ratios[1::2]).tolist())):
+        target_area = height * width * share
+        w, h = int(round(math.sqrt(target_area * aspect))), int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            _DRAWS.manual_seed(seed)  # 64-bit draws are two 32-bit ones, the first in the high half
+            pair = torch.empty(attempt + 2, dtype=torch.int64).random_(-2**63, None, generator=_DRAWS)[-1].item()
+            return ((pair >> 32) & 0xFFFFFFFF) % (height - h + 1), (pair & 0xFFFFFFFF) % (width - w + 1), h, w
+    w, h = width, height
+    if width / height < min(crop.ratio):
+        h = int(round(w / min(crop.ratio)))
+    elif width / height > max(crop.ratio):
+        w = int(round(h * max(crop.ratio)))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+@functools.lru_cache(maxsize=None)
+def _log_ratio(ratio: tuple[float, float]) -> list[float]:
+    """The aspect ratio range's logarithms, as get_params takes them (float32)."""
+    return torch.log(torch.tensor(ratio)).tolist()
+
+
+def rgb_pixels(data: bytes, header: Header) -> np.ndarray:
+    """The (h, w, 3) uint8 pixels PIL's `Image.open(data).convert("RGB")` gives (`header`: `data`'s).
     JPEGs of `whole_rgb_jpeg` go through torchvision's decode_jpeg, without PIL's copy out of its own
     memory (0.64 vs 1.09 ms per 256-px JPEG on the H200 host). Both wrap libjpeg-turbo, each its own
     build: their pixels were equal in every test (tests/test_decode.py checks it); a version of either
@@ -112,7 +218,7 @@ def rgb_pixels(data: bytes, image) -> np.ndarray:
     through PIL, which decides what is broken."""
     import numpy as np
 
-    if whole_rgb_jpeg(data, image):
+    if whole_rgb_jpeg(data, header):
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:  # (3, h, w), a view of the decoder's (h, w, 3)
@@ -120,6 +226,7 @@ def rgb_pixels(data: bytes, image) -> np.ndarray:
                                mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
         except RuntimeError:
             pass
+    image = header.image(data)
     return np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
 
 

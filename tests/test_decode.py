@@ -18,8 +18,8 @@ from PIL import Image
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
 from fsdpclip import decode
-from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, decode_mode, device_jpeg_decoder, pooled_batch,
-                             resample_weights, rgb_pixels)
+from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode, device_jpeg_decoder,
+                             pooled_batch, read_header, resample_weights, rgb_pixels)
 from fsdpclip.spec import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
@@ -316,7 +316,7 @@ def test_host_pixels_are_pils_whichever_decoder_reads_them(monkeypatch):
     real = torchvision.io.decode_jpeg
     monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda *a, **k: calls.append(1) or real(*a, **k))
     for data in through_torchvision + through_pil:
-        got = rgb_pixels(data, Image.open(io.BytesIO(data)))
+        got = rgb_pixels(data, read_header(data))
         assert got.shape == (37, 53, 3) and got.dtype == np.uint8
         assert np.array_equal(got, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
     assert len(calls) == len(through_torchvision)
@@ -326,8 +326,52 @@ def test_host_pixels_are_pils_whichever_decoder_reads_them(monkeypatch):
 
     monkeypatch.setattr(torchvision.io, "decode_jpeg", refuses)
     data = through_torchvision[0]
-    assert np.array_equal(rgb_pixels(data, Image.open(io.BytesIO(data))),
+    assert np.array_equal(rgb_pixels(data, read_header(data)),
                           np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+def test_crop_boxes_are_torchvisions_draw_for_draw():
+    """crop_box gives the box RandomResizedCrop.get_params draws with torch's default generator seeded the
+    same, for OpenCLIP's crop and two others, on images where an early, a late or no attempt fits (the
+    central crop), and leaves the default generator as it was."""
+    from torchvision.transforms import InterpolationMode, RandomResizedCrop
+
+    rng = np.random.default_rng(7)
+    shapes = [(256, 256), (256, 341), (480, 640), (1000, 62), (65, 900), (3, 5), (1, 1)]
+    crops = [RandomResizedCrop(SIZE, scale=scale, ratio=ratio, interpolation=InterpolationMode.BICUBIC)
+             for scale, ratio in [((0.9, 1.0), (3 / 4, 4 / 3)), ((0.08, 1.0), (3 / 4, 4 / 3)), ((0.5, 1.0), (0.5, 2.0))]]
+    state = torch.get_rng_state()
+    fallbacks = 0
+    for crop, (height, width) in itertools.product(crops, shapes):
+        for seed in rng.integers(-2**63, 2**63 - 1, 300, dtype=np.int64).tolist():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                want = crop.get_params(torch.empty(3, height, width), crop.scale, crop.ratio)
+            assert crop_box(crop, height, width, seed) == want, (crop, height, width, seed)
+            fallbacks += want == ((height - want[2]) // 2, (width - want[3]) // 2, *want[2:])
+    assert fallbacks > 300  # the central crop was among the boxes
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_jpeg_headers_are_read_as_pil_reads_them():
+    """read_header reads plain JPEGs itself (baseline, progressive, 4:4:4, grayscale, with EXIF, a large ICC
+    profile, a comment, optimised Huffman tables) as PIL would, and leaves CMYK, MPO, PNG, a cut header and
+    garbage after a JPEG's start to PIL, which reads them or raises."""
+    rng = np.random.default_rng(4)
+    image = picture(rng, 37, 53)
+    mpo = io.BytesIO()
+    image.save(mpo, "MPO", save_all=True, append_images=[picture(rng, 37, 53)])
+    plain = [encoded(image), encoded(image, progressive=True), encoded(image, subsampling=0),
+             encoded(image.convert("L")), encoded(image, exif=Image.Exif()), encoded(image, icc_profile=b"x" * 70000),
+             encoded(image, comment=b"a comment"), encoded(image, optimize=True), encoded(picture(rng, 3000, 20))]
+    for data in plain + [encoded(image.convert("CMYK")), mpo.getvalue(), encoded(image, "PNG")]:
+        header, pil = read_header(data), Image.open(io.BytesIO(data))
+        assert (header.format, header.mode, header.height, header.width, header.progressive) == \
+            (pil.format, pil.mode, pil.height, pil.width, bool(pil.info.get("progressive")))
+        assert (header.opened is None) == (data in plain)  # PIL opened all but the plain JPEGs
+    for data in [encoded(image)[:40], b"\xff\xd8\xff" + bytes(50)]:
+        with pytest.raises(OSError):
+            read_header(data)
 
 
 def test_a_batch_of_mixed_images(tmp_path):
