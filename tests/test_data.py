@@ -84,6 +84,22 @@ def test_broken_samples_are_skipped_and_counted(tmp_path):
     assert batches.position.broken == 2
 
 
+def test_a_batchs_captions_are_tokenised_as_each_alone(tmp_path):
+    """The workers tokenise a batch's captions in one call: each row is what OpenCLIP's tokenizer gives its
+    caption alone, in the batch's order, a broken sample's caption left out (captions longer than the
+    context cut alike)."""
+    from open_clip.tokenizer import SimpleTokenizer
+
+    tokenizer = SimpleTokenizer(context_length=8)  # "the digit seven, sample 12." is longer
+    urls = write_shards(tmp_path, [13], broken={4: "image"})
+    _, labels = load_sklearn_digits()
+    iterator = iter(_stream(urls, batch=6, shuffle_buffer=0, samples=12, tokenize=tokenizer))
+    texts = torch.cat([next(iterator)[1] for _ in range(2)])
+    iterator.close()
+    alone = [tokenizer([f"the digit {CLASSNAMES[labels[i]]}, sample {i}."]) for i in range(13) if i != 4]
+    assert torch.equal(texts, torch.cat(alone))
+
+
 def test_image_and_text_keys(tmp_path, monkeypatch):
     """data.image_key (';'-separated, first found) and data.text_key choose the sample's members; a
     stream whose samples all lack them stops with an error that says so (it would never yield)."""
