@@ -251,6 +251,24 @@ class ShardStream(IterableDataset):
                 pixels = self.preprocess(image.convert("RGB"))
         return pixels, caption
 
+    def _tokens(self, captions: list[str], broken: _Broken, logical: int) -> tuple[Optional[torch.Tensor], list[int]]:
+        """A batch's captions tokenised in one call, and no failing ones; where the call raises, each caption
+        alone: those that raise are broken samples (their indices are returned, and no tokens)."""
+        try:
+            return self.tokenize(captions), []
+        except Exception:
+            rows, failing = [], []
+            for index, caption in enumerate(captions):
+                try:
+                    rows.append(self.tokenize([caption]))
+                except Exception as exc:
+                    broken(exc)
+                    failing.append(index)
+                    if len(failing) == len(captions):
+                        raise DataError(f"rank {self.rank}'s data worker {logical}: no caption of a batch of "
+                                        f"{len(captions)} could be tokenised (the last: {exc})") from exc
+            return (None if failing else torch.cat(rows)), failing
+
     def _collate(self, images: list) -> torch.Tensor | EncodedBatch | CroppedBatch:
         """One micro batch of images (decode.collate)."""
         return collate(images)
@@ -301,10 +319,15 @@ class ShardStream(IterableDataset):
             images.append(image)
             texts.append(text)
             if len(images) == self.batch_size:
+                tokens, failing = self._tokens(texts, broken, logical)
+                if failing:  # broken samples: the batch fills up again
+                    images = [image for index, image in enumerate(images) if index not in failing]
+                    texts = [text for index, text in enumerate(texts) if index not in failing]
+                    continue
                 position.batches += 1
                 state = WorkerPosition(position.batches, position.passes, position.cursor, position.offset,
                                        position.emitted, [ref for ref, _ in buffer], rng.getstate())
-                yield {"images": self._collate(images), "texts": self.tokenize(texts), "worker": logical,
+                yield {"images": self._collate(images), "texts": tokens, "worker": logical,
                        "position": state, "broken": broken.take()}
                 images, texts = [], []
 

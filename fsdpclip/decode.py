@@ -91,14 +91,18 @@ class Header:
 
 _FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # SOFn: a frame header
 _PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}  # PIL's info["progressive"]
-_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RSTn: no length
+_RESTARTS = range(0xD0, 0xD8)  # RSTn: no length
+# Segments with a length that PIL reads or skips: DHT, DAC, SOS, DQT, DNL, DRI, EXP, APPn, COM, and the frames.
+_SEGMENTS = {0xC4, 0xCC, 0xDA, 0xDB, 0xDC, 0xDD, 0xDF, 0xFE, *range(0xE0, 0xF0), *_FRAMES}
 
 
 def read_header(data: bytes) -> Header:
-    """`data`'s header. A plain 8-bit JPEG of 1 or 3 components is read here, segment by segment up to its
-    scan (PIL's `Image.open` took 0.10-0.11 ms per image in a 'mixed' worker on an H200 host); anything else
-    (other formats, CMYK, MPO's APP2 index, 12-bit, markers out of place) by PIL, which raises for what it
-    cannot open. What is read here is what PIL reads: tests/test_decode.py checks it."""
+    """`data`'s header. A plain JPEG (8-bit, 1 or 3 components, segments that PIL reads without a doubt and
+    that change nothing about how it is opened) is read here, segment by segment up to its first scan: PIL's
+    `Image.open` took 0.10-0.11 ms per image in a 'mixed' worker on an H200 host. Anything else (other
+    formats, CMYK, EXIF, Photoshop and MPO segments, short or cut segments, markers PIL reads otherwise,
+    more pixels than PIL's decompression-bomb limit) is opened by PIL, which raises for what it cannot open.
+    Where this reads a header, PIL reads the same (tests/test_decode.py checks it on cut and damaged JPEGs)."""
     from PIL import Image
 
     header = _plain_jpeg_header(data)
@@ -110,6 +114,8 @@ def read_header(data: bytes) -> Header:
 
 def _plain_jpeg_header(data: bytes) -> Optional[Header]:
     """`data`'s header if it is a plain JPEG as `read_header` says, else None."""
+    from PIL import Image
+
     if not data.startswith(b"\xff\xd8\xff"):
         return None
     frame, at = None, 2
@@ -117,24 +123,45 @@ def _plain_jpeg_header(data: bytes) -> Optional[Header]:
         marker = data[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
-        elif marker in _STANDALONE:
+            continue
+        if marker in _RESTARTS:
             at += 2
-        elif marker == 0xDA:  # the first scan: the header is whole
-            return frame
-        elif marker < 0xC0 or marker in (0xD8, 0xD9) or marker == 0xE2 and data[at + 4:at + 8] == b"MPF\0":
+            continue
+        length = int.from_bytes(data[at + 2:at + 4], "big")
+        segment = data[at + 4:at + 2 + length]
+        if marker not in _SEGMENTS or length < 2 or len(segment) < length - 2 or not _plain_segment(marker, segment):
             return None
-        else:
-            length = int.from_bytes(data[at + 2:at + 4], "big")
-            if marker in _FRAMES:
-                segment = data[at + 4:at + 2 + length]
-                if frame is not None or length < 8 or len(segment) < 6 or segment[0] != 8 or segment[5] not in (1, 3):
-                    return None
-                frame = Header("JPEG", "RGB" if segment[5] == 3 else "L", int.from_bytes(segment[1:3], "big"),
-                               int.from_bytes(segment[3:5], "big"), marker in _PROGRESSIVE)
-                if not frame.height or not frame.width:
-                    return None
-            at += 2 + length
+        if marker == 0xDA:  # the first scan: the header is whole
+            return frame
+        if marker in _FRAMES:
+            if frame is not None or len(segment) < 6 or segment[0] != 8 or segment[5] not in (1, 3):
+                return None
+            frame = Header("JPEG", "RGB" if segment[5] == 3 else "L", int.from_bytes(segment[1:3], "big"),
+                           int.from_bytes(segment[3:5], "big"), marker in _PROGRESSIVE)
+            limit = Image.MAX_IMAGE_PIXELS  # above it PIL warns, above twice it refuses: let it
+            if not frame.height or not frame.width or limit is not None and frame.height * frame.width > limit:
+                return None
+        at += 2 + length
     return None
+
+
+def _plain_segment(marker: int, segment: bytes) -> bool:
+    """Whether PIL reads this segment's payload without raising and keeps nothing from it that bears on how
+    the image is opened (its quantisation tables whole; JFIF, Adobe and ICC payloads as long as PIL reads
+    them; no EXIF (PIL parses it on opening), Photoshop resources or MPO index)."""
+    if marker == 0xDB:  # DQT: tables of 64 values, each of 1 or 2 bytes by its first byte's high half
+        at = 0
+        while at < len(segment):
+            at += 1 + 64 * (1 if segment[at] < 16 else 2)
+        return at == len(segment)
+    if marker == 0xE0 and segment.startswith(b"JFIF"):
+        return len(segment) >= 7
+    if marker == 0xEE and segment.startswith(b"Adobe"):
+        return len(segment) >= 7
+    if marker == 0xE2 and segment.startswith(b"ICC_PROFILE\0"):
+        return len(segment) >= 14
+    return not (marker == 0xE1 and segment.startswith(b"Exif\0\0") or marker == 0xE2 and segment.startswith(b"MPF\0")
+                or marker == 0xED and segment.startswith(b"Photoshop 3.0\0"))
 
 
 def whole_rgb_jpeg(data: bytes, header: Header) -> bool:
@@ -179,10 +206,17 @@ def crop_box(crop, height: int, width: int, seed: int) -> tuple[int, int, int, i
     """The box (top, left, height, width) that `crop` (a RandomResizedCrop) draws for an image of `height` ×
     `width` with torch's default generator seeded with `seed`: torchvision's `get_params`, draw for draw, in
     three runs of draws and one exp instead of ~8 calls into torch per attempt (a 256-px image with
-    OpenCLIP's scale (0.9, 1) needs ~4.7 attempts on average, and 1 in 8 all 10). Each draw is one 32-bit output of the generator: an attempt's area is an even draw
-    of a run of uniform draws over the scale, its aspect ratio the next, odd, draw of a run over the log
-    ratios (the same kernels make them), and the box's corner is the two raw draws after the attempt that
-    fits, modulo the room left (torch.randint's rule). No attempt fitting: get_params' central crop."""
+    OpenCLIP's scale (0.9, 1) needs ~4.7 attempts on average, and 1 in 8 all 10). Each draw is one 32-bit
+    output of the generator: an attempt's area is an even draw of a run of uniform draws over the scale,
+    its aspect ratio the next, odd, draw of a run over the log ratios (the same kernels make them), and the
+    box's corner is the two raw draws after the attempt that fits, modulo the room left (torch.randint's
+    rule). No attempt fitting: get_params' central crop. Where torch's default dtype is not float32, its
+    draws take other outputs (float64: two each): get_params itself. One generator for the process: not for
+    threads (the data workers are processes)."""
+    if torch.get_default_dtype() != torch.float32:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return crop.get_params(torch.empty(0, height, width), crop.scale, crop.ratio)
     _DRAWS.manual_seed(seed)
     areas = torch.empty(2 * ATTEMPTS).uniform_(*crop.scale, generator=_DRAWS)[0::2].tolist()
     _DRAWS.manual_seed(seed)
@@ -205,7 +239,7 @@ def crop_box(crop, height: int, width: int, seed: int) -> tuple[int, int, int, i
 @functools.lru_cache(maxsize=None)
 def _log_ratio(ratio: tuple[float, float]) -> list[float]:
     """The aspect ratio range's logarithms, as get_params takes them (float32)."""
-    return torch.log(torch.tensor(ratio)).tolist()
+    return torch.log(torch.tensor(ratio, dtype=torch.float32)).tolist()
 
 
 def rgb_pixels(data: bytes, header: Header) -> np.ndarray:

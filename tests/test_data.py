@@ -100,6 +100,30 @@ def test_a_batchs_captions_are_tokenised_as_each_alone(tmp_path):
     assert torch.equal(texts, torch.cat(alone))
 
 
+def test_a_caption_the_tokenizer_refuses_is_a_broken_sample(tmp_path):
+    """Where a batch's tokenising raises, its captions are tokenised one by one: a caption that still raises
+    makes its sample broken (counted, left out, the batch filled up from the next samples); a tokenizer that
+    refuses every caption stops the stream with an error that says so."""
+    urls = write_shards(tmp_path, [14])
+
+    def picky(captions: list[str]) -> torch.Tensor:
+        if any(caption.endswith("sample 3.") for caption in captions):
+            raise ValueError("no sample 3")
+        return index_tokens(captions)
+
+    batches = _stream(urls, batch=6, shuffle_buffer=0, samples=12, tokenize=picky)
+    iterator = iter(batches)
+    texts = torch.cat([next(iterator)[1] for _ in range(2)])
+    iterator.close()
+    assert texts[:, 0].tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12] and batches.position.broken == 1
+
+    def refuses(captions: list[str]) -> torch.Tensor:
+        raise ValueError("no captions today")
+
+    with pytest.raises(RuntimeError, match="no caption of a batch of 6 could be tokenised .*no captions today"):
+        next(iter(_stream(urls, batch=6, shuffle_buffer=0, samples=12, tokenize=refuses)))
+
+
 def test_image_and_text_keys(tmp_path, monkeypatch):
     """data.image_key (';'-separated, first found) and data.text_key choose the sample's members; a
     stream whose samples all lack them stops with an error that says so (it would never yield)."""

@@ -351,24 +351,73 @@ def test_crop_boxes_are_torchvisions_draw_for_draw():
             fallbacks += want == ((height - want[2]) // 2, (width - want[3]) // 2, *want[2:])
     assert fallbacks > 300  # the central crop was among the boxes
     assert torch.equal(torch.get_rng_state(), state)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # float64 draws take two outputs each: get_params itself
+    try:
+        for seed in range(200):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                want = crops[0].get_params(torch.empty(3, 256, 341), crops[0].scale, crops[0].ratio)
+            assert crop_box(crops[0], 256, 341, seed) == want
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_jpeg_headers_are_read_as_pil_reads_them():
-    """read_header reads plain JPEGs itself (baseline, progressive, 4:4:4, grayscale, with EXIF, a large ICC
-    profile, a comment, optimised Huffman tables) as PIL would, and leaves CMYK, MPO, PNG, a cut header and
-    garbage after a JPEG's start to PIL, which reads them or raises."""
+    """read_header reads plain JPEGs itself (baseline, progressive, 4:4:4, grayscale, a large ICC profile, a
+    comment, optimised Huffman tables, Adobe RGB) as PIL would, and leaves CMYK, EXIF, MPO, PNG, segments PIL
+    reads otherwise or refuses, and sizes past PIL's decompression-bomb limit to PIL, which reads them, warns
+    or raises. Cut at every byte or damaged at random, a JPEG it reads itself is read as PIL reads it."""
+    from fsdpclip.decode import _plain_jpeg_header
+
     rng = np.random.default_rng(4)
     image = picture(rng, 37, 53)
     mpo = io.BytesIO()
     image.save(mpo, "MPO", save_all=True, append_images=[picture(rng, 37, 53)])
     plain = [encoded(image), encoded(image, progressive=True), encoded(image, subsampling=0),
-             encoded(image.convert("L")), encoded(image, exif=Image.Exif()), encoded(image, icc_profile=b"x" * 70000),
-             encoded(image, comment=b"a comment"), encoded(image, optimize=True), encoded(picture(rng, 3000, 20))]
-    for data in plain + [encoded(image.convert("CMYK")), mpo.getvalue(), encoded(image, "PNG")]:
-        header, pil = read_header(data), Image.open(io.BytesIO(data))
-        assert (header.format, header.mode, header.height, header.width, header.progressive) == \
-            (pil.format, pil.mode, pil.height, pil.width, bool(pil.info.get("progressive")))
+             encoded(image.convert("L")), encoded(image, icc_profile=b"x" * 70000), encoded(image, comment=b"a comment"),
+             encoded(image, optimize=True), encoded(image, keep_rgb=True), encoded(picture(rng, 3000, 20))]
+    others = [encoded(image.convert("CMYK")), encoded(image, exif=Image.Exif()), mpo.getvalue(), encoded(image, "PNG")]
+
+    def pil(data: bytes):
+        opened = Image.open(io.BytesIO(data))
+        return opened.format, opened.mode, opened.height, opened.width, bool(opened.info.get("progressive"))
+
+    for data in plain + others:
+        header = read_header(data)
+        assert (header.format, header.mode, header.height, header.width, header.progressive) == pil(data)
         assert (header.opened is None) == (data in plain)  # PIL opened all but the plain JPEGs
+    base = plain[0]
+    frame = base.index(b"\xff\xc0")
+    segment = lambda marker, payload: bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload  # noqa
+    scan, end = base.index(b"\xff\xda"), frame + 2 + int.from_bytes(base[frame + 2:frame + 4], "big")
+    other = bytearray(base[frame + 2:end])
+    other[3:7] = (999).to_bytes(2, "big") + (777).to_bytes(2, "big")  # a frame of another size
+    left_to_pil = [base[:2] + b"\xff\x01\x00\x02" + base[2:],  # TEM, which PIL does not know
+                   base[:2] + segment(0xE0, b"JFIF\0") + base[2:], base[:2] + segment(0xEE, b"Adobe") + base[2:],
+                   base[:2] + segment(0xE2, b"ICC_PROFILE\0") + base[2:], base[:2] + segment(0xDB, bytes(11)) + base[2:],
+                   base[:end] + b"\xff\xde" + other + base[end:],  # DHP: a frame to PIL
+                   base[:end] + segment(0xF0, b"\xff\xc0" + other) + base[end:],  # JPG0: PIL reads no length
+                   base[:scan + 2] + b"\xff\xf0" + base[scan + 4:],  # a scan header past the end
+                   base[:2] + b"\xff\xd9" + base[2:], base[:frame + 4] + b"\x0c" + base[frame + 5:]]  # EOI first; 12-bit
+    assert all(_plain_jpeg_header(data) is None for data in left_to_pil)
+    assert pil(left_to_pil[5])[2:4] == pil(left_to_pil[6])[2:4] == (999, 777)  # PIL reads the other frame
+    damaged = [data[:cut] for data in plain[:4] for cut in range(len(data))]
+    for _ in range(3000):
+        data = bytearray(plain[rng.integers(4)])
+        data[rng.integers(min(len(data), 700))] = rng.integers(256)
+        damaged.append(bytes(data))
+    read = 0
+    for data in damaged:
+        header = _plain_jpeg_header(data)
+        if header is not None:
+            assert (header.format, header.mode, header.height, header.width, header.progressive) == pil(data)
+            read += 1
+    assert read > 1000  # most damage is to the pixels, after the header
+    huge = bytearray(base)
+    huge[frame + 5:frame + 9] = (20000).to_bytes(2, "big") * 2  # 400 M pixels: past twice PIL's limit
+    with pytest.raises(Image.DecompressionBombError):
+        read_header(bytes(huge))
     for data in [encoded(image)[:40], b"\xff\xd8\xff" + bytes(50)]:
         with pytest.raises(OSError):
             read_header(data)
