@@ -251,23 +251,23 @@ class ShardStream(IterableDataset):
                 pixels = self.preprocess(image.convert("RGB"))
         return pixels, caption
 
-    def _tokens(self, captions: list[str], broken: _Broken, logical: int) -> tuple[Optional[torch.Tensor], list[int]]:
-        """A batch's captions tokenised in one call, and no failing ones; where the call raises, each caption
-        alone: those that raise are broken samples (their indices are returned, and no tokens)."""
+    def _tokens(self, captions: list[str], broken: _Broken) -> tuple[Optional[torch.Tensor], dict[int, Exception]]:
+        """A batch's captions tokenised in one call. Where that raises, each caption alone: those that raise
+        are broken samples, returned by index with what they raised (and no tokens)."""
         try:
-            return self.tokenize(captions), []
-        except Exception:
-            rows, failing = [], []
+            return self.tokenize(captions), {}
+        except Exception as batch_error:
+            rows, refused = [], {}
             for index, caption in enumerate(captions):
                 try:
                     rows.append(self.tokenize([caption]))
                 except Exception as exc:
                     broken(exc)
-                    failing.append(index)
-                    if len(failing) == len(captions):
-                        raise DataError(f"rank {self.rank}'s data worker {logical}: no caption of a batch of "
-                                        f"{len(captions)} could be tokenised (the last: {exc})") from exc
-            return (None if failing else torch.cat(rows)), failing
+                    refused[index] = exc
+            if refused:
+                return None, refused
+            log.warning("tokenising a batch's captions raised (%s), each caption alone did not", batch_error)
+            return torch.cat(rows), {}
 
     def _collate(self, images: list) -> torch.Tensor | EncodedBatch | CroppedBatch:
         """One micro batch of images (decode.collate)."""
@@ -294,7 +294,7 @@ class ShardStream(IterableDataset):
         reader = _Reader(self, logical, workers, position, broken)
         buffer = reader.restore(position.buffer)
         size = self.spec.shuffle_buffer
-        images, texts, failed = [], [], 0
+        images, texts, failed, refused_in_a_row = [], [], 0, 0
         while position.batches < quota:
             if size <= 1:
                 ref, sample = next(reader)
@@ -319,11 +319,16 @@ class ShardStream(IterableDataset):
             images.append(image)
             texts.append(text)
             if len(images) == self.batch_size:
-                tokens, failing = self._tokens(texts, broken, logical)
-                if failing:  # broken samples: the batch fills up again
-                    images = [image for index, image in enumerate(images) if index not in failing]
-                    texts = [text for index, text in enumerate(texts) if index not in failing]
+                tokens, refused = self._tokens(texts, broken)
+                if refused:  # broken samples: the batch fills up again
+                    refused_in_a_row += len(refused)
+                    if refused_in_a_row >= UNUSABLE_IN_A_ROW + 20 * size:
+                        raise DataError(f"rank {self.rank}'s data worker {logical}: {refused_in_a_row} captions in a "
+                                        f"row could not be tokenised (the last: {list(refused.values())[-1]})")
+                    images = [image for index, image in enumerate(images) if index not in refused]
+                    texts = [text for index, text in enumerate(texts) if index not in refused]
                     continue
+                refused_in_a_row = 0
                 position.batches += 1
                 state = WorkerPosition(position.batches, position.passes, position.cursor, position.offset,
                                        position.emitted, [ref for ref, _ in buffer], rng.getstate())

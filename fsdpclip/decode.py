@@ -134,7 +134,8 @@ def _plain_jpeg_header(data: bytes) -> Optional[Header]:
         if marker == 0xDA:  # the first scan: the header is whole
             return frame
         if marker in _FRAMES:
-            if frame is not None or len(segment) < 6 or segment[0] != 8 or segment[5] not in (1, 3):
+            if frame is not None or len(segment) < 6 or segment[0] != 8 or segment[5] not in (1, 3) or \
+                    len(segment) != 6 + 3 * segment[5]:  # a component's entry is 3 bytes (PIL and libjpeg read them)
                 return None
             frame = Header("JPEG", "RGB" if segment[5] == 3 else "L", int.from_bytes(segment[1:3], "big"),
                            int.from_bytes(segment[3:5], "big"), marker in _PROGRESSIVE)

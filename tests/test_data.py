@@ -100,10 +100,11 @@ def test_a_batchs_captions_are_tokenised_as_each_alone(tmp_path):
     assert torch.equal(texts, torch.cat(alone))
 
 
-def test_a_caption_the_tokenizer_refuses_is_a_broken_sample(tmp_path):
+@pytest.mark.parametrize("batch", [6, 1])
+def test_a_caption_the_tokenizer_refuses_is_a_broken_sample(tmp_path, monkeypatch, batch):
     """Where a batch's tokenising raises, its captions are tokenised one by one: a caption that still raises
-    makes its sample broken (counted, left out, the batch filled up from the next samples); a tokenizer that
-    refuses every caption stops the stream with an error that says so."""
+    makes its sample broken (counted, left out, the batch filled up from the next samples), whatever the
+    batch size; only data.UNUSABLE_IN_A_ROW refused in a row stop the stream, with an error that says so."""
     urls = write_shards(tmp_path, [14])
 
     def picky(captions: list[str]) -> torch.Tensor:
@@ -111,17 +112,26 @@ def test_a_caption_the_tokenizer_refuses_is_a_broken_sample(tmp_path):
             raise ValueError("no sample 3")
         return index_tokens(captions)
 
-    batches = _stream(urls, batch=6, shuffle_buffer=0, samples=12, tokenize=picky)
+    batches = _stream(urls, batch=batch, shuffle_buffer=0, samples=12, tokenize=picky)
     iterator = iter(batches)
-    texts = torch.cat([next(iterator)[1] for _ in range(2)])
+    texts = torch.cat([next(iterator)[1] for _ in range(12 // batch)])
     iterator.close()
     assert texts[:, 0].tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12] and batches.position.broken == 1
 
+    class Runaway(BaseException):
+        """Raised past the point where the stream should have stopped (instead of a test that never ends)."""
+
+    calls = []
+
     def refuses(captions: list[str]) -> torch.Tensor:
+        calls.append(captions)
+        if len(calls) > 500:
+            raise Runaway
         raise ValueError("no captions today")
 
-    with pytest.raises(RuntimeError, match="no caption of a batch of 6 could be tokenised .*no captions today"):
-        next(iter(_stream(urls, batch=6, shuffle_buffer=0, samples=12, tokenize=refuses)))
+    monkeypatch.setattr(data_module, "UNUSABLE_IN_A_ROW", 20)
+    with pytest.raises(RuntimeError, match="captions in a row could not be tokenised .*no captions today"):
+        next(iter(_stream(urls, batch=batch, shuffle_buffer=0, samples=12, tokenize=refuses)))
 
 
 def test_image_and_text_keys(tmp_path, monkeypatch):
