@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from fsdpclip.decode import (CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, TrainImages, collate, cropped,
-                             decode_mode, for_device, read_header)
+                             decode_mode, for_device, random_resized_crop, read_header)
 from fsdpclip.spec import WebDatasetSpec, batches_per_epoch
 from fsdpclip.tarshards import shard_samples
 from fsdpclip.urls import shard_urls
@@ -196,6 +196,7 @@ class ShardStream(IterableDataset):
     def __init__(self, spec: WebDatasetSpec, preprocess: Callable, tokenize: Callable, batch_size: int,
                  rank: int, world_size: int, seed: int):
         self.spec, self.preprocess, self.tokenize = spec, preprocess, tokenize
+        self.crop = random_resized_crop(preprocess.transforms) if spec.decode in ("gpu", "mixed") else None
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.urls = shard_urls(spec.urls)
         self.image_keys = [k.strip().lower() for k in spec.image_key.split(";")]
@@ -241,8 +242,8 @@ class ShardStream(IterableDataset):
         data, caption = sample[key], sample[self.spec.text_key].decode("utf-8")
         header = read_header(data)
         if self.spec.decode == "mixed":
-            return cropped(data, header, self.preprocess, seed), caption
-        pixels = for_device(data, header, self.preprocess, seed) if self.spec.decode == "gpu" else None
+            return cropped(data, header, self.crop, seed), caption
+        pixels = for_device(data, header, self.crop, seed) if self.spec.decode == "gpu" else None
         if pixels is None:
             image = header.image(data)
             image.load()

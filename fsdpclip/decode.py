@@ -171,13 +171,12 @@ def whole_rgb_jpeg(data: bytes, header: Header) -> bool:
     return header.format == "JPEG" and header.mode in DEVICE_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9")
 
 
-def for_device(data: bytes, header: Header, worker_transform, seed: int) -> Optional[EncodedJpeg]:
-    """`data` (of `header`) with the crop box the worker transform's random resized crop draws for it with
+def for_device(data: bytes, header: Header, crop, seed: int) -> Optional[EncodedJpeg]:
+    """`data` (of `header`) with the box `crop` (the worker transform's random resized crop) draws for it with
     torch's generator seeded with `seed` (the same box as running the transform so), if the device decodes
     it; None: decode it on the worker."""
     if not whole_rgb_jpeg(data, header) or header.progressive:  # nvJPEG decodes those on the host
         return None
-    crop = _crop(worker_transform.transforms)
     return EncodedJpeg(data, crop_box(crop, header.height, header.width, seed), crop.size)
 
 
@@ -191,10 +190,9 @@ class CroppedImage:
     size: tuple[int, int]
 
 
-def cropped(data: bytes, header: Header, worker_transform, seed: int) -> CroppedImage:
-    """`data` (of `header`) decoded to RGB and cut to the crop box the worker transform's random resized crop
-    draws for it with torch's generator seeded with `seed` (the box running the transform so would cut)."""
-    crop = _crop(worker_transform.transforms)
+def cropped(data: bytes, header: Header, crop, seed: int) -> CroppedImage:
+    """`data` (of `header`) decoded to RGB and cut to the box `crop` (the worker transform's random resized
+    crop) draws for it with torch's generator seeded with `seed` (the box running the transform so would cut)."""
     top, left, height, width = crop_box(crop, header.height, header.width, seed)
     return CroppedImage(rgb_pixels(data, header)[top:top + height, left:left + width], crop.size)
 
@@ -427,7 +425,7 @@ class TrainImages:
         self.mean, self.std = (torch.as_tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
                                for v in (normalize.mean, normalize.std))
         if decode in ("gpu", "mixed"):
-            crop = _crop(steps[:cut])
+            crop = random_resized_crop(steps[:cut])
             extra = [step for step in steps[:cut] if step is not crop and not _to_rgb(step)]
             if extra:
                 raise ValueError(f"data.decode '{decode}' crops and resizes on the device, but the model's train "
@@ -569,7 +567,7 @@ def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out
     return dense.scatter_add_(2, index.long().clamp_(0, extent - 1), weights)  # taps past an edge weigh 0
 
 
-def _crop(steps: list):
+def random_resized_crop(steps: list):
     """The random resized crop among the worker's steps (it must be bicubic, as OpenCLIP's is)."""
     from torchvision.transforms import InterpolationMode, RandomResizedCrop
 
