@@ -77,7 +77,7 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")), ("matmul"
                 ("optimizer", ("multi_tensor", "adam", "foreach")), ("copies", ("memcpy", "memset", "copy")))
 
 
-def device_time_by_kind(prof, steps: int, top: int = 15) -> str:
+def device_time_by_kind(prof, steps: int, top: int = 30) -> str:
     """Where the device's time goes per step: kernels grouped by KERNEL_KINDS (the rest: 'other'), ms and %,
     then the `top` kernels."""
     kernels = sorted(((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0), e.key)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpclip.attention import use_direct_attention
+from fsdpclip.direct import use_direct_attention, use_direct_patch_embedding
 from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import SHARED_PARAMETERS, find_towers
 from fsdpclip.rundir import write_atomically
@@ -35,6 +35,8 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
     towers = find_towers(model, block_classes)
     if fsdp.direct_attention:
         use_direct_attention(model)
+    if fsdp.direct_patch_embedding:
+        use_direct_patch_embedding(model)
     apply_activation_checkpointing(model, checkpointed_modules(model, towers, fsdp))
     units = plan_units(model, towers, fsdp)
     if fsdp.compile is True:

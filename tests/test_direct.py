@@ -1,4 +1,5 @@
-"""DirectAttention computes what nn.MultiheadAttention computes, under the same names."""
+"""DirectAttention and DirectPatchEmbedding compute what nn.MultiheadAttention and nn.Conv2d compute,
+under the same names."""
 
 import copy
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdpclip.attention import DirectAttention, use_direct_attention
+from fsdpclip.direct import DirectAttention, DirectPatchEmbedding, use_direct_attention, use_direct_patch_embedding
 from fsdpclip.spec import ModelSpec
 from fsdpclip.weights import initial_model
 from conftest import TINY_CONFIG
@@ -49,11 +50,43 @@ def test_uncovered_calls_fall_back_to_the_original():
         assert (a[1] is None) == (b[1] is None)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("size", [(32, 32), (35, 42)])  # the second leaves rows and columns the kernel drops
+def test_patch_embedding_same_outputs_and_gradients(bias, size):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 16, kernel_size=(8, 7), stride=(8, 7), bias=bias).double()
+    direct = copy.deepcopy(conv)
+    assert use_direct_patch_embedding(direct) == 1 and type(direct) is DirectPatchEmbedding
+    images = torch.randn(2, 3, *size, dtype=torch.float64)
+    outputs = []
+    for module in (conv, direct):
+        x = images.clone().requires_grad_()
+        out = module(x)
+        tokens = out.reshape(out.shape[0], out.shape[1], -1).permute(0, 2, 1)  # OpenCLIP's flattening
+        (tokens * torch.linspace(-1, 1, tokens.numel(), dtype=tokens.dtype).view_as(tokens)).sum().backward()
+        outputs.append((out, tokens, x.grad, module.weight.grad) + ((module.bias.grad,) if bias else ()))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert outputs[1][1].is_contiguous()  # the tokens are a view of the matmul's output, not a copy
+    assert list(conv.state_dict()) == list(direct.state_dict())
+    torch.testing.assert_close(direct(images[0]), conv(images[0]))  # unbatched: the convolution itself
+
+
+def test_only_patch_embeddings_are_swapped():
+    kept = [nn.Conv2d(3, 4, 3, stride=3, padding=1), nn.Conv2d(3, 4, 4, stride=2),
+            nn.Conv2d(4, 4, 2, stride=2, groups=2), nn.Conv2d(3, 4, 2, stride=2, dilation=2), nn.Conv2d(3, 4, 1),
+            nn.Conv1d(3, 4, 4, stride=4)]
+    model = nn.Sequential(*kept, nn.Conv2d(3, 4, 4, stride=4, padding="valid"))
+    assert use_direct_patch_embedding(model) == 1
+    assert [type(m) for m in model] == [type(m) for m in kept] + [DirectPatchEmbedding]
+
+
 def test_openclip_model_keeps_its_state_dict_and_outputs():
     model = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=0).eval()
     direct = copy.deepcopy(model)
     blocks = sum(type(m).__name__ == "ResidualAttentionBlock" for m in model.modules())
     assert blocks >= 2 and use_direct_attention(direct) == blocks
+    assert use_direct_patch_embedding(direct) == 1 and type(direct.visual.conv1) is DirectPatchEmbedding
     size, context = model.visual.image_size, model.context_length
     images, texts = torch.randn(2, 3, *size), torch.randint(1, 100, (2, context))
     assert list(direct.state_dict()) == list(model.state_dict())

@@ -1,0 +1,105 @@
+"""OpenCLIP's modules with direct forwards: the same function, parameters and names, faster kernels.
+
+`DirectAttention`: OpenCLIP 3.3's `ResidualAttentionBlock` calls `nn.MultiheadAttention`, which in
+training goes through `F.multi_head_attention_forward`: a transpose to sequence-first and back,
+contiguous copies of q/k/v, and a page of argument checks per call. `DirectAttention` computes the same
+function (same packed in-projection, `F.scaled_dot_product_attention`, out-projection) straight from
+batch-first inputs. Calls it does not cover (attention weights asked for, padding masks, boolean or
+per-head masks, separate k/v projections, bias_kv, zero_attn) go to the original.
+
+`DirectPatchEmbedding`: a ViT's patch embedding is a `Conv2d` whose stride is its kernel (OpenCLIP's
+`conv1`, timm's `PatchEmbed.proj`). Over non-overlapping patches that convolution is one matmul of the
+image's patches, laid out as rows, with the flattened kernel; cuDNN's convolution kernels for these
+shapes (3 input channels, 14- or 32-pixel kernels) run far below the matmul rate, its weight gradient
+most of all (docs/performance.md).
+
+Both are their module's class with another `forward`, swapped in place, so state-dict names, freeze
+ranges and decay rules are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DirectAttention(nn.MultiheadAttention):
+    """`nn.MultiheadAttention` whose common batch-first case calls SDPA directly."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False):
+        if not self._covers(query, key, value, key_padding_mask, need_weights, attn_mask):
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights,
+                                   is_causal=is_causal)
+        batch, length, width = query.shape
+        heads = self.num_heads
+        if key is query and value is query:
+            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias) \
+                .view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            weights, biases = self.in_proj_weight.chunk(3), (self.in_proj_bias.chunk(3)
+                                                             if self.in_proj_bias is not None else (None,) * 3)
+            q, k, v = (F.linear(x, w, b).view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
+                       for x, w, b in zip((query, key, value), weights, biases))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, width)), None
+
+    def _covers(self, query, key, value, key_padding_mask, need_weights, attn_mask) -> bool:
+        return (self.batch_first and self._qkv_same_embed_dim and self.bias_k is None and not self.add_zero_attn
+                and not need_weights and key_padding_mask is None and query.dim() == 3
+                and key.shape == value.shape
+                and (attn_mask is None or (attn_mask.dim() == 2 and attn_mask.is_floating_point())))
+
+
+def use_direct_attention(model: nn.Module) -> int:
+    """Give every plain `nn.MultiheadAttention` of `model` DirectAttention's forward (in place, any
+    device, meta included); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.MultiheadAttention:
+            module.__class__ = DirectAttention
+            count += 1
+    return count
+
+
+class DirectPatchEmbedding(nn.Conv2d):
+    """A `Conv2d` over non-overlapping patches (stride = kernel, no padding) computed as one matmul.
+
+    The output is the convolution's (N, C, H', W') as a view of (N, H', W', C) memory, so the usual
+    flattening into (N, H'W', C) tokens (OpenCLIP's reshape and permute, timm's flatten and transpose)
+    costs no copy. Rows and columns the kernel does not reach are dropped, as the convolution drops them."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dim() != 4:
+            return super().forward(images)
+        batch, channels, height, width = images.shape
+        (ph, pw), out_channels = self.kernel_size, self.out_channels
+        rows, cols = height // ph, width // pw
+        patches = images[:, :, :rows * ph, :cols * pw].reshape(batch, channels, rows, ph, cols, pw) \
+            .permute(0, 2, 4, 1, 3, 5).reshape(batch * rows * cols, channels * ph * pw)
+        tokens = F.linear(patches, self.weight.reshape(out_channels, -1), self.bias)
+        return tokens.view(batch, rows, cols, out_channels).permute(0, 3, 1, 2)
+
+
+def is_patch_embedding(module: nn.Module) -> bool:
+    """A plain `nn.Conv2d` over non-overlapping patches of more than one pixel."""
+    return (type(module) is nn.Conv2d and module.stride == module.kernel_size and max(module.kernel_size) > 1
+            and module.padding in ((0, 0), "valid") and module.dilation == (1, 1) and module.groups == 1)
+
+
+def use_direct_patch_embedding(model: nn.Module) -> int:
+    """Give every patch embedding of `model` (`is_patch_embedding`) DirectPatchEmbedding's forward (in
+    place, any device, meta included); returns how many."""
+    count = 0
+    for module in model.modules():
+        if is_patch_embedding(module):
+            module.__class__ = DirectPatchEmbedding
+            count += 1
+    return count
