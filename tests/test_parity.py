@@ -147,8 +147,8 @@ def case_job(name: str, tmp_path, digits_dir) -> dict:
         job["data"] = {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "resampled": True,
                        "workers": 2, "shuffle_buffer": 20}
     if CASES[name][1]:
-        # In bf16/fp16 the patch embedding's matmul and OpenCLIP's convolution round a few outputs in 10^4 one unit
-        # apart, which step 1's bit-level tolerance would flag; the fp32 cases run it (and tests/test_direct.py).
+        # In bf16/fp16 the patch embedding's matmul and OpenCLIP's convolution round a few outputs in 10^4
+        # differently, which step 1's bit-level tolerance would flag; the fp32 cases run it (and tests/test_direct.py).
         job["fsdp"]["direct_patch_embedding"] = False
     return _merge(job, overrides)
 
