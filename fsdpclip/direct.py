@@ -5,7 +5,10 @@ training goes through `F.multi_head_attention_forward`: a transpose to sequence-
 contiguous copies of q/k/v, and a page of argument checks per call. `DirectAttention` computes the same
 function (same packed in-projection, `F.scaled_dot_product_attention`, out-projection) straight from
 batch-first inputs. Calls it does not cover (attention weights asked for, padding masks, boolean or
-per-head masks, separate k/v projections, bias_kv, zero_attn) go to the original.
+per-head masks, separate k/v projections, bias_kv, zero_attn) go to the original. In an OpenCLIP text
+tower whose mask is its causal mask (-inf above the diagonal, `build_causal_mask`), the attention is
+told so (`is_causal`) instead of adding the mask: the same function, and the kernels skip the masked
+half instead of reading a mask.
 
 `DirectPatchEmbedding`: a ViT's patch embedding is a `Conv2d` whose stride is its kernel (OpenCLIP's
 `conv1`, timm's `PatchEmbed.proj`). Over non-overlapping patches that convolution is one matmul of the
@@ -27,7 +30,10 @@ from torch import nn
 
 
 class DirectAttention(nn.MultiheadAttention):
-    """`nn.MultiheadAttention` whose common batch-first case calls SDPA directly."""
+    """`nn.MultiheadAttention` whose common batch-first case calls SDPA directly. `mask_is_causal`: the 2-D
+    mask it is given for self-attention is the causal mask (set by `use_direct_attention`)."""
+
+    mask_is_causal = False
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
@@ -47,6 +53,8 @@ class DirectAttention(nn.MultiheadAttention):
                                                              if self.in_proj_bias is not None else (None,) * 3)
             q, k, v = (F.linear(x, w, b).view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
                        for x, w, b in zip((query, key, value), weights, biases))
+        if self.mask_is_causal and key is query and attn_mask is not None and attn_mask.shape == (length, length):
+            attn_mask, is_causal = None, True
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, width)), None
@@ -60,13 +68,32 @@ class DirectAttention(nn.MultiheadAttention):
 
 def use_direct_attention(model: nn.Module) -> int:
     """Give every plain `nn.MultiheadAttention` of `model` DirectAttention's forward (in place, any
-    device, meta included); returns how many."""
+    device, meta included); returns how many. Those of an OpenCLIP text tower with a causal mask
+    (`causal_text_transformers`) learn that their 2-D mask is it."""
     count = 0
     for module in model.modules():
         if type(module) is nn.MultiheadAttention:
             module.__class__ = DirectAttention
             count += 1
+    for transformer in causal_text_transformers(model):
+        for module in transformer.modules():
+            if isinstance(module, DirectAttention):
+                module.mask_is_causal = True
     return count
+
+
+def causal_text_transformers(model: nn.Module) -> list[nn.Module]:
+    """The block containers OpenCLIP calls with its causal mask: `transformer` of a CLIP model or a
+    TextTransformer holding a 2-D `attn_mask` buffer (OpenCLIP builds it with `build_causal_mask`; a tower
+    without one, `no_causal_mask`, holds None). Where padding or a class token joins it, the mask given is
+    3-D (batch, or batch × heads), which DirectAttention leaves to the original."""
+    found = []
+    for module in model.modules():
+        mask, transformer = module._buffers.get("attn_mask"), getattr(module, "transformer", None)
+        if type(module).__name__ in ("CLIP", "TextTransformer") and mask is not None and mask.dim() == 2 \
+                and isinstance(transformer, nn.Module):
+            found.append(transformer)
+    return found
 
 
 class DirectPatchEmbedding(nn.Conv2d):

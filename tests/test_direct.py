@@ -94,6 +94,69 @@ def test_openclip_model_keeps_its_state_dict_and_outputs():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("kind", ["CLIP", "CustomTextCLIP", "CoCa", "no causal mask"])
+def test_a_text_towers_causal_mask_is_passed_as_is_causal(kind, monkeypatch):
+    """In OpenCLIP's text towers the causal mask becomes SDPA's is_causal (vision blocks, 3-D masks and
+    towers without a causal mask keep theirs); outputs and gradients stay those of nn.MultiheadAttention."""
+    import json
+
+    import open_clip
+    from torch.nn import functional as F
+
+    config = json.loads(TINY_CONFIG.read_text())
+    if kind == "no causal mask":
+        config["text_cfg"]["no_causal_mask"] = True
+    if kind == "CoCa":  # a class token joins the causal mask: 3-D per sample and head
+        config["multimodal_cfg"] = {"width": 64, "heads": 2, "layers": 1, "context_length": 16}
+        config["text_cfg"] |= {"embed_cls": True, "output_tokens": True}
+        config["vision_cfg"] |= {"attentional_pool": True, "attn_pooler_heads": 2, "output_tokens": True}
+    classes = {"CLIP": open_clip.CLIP, "no causal mask": open_clip.CLIP, "CustomTextCLIP": open_clip.CustomTextCLIP,
+               "CoCa": open_clip.CoCa}
+    torch.manual_seed(0)
+    model = classes[kind](**config).eval()
+    direct = copy.deepcopy(model)
+    use_direct_attention(direct)
+    text_tower = {"CLIP": direct, "no causal mask": direct}.get(kind, getattr(direct, "text", None))
+    text_attention = [m for m in text_tower.transformer.modules() if isinstance(m, DirectAttention)]
+    assert text_attention and all(m.mask_is_causal == (kind != "no causal mask") for m in text_attention)
+    assert not any(m.mask_is_causal for m in direct.visual.modules() if isinstance(m, DirectAttention))
+    if kind in ("CLIP", "CustomTextCLIP"):
+        mask = text_tower.attn_mask
+        torch.testing.assert_close(mask, torch.full_like(mask, float("-inf")).triu(1))  # what is_causal stands for
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((q.shape[-2], attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    images, texts = torch.randn(2, 3, 32, 32), torch.randint(1, 100, (2, 16))
+    outputs = []
+    for module in (model, direct):
+        calls.clear()  # what the direct model's forward calls is kept
+        out = module(images, texts)
+        features = [o for o in (out.values() if isinstance(out, dict) else out) if torch.is_tensor(o) and o.dim()
+                    and o.is_floating_point()]
+        sum(f.sum() for f in features).backward()
+        outputs.append(features + [module.positional_embedding.grad if kind == "CLIP" else
+                                   next(p.grad for n, p in module.named_parameters() if "in_proj_weight" in n)])
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    causal = [c for c in calls if c[2]]
+    assert all(c == (16, True, True) for c in causal)
+    assert len(causal) == (len(text_attention) if kind in ("CLIP", "CustomTextCLIP") else 0)
+
+
+def test_only_openclips_causal_masks_are_taken_as_causal():
+    """A 2-D mask beside a `transformer` is taken as causal only in OpenCLIP's CLIP and TextTransformer, which
+    build it so; elsewhere it may be anything."""
+    tower = nn.Module()
+    tower.register_buffer("attn_mask", torch.zeros(4, 4))
+    tower.transformer = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
+    assert use_direct_attention(tower) == 1 and not tower.transformer[0].mask_is_causal
+
+
 def test_compile_auto_and_eager_evaluation(monkeypatch):
     """compile 'auto': whole towers (their `Transformer` as the unit, kept gathered unless the spec says
     otherwise) for OpenCLIP towers up to WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too); in larger towers
