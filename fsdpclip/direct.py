@@ -7,8 +7,8 @@ function (same packed in-projection, `F.scaled_dot_product_attention`, out-proje
 batch-first inputs. Calls it does not cover (attention weights asked for, padding masks, boolean or
 per-head masks, separate k/v projections, bias_kv, zero_attn) go to the original. In an OpenCLIP text
 tower whose mask is its causal mask (-inf above the diagonal, `build_causal_mask`), the attention is
-told so (`is_causal`) instead of adding the mask: the same function, and the kernels skip the masked
-half instead of reading a mask.
+told so (`is_causal`) instead of adding the mask: the same function; the kernels read no mask and may
+skip the tiles above the diagonal.
 
 `DirectPatchEmbedding`: a ViT's patch embedding is a `Conv2d` whose stride is its kernel (OpenCLIP's
 `conv1`, timm's `PatchEmbed.proj`). Over non-overlapping patches that convolution is one matmul of the
