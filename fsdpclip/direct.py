@@ -86,12 +86,12 @@ def causal_text_transformers(model: nn.Module) -> list[nn.Module]:
     """The block containers OpenCLIP calls with its causal mask: `transformer` of a CLIP model or a
     TextTransformer holding a 2-D `attn_mask` buffer (OpenCLIP builds it with `build_causal_mask`; a tower
     without one, `no_causal_mask`, holds None). Where padding or a class token joins it, the mask given is
-    3-D (batch, or batch × heads), which DirectAttention leaves to the original."""
+    3-D (batch × heads), which DirectAttention leaves to the original."""
     found = []
     for module in model.modules():
         mask, transformer = module._buffers.get("attn_mask"), getattr(module, "transformer", None)
-        if type(module).__name__ in ("CLIP", "TextTransformer") and mask is not None and mask.dim() == 2 \
-                and isinstance(transformer, nn.Module):
+        if type(module).__module__.startswith("open_clip") and type(module).__name__ in ("CLIP", "TextTransformer") \
+                and mask is not None and mask.dim() == 2 and isinstance(transformer, nn.Module):
             found.append(transformer)
     return found
 
@@ -101,13 +101,14 @@ class DirectPatchEmbedding(nn.Conv2d):
 
     The output is the convolution's (N, C, H', W') as a view of (N, H', W', C) memory, so the usual
     flattening into (N, H'W', C) tokens (OpenCLIP's reshape and permute, timm's flatten and transpose)
-    costs no copy. Rows and columns the kernel does not reach are dropped, as the convolution drops them."""
+    costs no copy. Rows and columns the kernel does not reach are dropped, as the convolution drops them;
+    unbatched images and images smaller than the kernel go to the convolution (which refuses the latter)."""
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if images.dim() != 4:
+        (ph, pw), out_channels = self.kernel_size, self.out_channels
+        if images.dim() != 4 or images.shape[2] < ph or images.shape[3] < pw:
             return super().forward(images)
         batch, channels, height, width = images.shape
-        (ph, pw), out_channels = self.kernel_size, self.out_channels
         rows, cols = height // ph, width // pw
         patches = images[:, :, :rows * ph, :cols * pw].reshape(batch, channels, rows, ph, cols, pw) \
             .permute(0, 2, 4, 1, 3, 5).reshape(batch * rows * cols, channels * ph * pw)
@@ -115,10 +116,15 @@ class DirectPatchEmbedding(nn.Conv2d):
         return tokens.view(batch, rows, cols, out_channels).permute(0, 3, 1, 2)
 
 
+IMAGE_CHANNELS = 4  # at most: gray, RGB, RGBA; deeper inputs are a network's own features (ConvNeXt's downsampling)
+
+
 def is_patch_embedding(module: nn.Module) -> bool:
-    """A plain `nn.Conv2d` over non-overlapping patches of more than one pixel."""
-    return (type(module) is nn.Conv2d and module.stride == module.kernel_size and max(module.kernel_size) > 1
-            and module.padding in ((0, 0), "valid") and module.dilation == (1, 1) and module.groups == 1)
+    """A plain `nn.Conv2d` over an image's non-overlapping patches of more than one pixel (a ViT's
+    `conv1`, timm's `PatchEmbed.proj`, a ConvNeXt stem)."""
+    return (type(module) is nn.Conv2d and module.in_channels <= IMAGE_CHANNELS and module.groups == 1
+            and module.stride == module.kernel_size and max(module.kernel_size) > 1
+            and module.padding in ((0, 0), "valid") and module.dilation == (1, 1))
 
 
 def use_direct_patch_embedding(model: nn.Module) -> int:

@@ -33,12 +33,12 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
     sharding over `mesh`; returns it. Parameter names stay the original ones. `compile: 'auto'` must be
     decided first (`resolve_auto`); left as it is, it does not compile."""
     towers = find_towers(model, block_classes)
-    if fsdp.direct_attention:
+    checkpointed, units = checkpointed_modules(model, towers, fsdp), plan_units(model, towers, fsdp)
+    if fsdp.direct_attention:  # after the plan: it names classes as validation saw them (Conv2d, MultiheadAttention)
         use_direct_attention(model)
     if fsdp.direct_patch_embedding:
         use_direct_patch_embedding(model)
-    apply_activation_checkpointing(model, checkpointed_modules(model, towers, fsdp))
-    units = plan_units(model, towers, fsdp)
+    apply_activation_checkpointing(model, checkpointed)
     if fsdp.compile is True:
         apply_compile(model, units)
     apply_fsdp(model, units, fsdp, mesh)

@@ -243,9 +243,9 @@ class FsdpSpec(Section):
         True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
                           "scaled_dot_product_attention: the same function, parameters and names, less Python.")
     direct_patch_embedding: bool = Field(
-        True, description="Run a patch embedding (a Conv2d whose stride is its kernel: a ViT's conv1) as one matmul "
-                          "over the image's patches: the same function, parameters and names; cuDNN's convolution "
-                          "kernels for these shapes are slow on the GPU (docs/performance.md).")
+        True, description="Run a patch embedding (a Conv2d over the image whose stride is its kernel: a ViT's conv1) as "
+                          "one matmul over the image's patches: the same function, parameters and names; cuDNN's "
+                          "convolution kernels for these shapes are slow on the GPU (docs/performance.md).")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
     @property

@@ -51,7 +51,7 @@ def test_uncovered_calls_fall_back_to_the_original():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("size", [(32, 32), (35, 42)])  # the second leaves rows and columns the kernel drops
+@pytest.mark.parametrize("size", [(32, 32), (35, 45)])  # the second leaves rows and columns the kernel drops
 def test_patch_embedding_same_outputs_and_gradients(bias, size):
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 16, kernel_size=(8, 7), stride=(8, 7), bias=bias).double()
@@ -70,12 +70,15 @@ def test_patch_embedding_same_outputs_and_gradients(bias, size):
     assert outputs[1][1].is_contiguous()  # the tokens are a view of the matmul's output, not a copy
     assert list(conv.state_dict()) == list(direct.state_dict())
     torch.testing.assert_close(direct(images[0]), conv(images[0]))  # unbatched: the convolution itself
+    for module in (conv, direct):  # smaller than the kernel: refused, not an empty output
+        with pytest.raises(RuntimeError, match="Kernel size can't be greater than actual input size"):
+            module(images[:, :, :7, :])
 
 
 def test_only_patch_embeddings_are_swapped():
     kept = [nn.Conv2d(3, 4, 3, stride=3, padding=1), nn.Conv2d(3, 4, 4, stride=2),
             nn.Conv2d(4, 4, 2, stride=2, groups=2), nn.Conv2d(3, 4, 2, stride=2, dilation=2), nn.Conv2d(3, 4, 1),
-            nn.Conv1d(3, 4, 4, stride=4)]
+            nn.Conv1d(3, 4, 4, stride=4), nn.Conv2d(8, 8, 2, stride=2)]  # the last: features, not an image
     model = nn.Sequential(*kept, nn.Conv2d(3, 4, 4, stride=4, padding="valid"))
     assert use_direct_patch_embedding(model) == 1
     assert [type(m) for m in model] == [type(m) for m in kept] + [DirectPatchEmbedding]
@@ -139,8 +142,9 @@ def test_a_text_towers_causal_mask_is_passed_as_is_causal(kind, monkeypatch):
         features = [o for o in (out.values() if isinstance(out, dict) else out) if torch.is_tensor(o) and o.dim()
                     and o.is_floating_point()]
         sum(f.sum() for f in features).backward()
-        outputs.append(features + [module.positional_embedding.grad if kind == "CLIP" else
-                                   next(p.grad for n, p in module.named_parameters() if "in_proj_weight" in n)])
+        text = module.text if kind in ("CustomTextCLIP", "CoCa") else module
+        first_attention = text.transformer.resblocks[0].attn
+        outputs.append(features + [text.positional_embedding.grad, first_attention.in_proj_weight.grad])
     for a, b in zip(*outputs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     causal = [c for c in calls if c[2]]
@@ -155,6 +159,44 @@ def test_only_openclips_causal_masks_are_taken_as_causal():
     tower.register_buffer("attn_mask", torch.zeros(4, 4))
     tower.transformer = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
     assert use_direct_attention(tower) == 1 and not tower.transformer[0].mask_is_causal
+
+
+# parallelize with wrap and checkpointing classes the direct forwards replace, on a fake process group of 2.
+NAMED_AS_VALIDATED = """
+import json, sys
+import torch.distributed as dist
+from torch.distributed._composable.contract import _get_registry
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from fsdpclip.direct import DirectAttention, DirectPatchEmbedding
+from fsdpclip.model import build_model
+from fsdpclip.parallelize import parallelize
+from fsdpclip.spec import FsdpSpec, ModelSpec
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+model = build_model(ModelSpec(config=sys.argv[1]), "meta")
+fsdp = FsdpSpec(param_dtype="fp32", wrap={"image": ["ResidualAttentionBlock", "Conv2d"]},
+                activation_checkpointing={"text": ["MultiheadAttention"]})
+parallelize(model, fsdp, init_device_mesh("cpu", (2,)))
+applied = {name: sorted(_get_registry(m) or {}) for name, m in model.named_modules() if _get_registry(m)}
+direct = [isinstance(model.visual.conv1, DirectPatchEmbedding), isinstance(model.transformer.resblocks[0].attn,
+                                                                          DirectAttention)]
+print(json.dumps({"applied": applied, "direct": direct}))
+dist.destroy_process_group()
+"""
+
+
+def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
+    """`fsdp.wrap` and `activation_checkpointing` name the classes validation sees (Conv2d, MultiheadAttention);
+    the direct forwards swap those classes afterwards, so the units and checkpointed modules are planned first."""
+    import sys
+
+    from ranks import json_result
+
+    result = json_result([sys.executable, "-c", NAMED_AS_VALIDATED, str(TINY_CONFIG)], timeout=120)
+    assert result["direct"] == [True, True]
+    applied = result["applied"]
+    assert "fully_shard" in applied["visual.conv1"]
+    assert all("checkpoint" in applied[f"transformer.resblocks.{i}.attn"] for i in range(2))
 
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):
