@@ -11,7 +11,7 @@ told so (`is_causal`) instead of adding the mask: the same function; the kernels
 skip the tiles above the diagonal.
 
 `DirectPatchEmbedding`: a ViT's patch embedding is a `Conv2d` whose stride is its kernel (OpenCLIP's
-`conv1`, timm's `PatchEmbed.proj`). Over non-overlapping patches that convolution is one matmul of the
+`conv1`). Over non-overlapping patches that convolution is one matmul of the
 image's patches, laid out as rows, with the flattened kernel; cuDNN's convolution kernels for these
 shapes (3 input channels, 14- or 32-pixel kernels) run far below the matmul rate, its weight gradient
 most of all (docs/performance.md).
@@ -70,11 +70,7 @@ def use_direct_attention(model: nn.Module) -> int:
     """Give every plain `nn.MultiheadAttention` of `model` DirectAttention's forward (in place, any
     device, meta included); returns how many. Those of an OpenCLIP text tower with a causal mask
     (`causal_text_transformers`) learn that their 2-D mask is it."""
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.MultiheadAttention:
-            module.__class__ = DirectAttention
-            count += 1
+    count = _swap([m for m in model.modules() if type(m) is nn.MultiheadAttention], DirectAttention)
     for transformer in causal_text_transformers(model):
         for module in transformer.modules():
             if isinstance(module, DirectAttention):
@@ -84,16 +80,22 @@ def use_direct_attention(model: nn.Module) -> int:
 
 def causal_text_transformers(model: nn.Module) -> list[nn.Module]:
     """The block containers OpenCLIP calls with its causal mask: `transformer` of a CLIP model or a
-    TextTransformer holding a 2-D `attn_mask` buffer (OpenCLIP builds it with `build_causal_mask`; a tower
+    TextTransformer holding an `attn_mask` buffer (OpenCLIP builds it with `build_causal_mask`; a tower
     without one, `no_causal_mask`, holds None). Where padding or a class token joins it, the mask given is
     3-D (batch × heads), which DirectAttention leaves to the original."""
-    found = []
-    for module in model.modules():
-        mask, transformer = module._buffers.get("attn_mask"), getattr(module, "transformer", None)
-        if type(module).__module__.startswith("open_clip") and type(module).__name__ in ("CLIP", "TextTransformer") \
-                and mask is not None and mask.dim() == 2 and isinstance(transformer, nn.Module):
-            found.append(transformer)
-    return found
+    return [module.transformer for module in model.modules() if _is_open_clip(module, "CLIP", "TextTransformer")
+            and module._buffers.get("attn_mask") is not None and isinstance(module.transformer, nn.Module)]
+
+
+def _is_open_clip(module: nn.Module, *names: str) -> bool:
+    return type(module).__module__.startswith("open_clip") and type(module).__name__ in names
+
+
+def _swap(modules: list[nn.Module], direct: type) -> int:
+    """Give each module the `direct` subclass of its class (its forward; state unchanged); returns how many."""
+    for module in modules:
+        module.__class__ = direct
+    return len(modules)
 
 
 class DirectPatchEmbedding(nn.Conv2d):
@@ -116,23 +118,15 @@ class DirectPatchEmbedding(nn.Conv2d):
         return tokens.view(batch, rows, cols, out_channels).permute(0, 3, 1, 2)
 
 
-IMAGE_CHANNELS = 4  # at most: gray, RGB, RGBA; deeper inputs are a network's own features (ConvNeXt's downsampling)
-
-
 def is_patch_embedding(module: nn.Module) -> bool:
-    """A plain `nn.Conv2d` over an image's non-overlapping patches of more than one pixel (a ViT's
-    `conv1`, timm's `PatchEmbed.proj`, a ConvNeXt stem)."""
-    return (type(module) is nn.Conv2d and module.in_channels <= IMAGE_CHANNELS and module.groups == 1
-            and module.stride == module.kernel_size and max(module.kernel_size) > 1
-            and module.padding in ((0, 0), "valid") and module.dilation == (1, 1))
+    """A plain `nn.Conv2d` over non-overlapping patches of more than one pixel, without padding."""
+    return (type(module) is nn.Conv2d and module.groups == 1 and module.stride == module.kernel_size
+            and max(module.kernel_size) > 1 and module.padding in ((0, 0), "valid") and module.dilation == (1, 1))
 
 
 def use_direct_patch_embedding(model: nn.Module) -> int:
-    """Give every patch embedding of `model` (`is_patch_embedding`) DirectPatchEmbedding's forward (in
-    place, any device, meta included); returns how many."""
-    count = 0
-    for module in model.modules():
-        if is_patch_embedding(module):
-            module.__class__ = DirectPatchEmbedding
-            count += 1
-    return count
+    """Give the patch embedding (`conv1`, `is_patch_embedding`) of every OpenCLIP VisionTransformer in
+    `model` DirectPatchEmbedding's forward (in place, any device, meta included); returns how many. Other
+    libraries' patch embeddings (timm's) stay convolutions until measured (docs/performance.md row 47)."""
+    return _swap([m.conv1 for m in model.modules() if _is_open_clip(m, "VisionTransformer")
+                  and is_patch_embedding(getattr(m, "conv1", None))], DirectPatchEmbedding)

@@ -8,7 +8,9 @@ ranks' features as OpenCLIP's collectives would hand them over (gathered with or
 SigLIP's exchanged text features with gradient); the copies' gradients are averaged (FSDP's
 reduce-scatter, in the reduce dtype) into the fp32 master model, which torch's fused AdamW steps (the same arithmetic as the
 trainer's kernel: the unfused one differs by rounding that Adam's normalisation of near-zero
-gradients, such as attention key biases', amplifies to ~1e-4 of a weight's movement). The learned
+gradients, such as attention key biases', amplifies to ~1e-4 of a weight's movement); likewise the copies
+compute the ViT's patch embedding as the trainer does (`fsdp.direct_patch_embedding`: a matmul, the same
+function as OpenCLIP's convolution by tests/test_direct.py, rounded differently in bf16). The learned
 temperature and bias are the master's own fp32 parameters in every copy, as OpenCLIP keeps them
 under autocast. What the spec's freeze ranges and decay rules mean is given by the caller, written
 independently of fsdpclip.
@@ -85,9 +87,13 @@ def rank_losses(loss_spec, features: list[tuple[torch.Tensor, torch.Tensor]], ex
     return losses
 
 
-def rank_copy(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def rank_copy(master: torch.nn.Module, dtype: torch.dtype, direct_patches: bool) -> torch.nn.Module:
     """One rank's working copy in the compute dtype; temperature and bias stay the master's fp32 ones."""
+    from fsdpclip.direct import use_direct_patch_embedding
+
     replica = copy.deepcopy(master).to(dtype)
+    if direct_patches:
+        use_direct_patch_embedding(replica)
     for name in ("logit_scale", "logit_bias"):
         if getattr(master, name, None) is not None:
             setattr(replica, name, getattr(master, name))
@@ -140,7 +146,7 @@ def reference_run(job, model: torch.nn.Module, world: int, batch: Callable[[int,
     result = Reference()
     for step in range(steps):
         adjust(step)
-        copies = [rank_copy(model, dtype) for _ in range(world)]
+        copies = [rank_copy(model, dtype, job.fsdp.direct_patch_embedding) for _ in range(world)]
         micro = [[batch(rank, step * accum + j) for j in range(accum)] for rank in range(world)]
         infinite = poison is not None and poison[0] == step + 1
         loss = _accumulated_backward(job, copies, micro, dtype, scaler, poison[1] if infinite else None)

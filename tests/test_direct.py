@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdpclip.direct import DirectAttention, DirectPatchEmbedding, use_direct_attention, use_direct_patch_embedding
+from fsdpclip.direct import (DirectAttention, DirectPatchEmbedding, is_patch_embedding, use_direct_attention,
+                             use_direct_patch_embedding)
 from fsdpclip.spec import ModelSpec
 from fsdpclip.weights import initial_model
 from conftest import TINY_CONFIG
@@ -56,7 +57,8 @@ def test_patch_embedding_same_outputs_and_gradients(bias, size):
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 16, kernel_size=(8, 7), stride=(8, 7), bias=bias).double()
     direct = copy.deepcopy(conv)
-    assert use_direct_patch_embedding(direct) == 1 and type(direct) is DirectPatchEmbedding
+    assert is_patch_embedding(direct)
+    direct.__class__ = DirectPatchEmbedding
     images = torch.randn(2, 3, *size, dtype=torch.float64)
     outputs = []
     for module in (conv, direct):
@@ -76,12 +78,18 @@ def test_patch_embedding_same_outputs_and_gradients(bias, size):
 
 
 def test_only_patch_embeddings_are_swapped():
+    """Only an OpenCLIP ViT's conv1, and only where it is a patch embedding; other libraries' (timm's) and other
+    convolutions stay as they are."""
     kept = [nn.Conv2d(3, 4, 3, stride=3, padding=1), nn.Conv2d(3, 4, 4, stride=2),
             nn.Conv2d(4, 4, 2, stride=2, groups=2), nn.Conv2d(3, 4, 2, stride=2, dilation=2), nn.Conv2d(3, 4, 1),
-            nn.Conv1d(3, 4, 4, stride=4), nn.Conv2d(8, 8, 2, stride=2)]  # the last: features, not an image
-    model = nn.Sequential(*kept, nn.Conv2d(3, 4, 4, stride=4, padding="valid"))
-    assert use_direct_patch_embedding(model) == 1
-    assert [type(m) for m in model] == [type(m) for m in kept] + [DirectPatchEmbedding]
+            nn.Conv1d(3, 4, 4, stride=4)]
+    patches = nn.Conv2d(3, 4, 4, stride=4, padding="valid")
+    assert not any(map(is_patch_embedding, kept)) and is_patch_embedding(patches)
+    model = nn.Sequential(*kept, patches)
+    assert use_direct_patch_embedding(model) == 0 and type(patches) is nn.Conv2d  # not in an OpenCLIP ViT
+    vit = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=0).visual
+    vit.conv1 = nn.Conv2d(3, 64, 8, stride=4)  # overlapping patches: not a patch embedding
+    assert use_direct_patch_embedding(vit) == 0
 
 
 def test_openclip_model_keeps_its_state_dict_and_outputs():
@@ -117,6 +125,8 @@ def test_a_text_towers_causal_mask_is_passed_as_is_causal(kind, monkeypatch):
                "CoCa": open_clip.CoCa}
     torch.manual_seed(0)
     model = classes[kind](**config).eval()
+    if kind == "CoCa":  # OpenCLIP 3.3 leaves the decoder's projection as torch.empty made it
+        nn.init.normal_(model.text_decoder.text_projection, std=0.02)
     direct = copy.deepcopy(model)
     use_direct_attention(direct)
     text_tower = {"CLIP": direct, "no causal mask": direct}.get(kind, getattr(direct, "text", None))
@@ -155,34 +165,13 @@ def test_a_text_towers_causal_mask_is_passed_as_is_causal(kind, monkeypatch):
 def test_only_openclips_causal_masks_are_taken_as_causal():
     """A 2-D mask beside a `transformer` is taken as causal only in OpenCLIP's CLIP and TextTransformer, which
     build it so; elsewhere it may be anything."""
-    tower = nn.Module()
+    class CLIP(nn.Module):  # OpenCLIP's name, another library's class
+        pass
+
+    tower = CLIP()
     tower.register_buffer("attn_mask", torch.zeros(4, 4))
     tower.transformer = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
     assert use_direct_attention(tower) == 1 and not tower.transformer[0].mask_is_causal
-
-
-# parallelize with wrap and checkpointing classes the direct forwards replace, on a fake process group of 2.
-NAMED_AS_VALIDATED = """
-import json, sys
-import torch.distributed as dist
-from torch.distributed._composable.contract import _get_registry
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from fsdpclip.direct import DirectAttention, DirectPatchEmbedding
-from fsdpclip.model import build_model
-from fsdpclip.parallelize import parallelize
-from fsdpclip.spec import FsdpSpec, ModelSpec
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-model = build_model(ModelSpec(config=sys.argv[1]), "meta")
-fsdp = FsdpSpec(param_dtype="fp32", wrap={"image": ["ResidualAttentionBlock", "Conv2d"]},
-                activation_checkpointing={"text": ["MultiheadAttention"]})
-parallelize(model, fsdp, init_device_mesh("cpu", (2,)))
-applied = {name: sorted(_get_registry(m) or {}) for name, m in model.named_modules() if _get_registry(m)}
-direct = [isinstance(model.visual.conv1, DirectPatchEmbedding), isinstance(model.transformer.resblocks[0].attn,
-                                                                          DirectAttention)]
-print(json.dumps({"applied": applied, "direct": direct}))
-dist.destroy_process_group()
-"""
 
 
 def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
@@ -192,11 +181,10 @@ def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
 
     from ranks import json_result
 
-    result = json_result([sys.executable, "-c", NAMED_AS_VALIDATED, str(TINY_CONFIG)], timeout=120)
-    assert result["direct"] == [True, True]
-    applied = result["applied"]
-    assert "fully_shard" in applied["visual.conv1"]
-    assert all("checkpoint" in applied[f"transformer.resblocks.{i}.attn"] for i in range(2))
+    result = json_result([sys.executable, "tests/workers/plan_classes.py", str(TINY_CONFIG)], timeout=120)
+    assert {"visual.conv1", "transformer.resblocks.0.attn"} <= set(result["direct"])
+    assert "visual.conv1" in result["sharded"]
+    assert result["checkpointed"] == ["transformer.resblocks.0.attn", "transformer.resblocks.1.attn"]
 
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):

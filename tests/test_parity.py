@@ -94,8 +94,6 @@ CASES = {  # name -> (job overrides, low precision?, decay, frozen, poisoned (st
                                  False, None, None, None),
     "bf16": ({"fsdp": {"param_dtype": "bf16"}}, True, None, None, None),
     "bf16-reduce-bf16": ({"fsdp": {"param_dtype": "bf16", "reduce_dtype": "bf16"}}, True, None, None, None),
-    # the default patch embedding (a matmul) under bf16 mixed precision: held to the later steps' tolerance only
-    "bf16-direct-patches": ({"fsdp": {"param_dtype": "bf16", "direct_patch_embedding": True}}, True, None, None, None),
     "fp16-scaler-overflow": ({"fsdp": {"param_dtype": "fp16", "grad_scaler": {"init_scale": 1024.0,
                                                                             "growth_interval": 2}}},
                              True, None, None, (3, 1)),
@@ -148,10 +146,6 @@ def case_job(name: str, tmp_path, digits_dir) -> dict:
         overrides = {k: v for k, v in overrides.items() if k != "data"}
         job["data"] = {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "resampled": True,
                        "workers": 2, "shuffle_buffer": 20}
-    if CASES[name][1]:
-        # In bf16/fp16 the patch embedding's matmul and OpenCLIP's convolution round a few outputs in 10^4
-        # differently, which step 1's bit-level tolerance would flag; the fp32 cases and bf16-direct-patches run it.
-        job["fsdp"]["direct_patch_embedding"] = False
     return _merge(job, overrides)
 
 
@@ -234,7 +228,7 @@ def test_matches_the_reference(name, trained):
     finite = [i for i, n in enumerate(reference.norms) if math.isfinite(n)]
     assert all(not math.isfinite(norms[i]) for i in range(STEPS) if i not in finite)
     tolerance = LOW if CASES[name][1] else FP32
-    if CASES[name][1] and not job_dict["fsdp"]["direct_patch_embedding"]:
+    if CASES[name][1]:
         assert losses[0] == pytest.approx(reference.losses[0], abs=LOW["first_loss"]), "step 1 loss"
         assert norms[0] == pytest.approx(reference.norms[0], rel=LOW["first_norm"]), "step 1 gradient norm"
     assert losses == pytest.approx(reference.losses, abs=tolerance["loss"]), "losses"

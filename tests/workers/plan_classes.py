@@ -1,0 +1,39 @@
+"""Parallelizes a model on the meta device with wrap and checkpointing classes that the direct forwards
+replace (Conv2d, MultiheadAttention), on a fake process group of 2 (no peers, collectives are no-ops).
+
+    plan_classes.py MODEL_CONFIG   → JSON {"sharded": [...], "checkpointed": [...], "direct": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdpclip.direct import DirectAttention, DirectPatchEmbedding
+from fsdpclip.model import build_model
+from fsdpclip.parallelize import parallelize
+from fsdpclip.spec import FsdpSpec, ModelSpec
+
+
+def main(config: str) -> None:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    model = build_model(ModelSpec(config=config), "meta")
+    fsdp = FsdpSpec(param_dtype="fp32", wrap={"image": ["ResidualAttentionBlock", "Conv2d"]},
+                    activation_checkpointing={"text": ["MultiheadAttention"]})
+    parallelize(model, fsdp, init_device_mesh("cpu", (2,)))
+    modules = dict(model.named_modules())
+    print(json.dumps({
+        "sharded": [name for name, m in modules.items() if isinstance(m, FSDPModule)],
+        "checkpointed": [name for name, m in modules.items() if checkpoint.state(m) is not None],
+        "direct": [name for name, m in modules.items() if isinstance(m, (DirectAttention, DirectPatchEmbedding))]}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
