@@ -11,6 +11,7 @@ and continues exactly where a run stopped.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import random
 import signal
@@ -240,17 +241,23 @@ class ShardStream(IterableDataset):
         if key is None or self.spec.text_key not in sample:
             raise ValueError(f"sample {sample.get('__key__')} lacks an image or a '{self.spec.text_key}' caption")
         data, caption = sample[key], sample[self.spec.text_key].decode("utf-8")
+        if self.crop is None:  # "cpu": PIL reads the header as it opens the image
+            from PIL import Image
+
+            return self._preprocessed(Image.open(io.BytesIO(data)), seed), caption
         header = read_header(data)
         if self.spec.decode == "mixed":
             return cropped(data, header, self.crop, seed), caption
-        pixels = for_device(data, header, self.crop, seed) if self.spec.decode == "gpu" else None
-        if pixels is None:
-            image = header.image(data)
-            image.load()
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
-                pixels = self.preprocess(image.convert("RGB"))
-        return pixels, caption
+        pixels = for_device(data, header, self.crop, seed)
+        return (pixels if pixels is not None else self._preprocessed(header.image(data), seed)), caption
+
+    def _preprocessed(self, image, seed: int) -> torch.Tensor:
+        """`image` (opened by PIL) through the worker transform, its random draws from torch's generator seeded
+        with `seed`."""
+        image.load()
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)  # torch.manual_seed also queues device seeding: 0.2 ms
+            return self.preprocess(image.convert("RGB"))
 
     def _tokens(self, captions: list[str], broken: _Broken) -> tuple[Optional[torch.Tensor], dict[int, Exception]]:
         """A batch's captions tokenised in one call. Where that raises, each caption alone: those that raise
