@@ -46,6 +46,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     report = Report(world_size, gpus_per_node or world_size)
     _check_precision(job, report)
     _check_cuda_graph(job, report)
+    _check_compile_options(job, report)
     _check_eval(job, report)
     steps = _check_batch_and_schedule(job, report)
     usable_run_dir = _check_output_dir(job, report)
@@ -366,6 +367,33 @@ def _check_cuda_graph(job: Job, report: Report) -> None:
                      hint="leave it 'auto' or turn fsdp.cpu_offload off")
     if fsdp.scales_loss:
         report.error("fsdp.cuda_graph", "not supported with fp16 loss scaling", True, hint="leave it 'auto' or use bf16")
+
+
+def _check_compile_options(job: Job, report: Report) -> None:
+    """`fsdp.compile_options` as torch.compile would check them (known to the installed torch's inductor, of
+    its type), and only where something is compiled."""
+    import typing
+
+    from torch._inductor import config
+
+    fsdp = job.fsdp
+    if not fsdp.compile_options:
+        return
+    if fsdp.compile is False or (fsdp.compile == "auto" and job.launch.device != "cuda"):
+        report.error("fsdp.compile_options", "nothing is compiled: fsdp.compile is "
+                                             f"{'false' if fsdp.compile is False else 'auto, off on the CPU'}",
+                     hint="set fsdp.compile to true, or remove fsdp.compile_options")
+    known = config.get_config_copy()
+    for key, value in fsdp.compile_options.items():
+        name, location = key.replace("-", "_"), f"fsdp.compile_options.{key}"
+        if name not in known:
+            near = closest(name, known)
+            report.error(location, "not an option of the installed torch's inductor (torch._inductor.config)",
+                         hint=f"did you mean '{near}'?" if near else None)
+            continue
+        expected = config.get_type(name) if hasattr(config, "get_type") else type(known[name])
+        if typing.get_origin(expected) is None and not isinstance(value, expected):
+            report.error(location, f"must be {expected.__name__}, not {type(value).__name__}", value)
 
 
 def _check_importable(module: str, location: str, report: Report, extra: Optional[str] = None) -> None:

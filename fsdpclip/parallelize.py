@@ -40,7 +40,7 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
         use_direct_patch_embedding(model)
     apply_activation_checkpointing(model, checkpointed)
     if fsdp.compile is True:
-        apply_compile(model, units)
+        apply_compile(model, units, fsdp.compile_options)
     apply_fsdp(model, units, fsdp, mesh)
     return model
 
@@ -107,16 +107,16 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     return fsdp.model_copy(update=update)
 
 
-def apply_compile(model: nn.Module, units: list[Unit]) -> None:
+def apply_compile(model: nn.Module, units: list[Unit], options: Optional[dict] = None) -> None:
     """torch.compile the forward of every module of the units below the root (blocks, or a tower's
-    block container), as torchtitan does for blocks; FSDP's hooks stay
-    eager around it. Shapes are static: the text and image blocks share one `forward`, and automatic
+    block container), as torchtitan does for blocks, with inductor `options` (`fsdp.compile_options`);
+    FSDP's hooks stay eager around it. Shapes are static: the text and image blocks share one `forward`, and automatic
     dynamic shapes would turn the second shape seen into a slower dynamic kernel. Evaluation (other
     batch shapes, run rarely) calls the eager forward, so it neither recompiles nor meets the limit."""
     for unit in units[:-1]:
         for name in unit.modules:
             module = model.get_submodule(name)
-            eager, compiled = module.forward, torch.compile(module.forward, dynamic=False)
+            eager, compiled = module.forward, torch.compile(module.forward, dynamic=False, options=options or None)
             module.forward = functools.partial(_train_compiled, module, eager, compiled)
 
 

@@ -232,6 +232,10 @@ class FsdpSpec(Section):
                             "activation checkpointing or offload), the tower's block container as one unit and one "
                             "graph; in larger towers each block where one block's forward over a micro batch is at "
                             "least 0.5 TFLOP; otherwise off (docs/performance.md).")
+    compile_options: dict[str, Union[bool, int, float, str, None]] = Field(
+        default_factory=dict,
+        description="Inductor options for the compiled modules (torch.compile's `options`, e.g. "
+                    "{\"coordinate_descent_tuning\": true}), checked against the installed torch's inductor.")
     cuda_graph: Union[bool, Literal["auto"]] = Field(
         "auto", description="Capture each step's forward and backward as one CUDA graph after a warm-up step and replay "
                             "it: no host work per kernel or per FSDP unit (gradient clipping and the optimizer stay "

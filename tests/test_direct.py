@@ -176,7 +176,8 @@ def test_only_openclips_causal_masks_are_taken_as_causal():
 
 def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
     """`fsdp.wrap` and `activation_checkpointing` name the classes validation sees (Conv2d, MultiheadAttention);
-    the direct forwards swap those classes afterwards, so the units and checkpointed modules are planned first."""
+    the direct forwards swap those classes afterwards, so the units and checkpointed modules are planned first.
+    Each unit below the root is compiled with the spec's `compile_options`."""
     import sys
 
     from ranks import json_result
@@ -185,6 +186,7 @@ def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
     assert {"visual.conv1", "transformer.resblocks.0.attn"} <= set(result["direct"])
     assert "visual.conv1" in result["sharded"]
     assert result["checkpointed"] == ["transformer.resblocks.0.attn", "transformer.resblocks.1.attn"]
+    assert result["compiled"] == [{"coordinate_descent_tuning": True}] * (len(result["sharded"]) - 1)
 
 
 def test_compile_auto_and_eager_evaluation(monkeypatch):

@@ -105,6 +105,16 @@ CASES = [
     ("cuda-graph-patch-dropout", lambda j: _set(_set(_set(j, "launch.device", "cuda"), "fsdp.cuda_graph", True),
                                                 "model.image", {"patch_dropout": 0.5}),
      "fsdp.cuda_graph", "patch dropout", None),
+    ("compile-option-unknown", lambda j: _set(j, "fsdp", {"compile": True,
+                                                         "compile_options": {"coordinate_descent_tunning": True}}),
+     "fsdp.compile_options.coordinate_descent_tunning", "not an option", "coordinate_descent_tuning"),
+    ("compile-option-type", lambda j: _set(j, "fsdp", {"compile": True, "compile_options": {"max_autotune": 1}}),
+     "fsdp.compile_options.max_autotune", "must be bool, not int", None),
+    ("compile-options-unused", lambda j: _set(j, "fsdp", {"compile": False,
+                                                         "compile_options": {"max_autotune": True}}),
+     "fsdp.compile_options", "nothing is compiled: fsdp.compile is false", "set fsdp.compile to true"),
+    ("compile-options-auto-on-cpu", lambda j: _set(j, "fsdp.compile_options", {"max_autotune": True}),
+     "fsdp.compile_options", "auto, off on the CPU", None),
     ("env-name", lambda j: _set(j, "launch.env", {"NCCL_DEBUG=INFO": "1"}), "launch.env",
      "not an environment variable name", None),
     ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
@@ -256,3 +266,10 @@ def test_data_urls_the_reader_cannot_open(cli, tiny_job, tmp_path):
     local = tiny_job["data"]["urls"]
     code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "data.urls", "file://" + local)))
     assert code == 0, out
+
+
+def test_compile_options_the_installed_torch_knows_pass(cli, tiny_job, tmp_path):
+    job = _set(tiny_job, "fsdp", {"compile": True, "compile_options": {"coordinate_descent_tuning": True,
+                                                                       "max-autotune-gemm": False}})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert (code, out["errors"]) == (0, [])

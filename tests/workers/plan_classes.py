@@ -1,7 +1,9 @@
 """Parallelizes a model on the meta device with wrap and checkpointing classes that the direct forwards
-replace (Conv2d, MultiheadAttention), on a fake process group of 2 (no peers, collectives are no-ops).
+replace (Conv2d, MultiheadAttention), compiled with inductor options, on a fake process group of 2 (no peers,
+collectives are no-ops).
 
-    plan_classes.py MODEL_CONFIG   → JSON {"sharded": [...], "checkpointed": [...], "direct": [...]}
+    plan_classes.py MODEL_CONFIG   → JSON {"sharded": [...], "checkpointed": [...], "direct": [...],
+                                           "compiled": [the inductor options of each torch.compile call]}
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
 import torch.distributed as dist
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
@@ -25,13 +28,22 @@ def main(config: str) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     model = build_model(ModelSpec(config=config), "meta")
     fsdp = FsdpSpec(param_dtype="fp32", wrap={"image": ["ResidualAttentionBlock", "Conv2d"]},
-                    activation_checkpointing={"text": ["MultiheadAttention"]})
+                    activation_checkpointing={"text": ["MultiheadAttention"]},
+                    compile=True, compile_options={"coordinate_descent_tuning": True})
+    compiled, compile = [], torch.compile
+
+    def recording_compile(fn, **kwargs):  # torch's own, which checks the options against its inductor
+        compiled.append(kwargs.get("options"))
+        return compile(fn, **kwargs)
+
+    torch.compile = recording_compile
     parallelize(model, fsdp, init_device_mesh("cpu", (2,)))
     modules = dict(model.named_modules())
     print(json.dumps({
         "sharded": [name for name, m in modules.items() if isinstance(m, FSDPModule)],
         "checkpointed": [name for name, m in modules.items() if checkpoint.state(m) is not None],
-        "direct": [name for name, m in modules.items() if isinstance(m, (DirectAttention, DirectPatchEmbedding))]}))
+        "direct": [name for name, m in modules.items() if isinstance(m, (DirectAttention, DirectPatchEmbedding))],
+        "compiled": compiled}))
     dist.destroy_process_group()
 
 
