@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.graphs import uncapturable_modules
+from fsdpclip.parallelize import auto_compiles
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
 from fsdpclip.problems import ModelError, Report, closest
@@ -72,6 +73,10 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
                                         f"patches are drawn on the host)", True,
                      hint="leave it 'auto', or set model.image.patch_dropout to 0")
     towers = find_towers(model, job.model.block_classes)
+    if job.fsdp.compile_options and job.fsdp.compile == "auto" and job.launch.device == "cuda" \
+            and not auto_compiles(towers):
+        report.warn("fsdp.compile_options", "unused: compile 'auto' leaves other libraries' blocks eager",
+                    hint="set fsdp.compile to true to compile them")
     classes_ok = _check_classes(job, towers, report)
     _check_freeze(job, towers, report)
     frozen = frozen_names(towers, job.freeze) if not report.errors else set()
@@ -370,30 +375,69 @@ def _check_cuda_graph(job: Job, report: Report) -> None:
 
 
 def _check_compile_options(job: Job, report: Report) -> None:
-    """`fsdp.compile_options` as torch.compile would check them (known to the installed torch's inductor, of
-    its type), and only where something is compiled."""
-    import typing
-
+    """`fsdp.compile_options`: each an option of the installed torch's inductor that torch.compile can set to
+    that value (`compile_option_problem`), one spelling per option, not inductor's own CUDA graphs inside a
+    captured step; a warning where nothing is compiled (compile 'auto' decides from the model: `_check_model`)."""
     from torch._inductor import config
 
     fsdp = job.fsdp
     if not fsdp.compile_options:
         return
     if fsdp.compile is False or (fsdp.compile == "auto" and job.launch.device != "cuda"):
-        report.error("fsdp.compile_options", "nothing is compiled: fsdp.compile is "
-                                             f"{'false' if fsdp.compile is False else 'auto, off on the CPU'}",
-                     hint="set fsdp.compile to true, or remove fsdp.compile_options")
-    known = config.get_config_copy()
+        report.warn("fsdp.compile_options", "unused: nothing is compiled (fsdp.compile is "
+                                            f"{'false' if fsdp.compile is False else 'auto, off on the CPU'})")
+    known, seen = config.get_config_copy(), {}
     for key, value in fsdp.compile_options.items():
         name, location = key.replace("-", "_"), f"fsdp.compile_options.{key}"
-        if name not in known:
+        if name in seen:
+            report.error(location, f"the same option as '{seen[name]}'", value, hint="give it once")
+        elif name not in known:
             near = closest(name, known)
             report.error(location, "not an option of the installed torch's inductor (torch._inductor.config)",
-                         hint=f"did you mean '{near}'?" if near else None)
-            continue
-        expected = config.get_type(name) if hasattr(config, "get_type") else type(known[name])
-        if typing.get_origin(expected) is None and not isinstance(value, expected):
-            report.error(location, f"must be {expected.__name__}, not {type(value).__name__}", value)
+                         hint=f"did you mean '{near}'?" if near else "dynamo's settings are not inductor options")
+        elif problem := compile_option_problem(name, value):
+            report.error(location, problem[0], value, hint=problem[1])
+        elif name == "triton.cudagraphs" and value and fsdp.cuda_graph is not False:
+            report.error(location, "inductor's CUDA graphs cannot be recorded inside fsdpclip's captured step",
+                         value, hint="set fsdp.cuda_graph to false to use them")
+        seen.setdefault(name, key)
+
+
+def compile_option_problem(name: str, value) -> Optional[tuple[str, Optional[str]]]:
+    """(message, hint) where torch.compile would refuse `value` for the inductor option `name`, or take a value
+    its declared type does not allow (torch checks plain types only: literals and unions are checked here); None
+    where it fits."""
+    from torch._inductor import config
+
+    declared = config.get_type(name)
+    if isinstance(declared, str):
+        return "torch.compile cannot set this option on this torch (its declared type is not one it can check)", None
+    if declared is type(None) and value is not None:
+        return "torch.compile can only set this option to null on this torch (no type is declared for it)", None
+    if _fits(value, declared) is False:
+        hint = f"write {float(value)!r}" if declared is float and isinstance(value, int) else None
+        return f"must be {_type_name(declared)}, not {value!r}", hint
+    return None
+
+
+def _fits(value, declared) -> Optional[bool]:
+    """Whether `value` is of the `declared` type (plain types, literals, unions); None where that cannot be told."""
+    import types
+    import typing
+
+    origin = typing.get_origin(declared)
+    if origin is None:
+        return isinstance(value, declared) if isinstance(declared, type) else None
+    if origin is typing.Literal:
+        return value in typing.get_args(declared)
+    if origin in (typing.Union, types.UnionType):
+        fits = [_fits(value, member) for member in typing.get_args(declared)]
+        return True if True in fits else None if None in fits else False
+    return isinstance(value, origin) if isinstance(origin, type) else None
+
+
+def _type_name(declared) -> str:
+    return declared.__name__ if isinstance(declared, type) else str(declared).replace("typing.", "")
 
 
 def _check_importable(module: str, location: str, report: Report, extra: Optional[str] = None) -> None:

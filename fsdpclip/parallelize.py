@@ -70,6 +70,11 @@ COMPILE_MIN_BLOCK_TFLOP = 0.5
 COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttentionBlock"})
 
 
+def auto_compiles(towers: dict) -> bool:
+    """Whether compile 'auto' compiles these towers on CUDA at all: OpenCLIP's own blocks only."""
+    return {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
+
+
 def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
                  block_forward_flops: Optional[float] = None, *, world_size: Optional[int] = None) -> FsdpSpec:
     """`fsdp` with its 'auto' `cuda_graph`, `compile` and `reshard_after_forward` decided (`parallelize`
@@ -90,7 +95,7 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     (`block_forward_flops`) is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's
     units. Without `block_forward_flops` only the units are decided (what the memory estimate needs):
     compile stays 'auto' there; without `world_size`, cuda_graph does."""
-    ours = device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
+    ours = device_type == "cuda" and auto_compiles(towers)
     update = {"reshard_after_forward": fsdp.reshards}
     graphed = fsdp.cuda_graph
     if graphed == "auto" and world_size is not None:
@@ -110,13 +115,13 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
 def apply_compile(model: nn.Module, units: list[Unit], options: Optional[dict] = None) -> None:
     """torch.compile the forward of every module of the units below the root (blocks, or a tower's
     block container), as torchtitan does for blocks, with inductor `options` (`fsdp.compile_options`);
-    FSDP's hooks stay eager around it. Shapes are static: the text and image blocks share one `forward`, and automatic
-    dynamic shapes would turn the second shape seen into a slower dynamic kernel. Evaluation (other
-    batch shapes, run rarely) calls the eager forward, so it neither recompiles nor meets the limit."""
+    FSDP's hooks stay eager around it. Shapes are static: the text and image blocks share one `forward`,
+    and automatic dynamic shapes would turn the second shape seen into a slower dynamic kernel. Evaluation
+    (other batch shapes, run rarely) calls the eager forward, so it neither recompiles nor meets the limit."""
     for unit in units[:-1]:
         for name in unit.modules:
             module = model.get_submodule(name)
-            eager, compiled = module.forward, torch.compile(module.forward, dynamic=False, options=options or None)
+            eager, compiled = module.forward, torch.compile(module.forward, dynamic=False, options=options)
             module.forward = functools.partial(_train_compiled, module, eager, compiled)
 
 

@@ -234,8 +234,10 @@ class FsdpSpec(Section):
                             "least 0.5 TFLOP; otherwise off (docs/performance.md).")
     compile_options: dict[str, Union[bool, int, float, str, None]] = Field(
         default_factory=dict,
-        description="Inductor options for the compiled modules (torch.compile's `options`, e.g. "
-                    "{\"coordinate_descent_tuning\": true}), checked against the installed torch's inductor.")
+        description="Inductor options (torch._inductor.config; nested ones dotted, e.g. 'triton.cudagraphs'; '-' or "
+                    "'_') for the compiled modules, as torch.compile's `options`, e.g. "
+                    "{\"coordinate_descent_tuning\": true}; scalar values, checked against the installed torch (its "
+                    "options, their declared types). Some change numerics (e.g. 'emulate_precision_casts').")
     cuda_graph: Union[bool, Literal["auto"]] = Field(
         "auto", description="Capture each step's forward and backward as one CUDA graph after a warm-up step and replay "
                             "it: no host work per kernel or per FSDP unit (gradient clipping and the optimizer stay "

@@ -31,6 +31,10 @@ def _drop(job: dict, dotted: str) -> dict:
     return job
 
 
+def _compiled(job: dict, options: dict) -> dict:
+    return _set(_set(job, "fsdp.compile", True), "fsdp.compile_options", options)
+
+
 # (case id, edit of the valid tiny job, expected location, words of the message, words of the hint)
 CASES = [
     ("unknown-top-key", lambda j: _set(j, "optimiser", {"lr": 1e-3}), "optimiser", "unknown key", "optimizer"),
@@ -105,16 +109,14 @@ CASES = [
     ("cuda-graph-patch-dropout", lambda j: _set(_set(_set(j, "launch.device", "cuda"), "fsdp.cuda_graph", True),
                                                 "model.image", {"patch_dropout": 0.5}),
      "fsdp.cuda_graph", "patch dropout", None),
-    ("compile-option-unknown", lambda j: _set(j, "fsdp", {"compile": True,
-                                                         "compile_options": {"coordinate_descent_tunning": True}}),
+    ("compile-option-unknown", lambda j: _compiled(j, {"coordinate_descent_tunning": True}),
      "fsdp.compile_options.coordinate_descent_tunning", "not an option", "coordinate_descent_tuning"),
-    ("compile-option-type", lambda j: _set(j, "fsdp", {"compile": True, "compile_options": {"max_autotune": 1}}),
-     "fsdp.compile_options.max_autotune", "must be bool, not int", None),
-    ("compile-options-unused", lambda j: _set(j, "fsdp", {"compile": False,
-                                                         "compile_options": {"max_autotune": True}}),
-     "fsdp.compile_options", "nothing is compiled: fsdp.compile is false", "set fsdp.compile to true"),
-    ("compile-options-auto-on-cpu", lambda j: _set(j, "fsdp.compile_options", {"max_autotune": True}),
-     "fsdp.compile_options", "auto, off on the CPU", None),
+    ("compile-option-type", lambda j: _compiled(j, {"max_autotune": 1}),
+     "fsdp.compile_options.max_autotune", "must be bool, not 1", None),
+    ("compile-option-twice", lambda j: _compiled(j, {"max_autotune": True, "max-autotune": False}),
+     "fsdp.compile_options.max-autotune", "the same option as 'max_autotune'", None),
+    ("compile-option-cudagraphs", lambda j: _set(_compiled(j, {"triton.cudagraphs": True}), "fsdp.cuda_graph", "auto"),
+     "fsdp.compile_options.triton.cudagraphs", "inside fsdpclip's captured step", "fsdp.cuda_graph to false"),
     ("env-name", lambda j: _set(j, "launch.env", {"NCCL_DEBUG=INFO": "1"}), "launch.env",
      "not an environment variable name", None),
     ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
@@ -269,7 +271,57 @@ def test_data_urls_the_reader_cannot_open(cli, tiny_job, tmp_path):
 
 
 def test_compile_options_the_installed_torch_knows_pass(cli, tiny_job, tmp_path):
-    job = _set(tiny_job, "fsdp", {"compile": True, "compile_options": {"coordinate_descent_tuning": True,
-                                                                       "max-autotune-gemm": False}})
+    job = _compiled(tiny_job, {"coordinate_descent_tuning": True, "max-autotune-gemm": False,
+                               "triton.cudagraphs": False})
     code, out = cli.validate_json(write_job(tmp_path, job))
-    assert (code, out["errors"]) == (0, [])
+    assert (code, out["errors"], out["warnings"]) == (0, [], [])
+
+
+TIMM_IMAGE_TOWER = {"name": "ViT-B-32", "embed_dim": 64, "image": {"timm": {"name": "vit_tiny_patch16_224"}}}
+
+
+@pytest.mark.parametrize("edits, why", [({"fsdp.compile": False}, "fsdp.compile is false"),
+                                        ({}, "auto, off on the CPU"),
+                                        ({"launch.device": "cuda", "model": TIMM_IMAGE_TOWER},
+                                         "leaves other libraries' blocks eager"),
+                                        ({"launch.device": "cuda"}, None)])
+def test_compile_options_where_nothing_is_compiled_are_reported(cli, tiny_job, tmp_path, edits, why):
+    """A warning where the options would go unused: compile off, 'auto' on the CPU or over a timm tower."""
+    job = _set(tiny_job, "fsdp.compile_options", {"max_autotune": True})
+    for dotted, value in edits.items():
+        job = _set(job, dotted, value)
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 0, out["errors"]
+    warned = [w["message"] for w in out["warnings"] if w["location"] == "fsdp.compile_options"]
+    assert len(warned) == (1 if why else 0) and all(why in message for message in warned), warned
+
+
+def test_compile_options_refused_wherever_torch_compile_refuses_them():
+    """Every inductor option of the installed torch × a value of each JSON scalar kind: where torch.compile
+    refuses it, validate does too, and where its declared type is a plain one, validate takes what torch takes.
+    Literals and unions, which torch leaves unchecked, are checked too."""
+    import typing
+
+    import torch
+    from torch._inductor import config
+
+    from fsdpclip.checks import compile_option_problem
+
+    disagree = []
+    for name in config.get_config_copy():
+        for value in (True, 1, 1.5, "x", None):
+            try:
+                torch.compile(lambda x: x, options={name: value})
+                refused = False
+            except (RuntimeError, TypeError):
+                refused = True
+            plain = isinstance(config.get_type(name), type) and typing.get_origin(config.get_type(name)) is None
+            if (compile_option_problem(name, value) is not None) != refused and (refused or plain):
+                disagree.append((name, value, refused))
+    assert disagree == []
+    literal = next(n for n in config.get_config_copy() if typing.get_origin(config.get_type(n)) is typing.Literal)
+    member = typing.get_args(config.get_type(literal))[0]
+    assert compile_option_problem(literal, member) is None
+    assert compile_option_problem(literal, f"{member}?") is not None
+    optional_int = next(n for n in config.get_config_copy() if config.get_type(n) == typing.Optional[int])
+    assert [compile_option_problem(optional_int, v) is None for v in (None, 64, "64")] == [True, True, False]

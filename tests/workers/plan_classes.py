@@ -30,11 +30,11 @@ def main(config: str) -> None:
     fsdp = FsdpSpec(param_dtype="fp32", wrap={"image": ["ResidualAttentionBlock", "Conv2d"]},
                     activation_checkpointing={"text": ["MultiheadAttention"]},
                     compile=True, compile_options={"coordinate_descent_tuning": True})
-    compiled, compile = [], torch.compile
+    compiled, original = [], torch.compile
 
     def recording_compile(fn, **kwargs):  # torch's own, which checks the options against its inductor
         compiled.append(kwargs.get("options"))
-        return compile(fn, **kwargs)
+        return original(fn, **kwargs)
 
     torch.compile = recording_compile
     parallelize(model, fsdp, init_device_mesh("cpu", (2,)))
