@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.graphs import uncapturable_modules
-from fsdpclip.parallelize import auto_compiles
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
+from fsdpclip.parallelize import auto_compiles
 from fsdpclip.problems import ModelError, Report, closest
 from fsdpclip.shard import wrap_classes
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
@@ -377,7 +377,8 @@ def _check_cuda_graph(job: Job, report: Report) -> None:
 def _check_compile_options(job: Job, report: Report) -> None:
     """`fsdp.compile_options`: each an option of the installed torch's inductor that torch.compile can set to
     that value (`compile_option_problem`), one spelling per option, not inductor's own CUDA graphs inside a
-    captured step; a warning where nothing is compiled (compile 'auto' decides from the model: `_check_model`)."""
+    captured step; a warning where nothing is compiled (and, once the model is built, where compile 'auto' leaves
+    its towers eager: `check_job`)."""
     from torch._inductor import config
 
     fsdp = job.fsdp
