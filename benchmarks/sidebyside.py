@@ -41,8 +41,9 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
                      "schedule": {"kind": "constant", "steps": 10 ** 6}, "data": {"source": "synthetic"},
                      "batch": {"per_gpu": batch}, "checkpoint": {"resume": None, "at_end": False},
                      "launch": {"gpus_per_node": env.world_size}})
-    # Each variant compiles the same forwards (a tower's `Transformer.forward`, two shapes) anew: without a reset
-    # the fifth variant meets dynamo's recompile limit (8 per code object) and runs those modules eager.
+    # Variants with different inductor options (fsdp.compile_options) compile the same forwards (a tower's
+    # `Transformer.forward`, two shapes) into new cache entries: without a reset the fifth such variant meets
+    # dynamo's recompile limit (8 per code object) and runs those modules eager.
     torch._dynamo.reset()
     torch.cuda.reset_peak_memory_stats(env.device)
     built = time.perf_counter()

@@ -13,9 +13,9 @@ from typing import Optional
 from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
-from fsdpclip.parallelize import auto_compiles
+from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
 from fsdpclip.problems import ModelError, Report, closest
-from fsdpclip.shard import wrap_classes
+from fsdpclip.shard import whole_tower_wraps, wrap_classes
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
 from fsdpclip.summary import summarise
 from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
@@ -73,10 +73,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
                                         f"patches are drawn on the host)", True,
                      hint="leave it 'auto', or set model.image.patch_dropout to 0")
     towers = find_towers(model, job.model.block_classes)
-    if job.fsdp.compile_options and job.fsdp.compile == "auto" and job.launch.device == "cuda" \
-            and not auto_compiles(towers):
-        report.warn("fsdp.compile_options", "unused: compile 'auto' leaves other libraries' blocks eager",
-                    hint="set fsdp.compile to true to compile them")
+    _check_compile_options_used(job, model, towers, report)
     classes_ok = _check_classes(job, towers, report)
     _check_freeze(job, towers, report)
     frozen = frozen_names(towers, job.freeze) if not report.errors else set()
@@ -377,16 +374,14 @@ def _check_cuda_graph(job: Job, report: Report) -> None:
 def _check_compile_options(job: Job, report: Report) -> None:
     """`fsdp.compile_options`: each an option of the installed torch's inductor that torch.compile can set to
     that value (`compile_option_problem`), one spelling per option, not inductor's own CUDA graphs inside a
-    captured step; a warning where nothing is compiled (and, once the model is built, where compile 'auto' leaves
-    its towers eager: `check_job`)."""
-    from torch._inductor import config
-
+    step fsdpclip captures."""
     fsdp = job.fsdp
     if not fsdp.compile_options:
         return
-    if fsdp.compile is False or (fsdp.compile == "auto" and job.launch.device != "cuda"):
-        report.warn("fsdp.compile_options", "unused: nothing is compiled (fsdp.compile is "
-                                            f"{'false' if fsdp.compile is False else 'auto, off on the CPU'})")
+    from torch._inductor import config
+
+    captured = fsdp.cuda_graph is True or (fsdp.cuda_graph == "auto" and job.launch.device == "cuda"
+                                           and report.world_size == 1)
     known, seen = config.get_config_copy(), {}
     for key, value in fsdp.compile_options.items():
         name, location = key.replace("-", "_"), f"fsdp.compile_options.{key}"
@@ -398,10 +393,27 @@ def _check_compile_options(job: Job, report: Report) -> None:
                          hint=f"did you mean '{near}'?" if near else "dynamo's settings are not inductor options")
         elif problem := compile_option_problem(name, value):
             report.error(location, problem[0], value, hint=problem[1])
-        elif name == "triton.cudagraphs" and value and fsdp.cuda_graph is not False:
-            report.error(location, "inductor's CUDA graphs cannot be recorded inside fsdpclip's captured step",
-                         value, hint="set fsdp.cuda_graph to false to use them")
+        elif name == "triton.cudagraphs" and value and captured:
+            report.error(location, "inductor's CUDA graphs cannot be recorded inside a step fsdpclip captures "
+                                   "(fsdp.cuda_graph)", value, hint="set fsdp.cuda_graph to false to use them")
         seen.setdefault(name, key)
+
+
+def _check_compile_options_used(job: Job, model, towers: dict[str, Tower], report: Report) -> None:
+    """A warning where `fsdp.compile_options` would go unused: nothing compiled, or compile 'auto' deciding at
+    start (parallelize.resolve_auto)."""
+    fsdp = job.fsdp
+    if not fsdp.compile_options or fsdp.compile is True:
+        return
+    if fsdp.compile is False or not auto_compiles(towers, job.launch.device):
+        why = "fsdp.compile is false" if fsdp.compile is False else \
+            "compile 'auto' is off on the CPU and for other libraries' blocks"
+        report.warn("fsdp.compile_options", f"unused: {why}", hint="set fsdp.compile to true to compile")
+    elif whole_tower_wraps(model, towers, fsdp) is None:
+        report.warn("fsdp.compile_options", "unused where compile 'auto' leaves blocks eager: it compiles them where "
+                                            "the step is CUDA-graphed or a block's forward is at least "
+                                            f"{COMPILE_MIN_BLOCK_TFLOP} TFLOP (decided at start)",
+                    hint="set fsdp.compile to true to compile in any case")
 
 
 def compile_option_problem(name: str, value) -> Optional[tuple[str, Optional[str]]]:

@@ -70,9 +70,9 @@ COMPILE_MIN_BLOCK_TFLOP = 0.5
 COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttentionBlock"})
 
 
-def auto_compiles(towers: dict) -> bool:
-    """Whether compile 'auto' compiles these towers on CUDA at all: OpenCLIP's own blocks only."""
-    return {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
+def auto_compiles(towers: dict, device_type: str) -> bool:
+    """Whether compile 'auto' may compile these towers at all: on CUDA, OpenCLIP's own blocks only."""
+    return device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
 
 
 def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
@@ -95,7 +95,7 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     (`block_forward_flops`) is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's
     units. Without `block_forward_flops` only the units are decided (what the memory estimate needs):
     compile stays 'auto' there; without `world_size`, cuda_graph does."""
-    ours = device_type == "cuda" and auto_compiles(towers)
+    ours = auto_compiles(towers, device_type)
     update = {"reshard_after_forward": fsdp.reshards}
     graphed = fsdp.cuda_graph
     if graphed == "auto" and world_size is not None:
@@ -121,8 +121,9 @@ def apply_compile(model: nn.Module, units: list[Unit], options: Optional[dict] =
     for unit in units[:-1]:
         for name in unit.modules:
             module = model.get_submodule(name)
-            eager, compiled = module.forward, torch.compile(module.forward, dynamic=False, options=options)
-            module.forward = functools.partial(_train_compiled, module, eager, compiled)
+            # a copy per call: torch.compile takes some keys out of the dict it is given
+            compiled = torch.compile(module.forward, dynamic=False, options=dict(options) if options else None)
+            module.forward = functools.partial(_train_compiled, module, module.forward, compiled)
 
 
 # torch.compile's caches live on the machine (TORCHINDUCTOR_CACHE_DIR, /tmp by default): a job requeued

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -40,6 +41,32 @@ def _auto_or_count(value: Any, handler) -> Any:
 
 
 AutoOrCount = Annotated[Union[Literal["auto"], Annotated[int, Field(ge=1)]], WrapValidator(_auto_or_count)]
+
+
+def _scalar(value: Any, handler) -> Any:
+    """One error for a value that is not a JSON scalar (not one per union member)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError("expected true/false, a number, a string or null") from None
+
+
+def _dotted(value: Any) -> Any:
+    """Nested objects as dotted names, as inductor names its nested options ({"triton": {"cudagraphs": true}},
+    what `--set fsdp.compile_options.triton.cudagraphs=true` writes, is "triton.cudagraphs")."""
+    if not isinstance(value, dict):
+        return value
+    flat = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            flat.update({f"{key}.{inner}": leaf for inner, leaf in _dotted(item).items()})
+        else:
+            flat[key] = item
+    return flat
+
+
+InductorOptions = Annotated[dict[str, Annotated[Union[bool, int, float, str, None], WrapValidator(_scalar)]],
+                            BeforeValidator(_dotted)]
 
 
 class Section(BaseModel):
@@ -232,10 +259,10 @@ class FsdpSpec(Section):
                             "activation checkpointing or offload), the tower's block container as one unit and one "
                             "graph; in larger towers each block where one block's forward over a micro batch is at "
                             "least 0.5 TFLOP; otherwise off (docs/performance.md).")
-    compile_options: dict[str, Union[bool, int, float, str, None]] = Field(
+    compile_options: InductorOptions = Field(
         default_factory=dict,
-        description="Inductor options (torch._inductor.config; nested ones dotted, e.g. 'triton.cudagraphs'; '-' or "
-                    "'_') for the compiled modules, as torch.compile's `options`, e.g. "
+        description="Inductor options (torch._inductor.config; nested ones dotted, e.g. 'triton.cudagraphs', or as "
+                    "nested objects; '-' or '_') for the compiled modules, as torch.compile's `options`, e.g. "
                     "{\"coordinate_descent_tuning\": true}; scalar values, checked against the installed torch (its "
                     "options, their declared types). Some change numerics (e.g. 'emulate_precision_casts').")
     cuda_graph: Union[bool, Literal["auto"]] = Field(

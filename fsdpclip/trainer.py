@@ -168,8 +168,6 @@ class Trainer:
                     f"whole towers ({fsdp.wrap.image[0]}, {fsdp.wrap.text[0]}; reshard_after_forward " \
                     f"{str(fsdp.reshard_after_forward).lower()})"
                 log.info("compile 'auto': %s (%.2f TFLOP per block forward)", how, block_flops / 1e12)
-                if job.fsdp.compile_options and not fsdp.compile:
-                    log.warning("fsdp.compile_options unused: compile 'auto' decided off")
             if job.fsdp.cuda_graph == "auto":
                 log.info("cuda_graph 'auto': %s", "on" if fsdp.cuda_graph else "off" if env.world_size == 1 else
                          f"off ({env.world_size} ranks: captured collectives are not measured yet)")

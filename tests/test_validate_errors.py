@@ -115,8 +115,14 @@ CASES = [
      "fsdp.compile_options.max_autotune", "must be bool, not 1", None),
     ("compile-option-twice", lambda j: _compiled(j, {"max_autotune": True, "max-autotune": False}),
      "fsdp.compile_options.max-autotune", "the same option as 'max_autotune'", None),
-    ("compile-option-cudagraphs", lambda j: _set(_compiled(j, {"triton.cudagraphs": True}), "fsdp.cuda_graph", "auto"),
-     "fsdp.compile_options.triton.cudagraphs", "inside fsdpclip's captured step", "fsdp.cuda_graph to false"),
+    ("compile-option-cudagraphs", lambda j: _set(_set(_compiled(j, {"triton.cudagraphs": True}), "fsdp.cuda_graph",
+                                                      True), "launch.device", "cuda"),
+     "fsdp.compile_options.triton.cudagraphs", "inside a step fsdpclip captures", "fsdp.cuda_graph to false"),
+    ("compile-option-cudagraphs-auto", lambda j: _set(_compiled(j, {"triton.cudagraphs": True}), "launch",
+                                                      {"device": "cuda", "gpus_per_node": 1}),  # 'auto' captures
+     "fsdp.compile_options.triton.cudagraphs", "inside a step fsdpclip captures", "fsdp.cuda_graph to false"),
+    ("compile-option-list", lambda j: _compiled(j, {"max_autotune": [True]}),
+     "fsdp.compile_options.max_autotune", "expected true/false, a number, a string or null", None),
     ("env-name", lambda j: _set(j, "launch.env", {"NCCL_DEBUG=INFO": "1"}), "launch.env",
      "not an environment variable name", None),
     ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
@@ -271,22 +277,30 @@ def test_data_urls_the_reader_cannot_open(cli, tiny_job, tmp_path):
 
 
 def test_compile_options_the_installed_torch_knows_pass(cli, tiny_job, tmp_path):
+    """Dotted or nested (as `--set` writes them), '-' or '_'; inductor's CUDA graphs where fsdpclip captures no
+    step (here: the CPU)."""
     job = _compiled(tiny_job, {"coordinate_descent_tuning": True, "max-autotune-gemm": False,
-                               "triton.cudagraphs": False})
-    code, out = cli.validate_json(write_job(tmp_path, job))
+                               "triton": {"cudagraphs": True}})
+    code, out = cli.validate_json(write_job(tmp_path, job), "--set", "fsdp.compile_options.triton.unique_kernel_names=true")
     assert (code, out["errors"], out["warnings"]) == (0, [], [])
+    code, out = cli.validate_json(write_job(tmp_path, job), "--set", "fsdp.compile_options.triton.cudagraph=true")
+    assert [(e["location"], e["hint"]) for e in out["errors"]] == \
+        [("fsdp.compile_options.triton.cudagraph", "did you mean 'triton.cudagraphs'?")]
 
 
 TIMM_IMAGE_TOWER = {"name": "ViT-B-32", "embed_dim": 64, "image": {"timm": {"name": "vit_tiny_patch16_224"}}}
 
 
-@pytest.mark.parametrize("edits, why", [({"fsdp.compile": False}, "fsdp.compile is false"),
-                                        ({}, "auto, off on the CPU"),
+@pytest.mark.parametrize("edits, why", [({"fsdp.compile": False}, "unused: fsdp.compile is false"),
+                                        ({}, "unused: compile 'auto' is off on the CPU"),
                                         ({"launch.device": "cuda", "model": TIMM_IMAGE_TOWER},
-                                         "leaves other libraries' blocks eager"),
+                                         "unused: compile 'auto' is off on the CPU and for other libraries' blocks"),
+                                        ({"launch.device": "cuda", "fsdp.unit_size": 1},
+                                         "unused where compile 'auto' leaves blocks eager"),
                                         ({"launch.device": "cuda"}, None)])
 def test_compile_options_where_nothing_is_compiled_are_reported(cli, tiny_job, tmp_path, edits, why):
-    """A warning where the options would go unused: compile off, 'auto' on the CPU or over a timm tower."""
+    """A warning where the options would go unused: compile off, 'auto' on the CPU or over a timm tower, and
+    where 'auto' decides at start (units other than whole towers); none where 'auto' compiles whole towers."""
     job = _set(tiny_job, "fsdp.compile_options", {"max_autotune": True})
     for dotted, value in edits.items():
         job = _set(job, dotted, value)
@@ -319,9 +333,16 @@ def test_compile_options_refused_wherever_torch_compile_refuses_them():
             if (compile_option_problem(name, value) is not None) != refused and (refused or plain):
                 disagree.append((name, value, refused))
     assert disagree == []
-    literal = next(n for n in config.get_config_copy() if typing.get_origin(config.get_type(n)) is typing.Literal)
-    member = typing.get_args(config.get_type(literal))[0]
-    assert compile_option_problem(literal, member) is None
-    assert compile_option_problem(literal, f"{member}?") is not None
-    optional_int = next(n for n in config.get_config_copy() if config.get_type(n) == typing.Optional[int])
-    assert [compile_option_problem(optional_int, v) is None for v in (None, 64, "64")] == [True, True, False]
+
+
+def test_declared_types_torch_leaves_unchecked():
+    """Literals and unions (torch.compile checks plain types only)."""
+    import typing
+
+    from fsdpclip.checks import _fits
+
+    assert [_fits(v, typing.Literal["DEFAULT", "EXHAUSTIVE"]) for v in ("DEFAULT", "default")] == [True, False]
+    for optional_int in (typing.Optional[int], int | None):
+        assert [_fits(v, optional_int) for v in (None, 64, True, "64", 1.5)] == [True, True, True, False, False]
+    assert [_fits(v, float) for v in (1.5, 1)] == [True, False]
+    assert _fits(1, dict[str, int]) is False and _fits(1, "SomeType | None") is None
