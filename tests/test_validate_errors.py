@@ -281,7 +281,8 @@ def test_compile_options_the_installed_torch_knows_pass(cli, tiny_job, tmp_path)
     step (here: the CPU)."""
     job = _compiled(tiny_job, {"coordinate_descent_tuning": True, "max-autotune-gemm": False,
                                "triton": {"cudagraphs": True}})
-    code, out = cli.validate_json(write_job(tmp_path, job), "--set", "fsdp.compile_options.triton.unique_kernel_names=true")
+    code, out = cli.validate_json(write_job(tmp_path, job), "--set",
+                                  "fsdp.compile_options.triton.unique_kernel_names=true")
     assert (code, out["errors"], out["warnings"]) == (0, [], [])
     code, out = cli.validate_json(write_job(tmp_path, job), "--set", "fsdp.compile_options.triton.cudagraph=true")
     assert [(e["location"], e["hint"]) for e in out["errors"]] == \
