@@ -13,9 +13,9 @@ from typing import Optional
 from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
-from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
+from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
 from fsdpclip.problems import ModelError, Report, closest
-from fsdpclip.shard import whole_tower_wraps, wrap_classes
+from fsdpclip.shard import wrap_classes
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
 from fsdpclip.summary import summarise
 from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
@@ -401,7 +401,7 @@ def _check_compile_options(job: Job, report: Report) -> None:
 
 def _check_compile_options_used(job: Job, model, towers: dict[str, Tower], report: Report) -> None:
     """A warning where `fsdp.compile_options` would go unused: nothing compiled, or compile 'auto' deciding at
-    start (parallelize.resolve_auto)."""
+    start from a block's work (parallelize.resolve_auto, asked here as if the blocks did none)."""
     fsdp = job.fsdp
     if not fsdp.compile_options or fsdp.compile is True:
         return
@@ -409,7 +409,7 @@ def _check_compile_options_used(job: Job, model, towers: dict[str, Tower], repor
         why = "fsdp.compile is false" if fsdp.compile is False else \
             "compile 'auto' is off on the CPU and for other libraries' blocks"
         report.warn("fsdp.compile_options", f"unused: {why}", hint="set fsdp.compile to true to compile")
-    elif whole_tower_wraps(model, towers, fsdp) is None:
+    elif not resolve_auto(fsdp, model, towers, job.launch.device, 0.0, world_size=report.world_size).compile:
         report.warn("fsdp.compile_options", "unused where compile 'auto' leaves blocks eager: it compiles them where "
                                             "the step is CUDA-graphed or a block's forward is at least "
                                             f"{COMPILE_MIN_BLOCK_TFLOP} TFLOP (decided at start)",

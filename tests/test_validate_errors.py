@@ -298,10 +298,13 @@ TIMM_IMAGE_TOWER = {"name": "ViT-B-32", "embed_dim": 64, "image": {"timm": {"nam
                                          "unused: compile 'auto' is off on the CPU and for other libraries' blocks"),
                                         ({"launch.device": "cuda", "fsdp.unit_size": 1},
                                          "unused where compile 'auto' leaves blocks eager"),
+                                        ({"launch.device": "cuda", "fsdp.unit_size": 1, "launch.gpus_per_node": 1},
+                                         None),  # one GPU: the step is graphed, and its blocks compiled
                                         ({"launch.device": "cuda"}, None)])
 def test_compile_options_where_nothing_is_compiled_are_reported(cli, tiny_job, tmp_path, edits, why):
     """A warning where the options would go unused: compile off, 'auto' on the CPU or over a timm tower, and
-    where 'auto' decides at start (units other than whole towers); none where 'auto' compiles whole towers."""
+    where 'auto' decides at start (units other than whole towers, several GPUs); none where 'auto' compiles whole
+    towers or the blocks of a graphed step."""
     job = _set(tiny_job, "fsdp.compile_options", {"max_autotune": True})
     for dotted, value in edits.items():
         job = _set(job, dotted, value)
