@@ -14,14 +14,15 @@ from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
 from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
-from fsdpclip.problems import ModelError, Report, closest
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
+from fsdpclip.rundir import read_text_file, special_file
 from fsdpclip.shard import wrap_classes
-from fsdpclip.spec import TOWERS, Job, WebDatasetSpec
+from fsdpclip.spec import TOWERS, Job, WebDatasetSpec, world_size_problem
 from fsdpclip.summary import summarise
 from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
-from fsdpclip.urls import is_local, local_path, scheme_problem, shard_urls
+from fsdpclip.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
 
 
 def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
@@ -45,11 +46,15 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if world_size is None:
         world_size, gpus_per_node = layout_of(job)
     report = Report(world_size, gpus_per_node or world_size)
+    if world_size > MAX_WORLD_SIZE:  # nodes × GPUs of flags each within it; every check below counts through ranks
+        report.error("launch", world_size_problem(world_size))
+        return report
     _check_precision(job, report)
     _check_cuda_graph(job, report)
     _check_compile_options(job, report)
     _check_eval(job, report)
     steps = _check_batch_and_schedule(job, report)
+    _check_learning_rate(job, report)
     usable_run_dir = _check_output_dir(job, report)
     _check_data(job, report, check_paths)
     if check_paths:
@@ -206,6 +211,13 @@ def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
     return steps
 
 
+def _check_learning_rate(job: Job, report: Report) -> None:
+    """The cosine decays from optimizer.lr to schedule.min_lr: a floor above the peak would turn it into a rise."""
+    if job.schedule.min_lr > job.optimizer.lr:
+        report.error("schedule.min_lr", f"above the peak learning rate optimizer.lr {job.optimizer.lr:g}",
+                     job.schedule.min_lr, hint="the floor must be at most optimizer.lr")
+
+
 def _batch_hint(global_batch: int, per_gpu: int, world: int) -> str:
     if global_batch % (per_gpu * world) == 0:
         return f"grad_accum {global_batch // (per_gpu * world)} gives it"
@@ -227,6 +239,8 @@ def _check_files(job: Job, report: Report) -> None:
     for location, path in paths:
         if path is not None and not Path(path).exists():
             report.error(location, "file not found", path)
+        elif path is not None and location != "checkpoint.resume" and (kind := special_file(Path(path))):
+            report.error(location, f"not a regular file but {kind}", path)
     owned = [("model.text.hf.pretrained", job.model.text.hf, HF_WEIGHT_FILES),
              ("model.image.timm.pretrained", job.model.image.timm, TIMM_WEIGHT_FILES)]
     for location, tower, files in owned:  # weights that live in the tower's own directory
@@ -235,27 +249,42 @@ def _check_files(job: Job, report: Report) -> None:
             report.error(location, f"no weights in {tower.path}", True, hint=f"expected one of {', '.join(files)}")
 
 
+CHECKED_SHARDS = 1000  # at most this many shard URLs are looked at (evenly spread over a larger set)
+
+
 def _check_data(job: Job, report: Report, check_paths: bool) -> None:
-    """Shard URLs the reader can open (their scheme), enough of them for the ranks and workers, and,
-    with `check_paths`, the local ones present."""
+    """Shard URLs the reader can open (their scheme), not too many and enough of them for the ranks and
+    workers, and, with `check_paths`, the local ones present: counted without expanding them, and a sample
+    of CHECKED_SHARDS looked at when there are more."""
     data = job.data
     if not isinstance(data, WebDatasetSpec):
         return
-    urls = shard_urls(data.urls)
-    unreadable = [(u, problem) for u in urls for problem in [scheme_problem(u)] if problem]
+    try:
+        shards = ShardPatterns(data.urls)
+    except ValueError as exc:
+        report.error("data.urls", str(exc), data.urls, hint="every '{' needs its '}' (a literal one is written '\\{')")
+        return
+    count = shards.count
+    if count > MAX_SHARDS:
+        report.error("data.urls", f"{count:,} shards, more than a job may read ({MAX_SHARDS:,}: every rank holds "
+                     "the list)", data.urls, hint="pack the data into fewer, larger shards, or check the brace range")
+        return
+    sample = shards.sample(CHECKED_SHARDS)
+    of = f"{len(sample):,} checked (of {count:,})" if len(sample) < count else f"{count:,}"
+    unreadable = [(u, problem) for u in sample for problem in [scheme_problem(u)] if problem]
     if unreadable:
         url, (message, hint) = unreadable[0]
-        report.error("data.urls", f"{message}: {len(unreadable)} of {len(urls)} shards", url, hint=hint)
-    missing = [u for u in urls if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
+        report.error("data.urls", f"{message}: {len(unreadable)} of {of} shards", url, hint=hint)
+    missing = [u for u in sample if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
     if missing:
-        report.error("data.urls", f"{len(missing)} of {len(urls)} shards not found", missing[0],
-                     hint="check the path and the brace range" if len(missing) < len(urls) else
+        report.error("data.urls", f"{len(missing)} of {of} shards not found", missing[0],
+                     hint="check the path and the brace range" if len(missing) < len(sample) else
                      "paths are relative to the directory you run fsdpclip in")
     needed = report.world_size * max(1, data.workers)
-    if not data.resampled and len(urls) < needed:  # each worker of each rank reads shards of its own
-        report.error("data.urls", f"{len(urls)} shards for {report.world_size} ranks × {max(1, data.workers)} "
+    if not data.resampled and count < needed:  # each worker of each rank reads shards of its own
+        report.error("data.urls", f"{count} shards for {report.world_size} ranks × {max(1, data.workers)} "
                      f"workers: some workers would get none (shards must be ≥ world size × data.workers, as "
-                     f"OpenCLIP requires)", len(urls),
+                     f"OpenCLIP requires)", count,
                      hint=f"use ≥ {needed} shards, fewer workers, or data.resampled")
 
 
@@ -281,10 +310,10 @@ def _check_eval_paths(job: Job, report: Report) -> None:
         where = f"eval.zeroshot[{i}]"
         if not Path(zs.path).is_dir():
             report.error(f"{where}.path", "directory not found", zs.path)
-        if zs.classnames is not None and not Path(zs.classnames).is_file():
-            report.error(f"{where}.classnames", "file not found", zs.classnames)
-        if zs.templates not in (None, "openai", "simple") and not Path(zs.templates).is_file():
-            report.error(f"{where}.templates", "not 'openai', 'simple' or an existing file", zs.templates)
+        if zs.classnames is not None and (why := _unreadable(zs.classnames)):
+            report.error(f"{where}.classnames", f"cannot read it: {why}", zs.classnames)
+        if zs.templates not in (None, "openai", "simple") and (why := _unreadable(zs.templates)):
+            report.error(f"{where}.templates", f"not 'openai', 'simple' or a readable file: {why}", zs.templates)
     from fsdpclip.evaluate import DatasetError, load_retrieval_set
 
     for i, rs in enumerate(job.eval.retrieval):
@@ -292,6 +321,15 @@ def _check_eval_paths(job: Job, report: Report) -> None:
             load_retrieval_set(rs, transform=None)  # its layout and captions, not its images
         except DatasetError as exc:
             report.error(f"eval.retrieval[{i}].path", str(exc), rs.path)
+
+
+def _unreadable(path: str) -> Optional[str]:
+    """Why a text file the spec names cannot be read (rundir.read_text_file), or None."""
+    try:
+        read_text_file(Path(path))
+    except OSError as exc:
+        return exc.strerror
+    return None
 
 
 def _check_resume(job: Job, report: Report) -> None:

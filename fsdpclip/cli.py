@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fsdpclip.problems import Problem, SpecError
+from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 if TYPE_CHECKING:
     from fsdpclip.spec import Job
@@ -60,9 +60,11 @@ def _problem_table(problems: list[Problem], out: Console) -> None:
 @app.command()
 def validate(
     job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", min=1, help="Check for this many ranks."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Check for this many nodes."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="Check for this many GPUs per node."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", min=1, max=MAX_WORLD_SIZE,
+                                             help="Check for this many ranks."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, max=MAX_WORLD_SIZE, help="Check for this many nodes."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, max=MAX_WORLD_SIZE,
+                                                help="Check for this many GPUs per node."),
     check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
                                      help="Check that data, eval and weight files exist (off for cluster paths)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
@@ -96,8 +98,8 @@ def validate(
 @app.command()
 def plan(
     job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
-    nodes: int = typer.Option(..., "--nodes", min=1, help="Number of nodes."),
-    gpus_per_node: int = typer.Option(..., "--gpus-per-node", min=1, help="GPUs (ranks) per node."),
+    nodes: int = typer.Option(..., "--nodes", min=1, max=MAX_WORLD_SIZE, help="Number of nodes."),
+    gpus_per_node: int = typer.Option(..., "--gpus-per-node", min=1, max=MAX_WORLD_SIZE, help="GPUs (ranks) per node."),
     intra_gbps: Optional[float] = typer.Option(None, "--intra-gbps", min=1e-3,
                                                help="Collective bandwidth inside a node, Gb/s per GPU "
                                                     "(default: NVLink's 2880)."),
@@ -144,9 +146,10 @@ def plan(
 @app.command()
 def launch(
     job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", "--nproc-per-node", min=1,
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", "--nproc-per-node", min=1, max=MAX_WORLD_SIZE,
                                                 help="Processes per node (default: launch.gpus_per_node)."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Number of nodes (default: launch.nodes)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, max=MAX_WORLD_SIZE,
+                                        help="Number of nodes (default: launch.nodes)."),
     slurm: bool = typer.Option(False, "--slurm", help="Submit a batch script with sbatch instead of running here."),
     partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition (default: launch.slurm)."),
     time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit (default: launch.slurm)."),
@@ -209,10 +212,13 @@ def launch(
 
 def _submit(job: Job, dry_run: bool) -> None:
     """Write RUN_DIR/job.json and RUN_DIR/launch.sbatch and submit it (or only print the script)."""
-    from fsdpclip.launch import BATCH_SCRIPT, SubmitError, sbatch_script, submit
+    from fsdpclip.launch import BATCH_SCRIPT, LaunchError, SubmitError, sbatch_script, submit
     from fsdpclip.rundir import JOB_FILE, LOG_DIR, lock_holder
 
-    script = sbatch_script(job)
+    try:
+        script = sbatch_script(job)
+    except LaunchError as exc:
+        _stop(str(exc))
     if dry_run:
         print(script, end="")
         return

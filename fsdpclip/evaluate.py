@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from fsdpclip.data import ignore_stop_signals, shutdown_workers
+from fsdpclip.rundir import read_text_file
 from fsdpclip.spec import RetrievalSpec, ZeroShotSpec
 
 if TYPE_CHECKING:
@@ -236,11 +237,16 @@ def read_templates(choice: str) -> list[Callable[[str], str]]:
     return [lambda c, t=line: t.format(c=c) for line in _lines(Path(choice))]
 
 
-def _lines(path: Path) -> list[str]:
+def _text(path: Path) -> str:
+    """A text file of a dataset (read_text_file: a regular UTF-8 file of bounded size)."""
     try:
-        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        return read_text_file(path)
     except OSError as exc:
         raise DatasetError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _lines(path: Path) -> list[str]:
+    return [line.strip() for line in _text(path).splitlines() if line.strip()]
 
 
 def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
@@ -283,7 +289,7 @@ def _wds_shards(root: Path) -> Optional[list[str]]:
     split = next((d for d in (root / "test", root) if (d / "nshards.txt").is_file()), None)
     if split is None:
         return None
-    count = (split / "nshards.txt").read_text().strip()
+    count = _text(split / "nshards.txt").strip()
     if not count.isdigit() or int(count) == 0:
         raise DatasetError(f"{split}/nshards.txt should hold the number of shards, not {count!r}")
     shards = [str(split / f"{i}.tar") for i in range(int(count))]
@@ -304,7 +310,7 @@ def load_retrieval_set(spec: RetrievalSpec, transform: Callable) -> RetrievalSet
     shards = _wds_shards(root)
     if shards is not None:
         kind_file = root / "dataset_type.txt"
-        kind = kind_file.read_text().strip().lower() if kind_file.is_file() else "retrieval"
+        kind = _text(kind_file).strip().lower() if kind_file.is_file() else "retrieval"
         if kind != "retrieval":
             raise DatasetError(f"{kind_file} says {kind!r}: CLIP_benchmark retrieval sets say 'retrieval' "
                                "(their samples carry captions, .txt, not labels)")
@@ -317,7 +323,7 @@ def load_retrieval_set(spec: RetrievalSpec, transform: Callable) -> RetrievalSet
     if missing:
         others = f" (and {len(missing) - 1} other images lack theirs)" if len(missing) > 1 else ""
         raise DatasetError(f"{missing[0]} has no caption file {missing[0].with_suffix('.txt').name}{others}")
-    pairs = [(p, _captions(p.with_suffix(".txt").read_text())) for p in images[:spec.max_samples]]
+    pairs = [(p, _captions(_text(p.with_suffix(".txt")))) for p in images[:spec.max_samples]]
     empty = next((p for p, captions in pairs if not captions), None)
     if empty is not None:
         raise DatasetError(f"{empty.with_suffix('.txt')} holds no caption (one per line)")

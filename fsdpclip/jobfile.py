@@ -11,13 +11,14 @@ from typing import Any, Optional
 from pydantic import BaseModel, ValidationError
 
 from fsdpclip.problems import Problem, SpecError, closest
+from fsdpclip.rundir import read_text_file
 from fsdpclip.spec import DATA_SOURCES, LOSS_KINDS, Job
 
 
 def read_job_dict(path: Path) -> dict:
     """Read a job file as a dict; a missing file or bad JSON is a SpecError."""
     try:
-        text = Path(path).read_text()
+        text = read_text_file(Path(path))
     except OSError as exc:
         raise SpecError([Problem("(file)", f"cannot read job file: {exc.strerror}", value=str(path))]) from None
     repeated: dict[int, list[str]] = {}  # id of a parsed object -> its keys given more than once

@@ -29,7 +29,7 @@ from typing import Optional
 from fsdpclip.rundir import (
     EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked, finish_exit_report, request_stop,
 )
-from fsdpclip.spec import Job
+from fsdpclip.spec import Job, one_line
 from fsdpclip.urls import is_local
 
 TRAIN_MODULE = "fsdpclip.train"
@@ -61,7 +61,12 @@ class LaunchFlags:
     dry_run: bool = False
 
     def check(self) -> None:
-        """Flag combinations that cannot work, before the spec is read."""
+        """Flag values and combinations that cannot work, before the spec is read."""
+        for flag, value in (("--partition", self.partition), ("--time", self.time_limit)):
+            try:
+                one_line(value or "")
+            except ValueError as exc:
+                raise LaunchError(f"{flag} {value!r}: {exc}") from None
         if self.slurm and (self.node_rank is not None or self.master_addr is not None):
             raise LaunchError("--slurm starts every node itself: --node-rank and --master-addr are for launches "
                               "without Slurm")
@@ -215,6 +220,22 @@ def render(command: list[str]) -> str:
     return " ".join(shlex.quote(part) for part in command)
 
 
+def script_word(value: str) -> str:
+    """A value as one word of the batch script, quoted for the shell (and for Slurm, which reads #SBATCH lines
+    as the shell splits them). Every value rendered into the script passes here: one with a control character
+    (a newline would start a line of its own, ending the #SBATCH options or running as a command) is refused,
+    whatever let it into the spec."""
+    return shlex.quote(script_line(value))
+
+
+def script_line(line: str) -> str:
+    """A line of the batch script as it is (a setup line): one line, no control character (`script_word`)."""
+    try:
+        return one_line(line)
+    except ValueError as exc:
+        raise LaunchError(f"cannot write {line!r} into the batch script: {exc}") from None
+
+
 def sbatch_options(job: Job) -> list[str]:
     """The `#SBATCH` options of a job: its launch and slurm blocks, the logs in RUN_DIR/logs/."""
     launch, slurm = job.launch, job.launch.slurm
@@ -229,7 +250,7 @@ def sbatch_options(job: Job) -> list[str]:
     if slurm.requeue:
         options += ["--requeue", f"--signal=B:USR1@{slurm.signal_seconds}"]
     options += ["--open-mode=append", f"--output={logs}/slurm-%j.out", f"--error={logs}/slurm-%j.err"]
-    return [shlex.quote(option) for option in options] + slurm.extra_sbatch
+    return [script_word(option) for option in [*options, *slurm.extra_sbatch]]
 
 
 # The batch script after its options, exports and setup lines; {{name}} is filled in. The exit code
@@ -291,24 +312,25 @@ def sbatch_script(job: Job, python: Optional[str] = None) -> str:
         environment["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(slurm.signal_seconds)
     head = [
         ["#!/bin/bash",
-         f"# fsdpclip job {job.run.name}: {launch.nodes} node(s) x {launch.gpus_per_node} rank(s) ({launch.device}),",
+         script_line(f"# fsdpclip job {job.run.name}: {launch.nodes} node(s) x {launch.gpus_per_node} rank(s) "
+                     f"({launch.device}),"),
          "# rendered by `fsdpclip launch --slurm` (see cluster/README.md).",
          *(f"#SBATCH {option}" for option in sbatch_options(job))],
-        [f"export {key}={shlex.quote(value)}" for key, value in environment.items()],
-        list(slurm.setup),
+        [f"export {script_line(key)}={script_word(value)}" for key, value in environment.items()],
+        [script_line(line) for line in slurm.setup],
     ]
     values = {
-        "run_dir": shlex.quote(str(job.run_dir)),
+        "run_dir": script_word(str(job.run_dir)),
         "launch_time": LAUNCH_TIME_ENV,
         "port": str(launch.master_port),
         "trap": SBATCH_TRAP if slurm.requeue else "",
         "cpus": f" --cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task is not None else "",
-        "node_log": shlex.quote(str(job.run_dir / LOG_DIR / "slurm-%j-node%n.out")),
-        "python": shlex.quote(python or ("python" if slurm.setup else sys.executable)),
+        "node_log": script_word(str(job.run_dir / LOG_DIR / "slurm-%j-node%n.out")),
+        "python": script_word(python or ("python" if slurm.setup else sys.executable)),
         "nproc": str(launch.gpus_per_node),
         "train_module": TRAIN_MODULE,
         "torchrun": TORCHRUN,
-        "job_file": shlex.quote(str(job.run_dir / JOB_FILE)),
+        "job_file": script_word(str(job.run_dir / JOB_FILE)),
         "requeue": SBATCH_REQUEUE if slurm.requeue else "",
     }
     body = re.sub(r"\{\{(\w+)\}\}", lambda match: values[match.group(1)], SBATCH_BODY)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdpclip.problems import ModelError
+from fsdpclip.rundir import read_text_file
 from fsdpclip.spec import TOWERS, ModelSpec
 from fsdpclip.towers import compose, register_hf_families, timm_image_size
 
@@ -45,7 +46,7 @@ def model_config(spec: ModelSpec) -> dict:
 
     if spec.config is not None:
         try:
-            raw = json.loads(Path(spec.config).read_text())
+            raw = json.loads(read_text_file(Path(spec.config)))
         except OSError as exc:
             raise ModelError(f"cannot read model config: {exc.strerror}", "model.config", spec.config) from None
         except json.JSONDecodeError as exc:
@@ -117,7 +118,7 @@ def hf_text_tower(spec: ModelSpec) -> bool:
             return True
         path = Path(found.submodule_search_locations[0]) / "model_configs" / f"{spec.name}.json"
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(read_text_file(path))
         return "hf_model_name" in raw.get("model_cfg", raw)["text_cfg"]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return True

@@ -11,6 +11,7 @@ R replicas. S = W is plain FSDP, S = 1 replication (DDP-like).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,8 +38,11 @@ def shard_degree_problem(degree: int, world: int, gpus_per_node: int) -> Optiona
 
 
 def valid_shard_degrees(world: int, gpus_per_node: int) -> list[int]:
-    """The degrees `shard_degree_problem` accepts, smallest first."""
-    return [d for d in range(1, world + 1) if shard_degree_problem(d, world, gpus_per_node) is None]
+    """The degrees `shard_degree_problem` accepts, smallest first: among the world's divisors, found up to its
+    square root (not by trying every degree up to the world size)."""
+    small = [d for d in range(1, math.isqrt(world) + 1) if world % d == 0]
+    divisors = sorted({*small, *(world // d for d in small)})
+    return [d for d in divisors if shard_degree_problem(d, world, gpus_per_node) is None]
 
 
 def choose_shard_degree(totals: dict[int, float], capacity: Optional[float], gpus_per_node: int) -> int:

@@ -6,6 +6,9 @@ import difflib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Literal, Optional
 
+# Ranks (GPUs) of one job, in a spec or a command-line flag: far beyond any cluster, few enough to count through.
+MAX_WORLD_SIZE = 2 ** 20
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -57,6 +58,46 @@ def write_atomically(path: Path, content: str | bytes) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+MAX_TEXT_BYTES = 64 * 2 ** 20  # a spec, a model config, a class-name list: far smaller than this
+FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+              stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def special_file(path: Path) -> Optional[str]:
+    """What a path the user named is when it is there but is no regular file (a FIFO, a device, a directory),
+    else None: reading it would block, never end, or fail."""
+    try:
+        kind = stat.S_IFMT(os.stat(path).st_mode)
+    except OSError:
+        return None
+    return None if kind == stat.S_IFREG else FILE_KINDS.get(kind, "a special file")
+
+
+def read_text_file(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
+    """A UTF-8 text file the user named, read only if it is a regular file of at most `limit` bytes: a FIFO
+    would block forever and a device never end (/dev/zero fills the memory). Anything else is an OSError whose
+    strerror says why (not UTF-8 included), as a missing file's does."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO waits for a writer without it
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        kind = stat.S_IFMT(os.fstat(descriptor).st_mode)
+        if kind != stat.S_IFREG:
+            raise OSError(None, f"not a regular file but {FILE_KINDS.get(kind, 'a special file')}", str(path))
+        with os.fdopen(descriptor, "rb", closefd=False) as file:
+            data = file.read(limit + 1)
+    finally:
+        os.close(descriptor)
+    if len(data) > limit:
+        raise OSError(None, f"larger than {limit:,} bytes, more than a text file here holds", str(path))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise OSError(None, f"not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line})", str(path)) from None
 
 
 def launch_time() -> float:

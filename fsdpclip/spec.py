@@ -8,10 +8,13 @@ reads a file into a `Job` (structural problems as `Problem`s with JSON locations
 from __future__ import annotations
 
 import re
+import types
+import unicodedata
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -25,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from fsdpclip.problems import MAX_WORLD_SIZE
 from fsdpclip.rundir import write_atomically
 
 Dtype = Literal["bf16", "fp16", "fp32"]
@@ -69,18 +73,74 @@ InductorOptions = Annotated[dict[str, Annotated[Union[bool, int, float, str, Non
                             BeforeValidator(_dotted)]
 
 
-class Section(BaseModel):
-    """Base of every spec block: unknown keys are errors, never ignored."""
+def _boolean_for_number(value: Any, annotation: Any) -> bool:
+    """Whether `value` puts true/false where `annotation` takes a number and no boolean (pydantic would read
+    true as 1), also inside lists, tuples and objects."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _boolean_for_number(value, args[0])
+    if origin in (Union, types.UnionType):
+        members = [get_args(a)[0] if get_origin(a) is Annotated else a for a in args]
+        if isinstance(value, bool):
+            return bool not in members and any(m in (int, float) for m in members)
+        return any(_boolean_for_number(value, m) for m in members if get_origin(m) in (list, tuple, dict))
+    if isinstance(value, bool):
+        return annotation in (int, float)
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):
+        items = args[:1] * len(value) if origin is list or args[-1:] == (Ellipsis,) else args
+        return any(_boolean_for_number(item, kind) for item, kind in zip(value, items))
+    if origin is dict and isinstance(value, dict):
+        return any(_boolean_for_number(item, args[1]) for item in value.values())
+    return False
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+class Section(BaseModel):
+    """Base of every spec block: unknown keys are errors, never ignored; numbers are finite (JSON's 1e400
+    and Python's Infinity would reach the ranks as inf, and job.json as null) and never true/false."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if _boolean_for_number(value, cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, not true/false")
+        return value
+
+
+def one_line(value: str) -> str:
+    """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
+    #SBATCH options at the first command, and a shell runs what follows), and no other control character is
+    meant in a name, a path or a Slurm option."""
+    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if found is not None:
+        raise ValueError(f"contains the control character {found!r}: a value written into the batch script must be "
+                         "one line of printable text")
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(one_line)]
+SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", re.DOTALL)
+
+
+def sbatch_option(value: str) -> str:
+    """One `--option[=value]` token (several options are several items; the batch script quotes each)."""
+    one_line(value)
+    if not SBATCH_OPTION.fullmatch(value):
+        raise ValueError("one sbatch option per item, written '--option' or '--option=value' (e.g. '--mem=0')")
+    return value
+
+
+SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
 
 
 # --------------------------------------------------------------------------- run
 class RunSpec(Section):
     name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128,
                       description="Run name; the run directory is <output_dir>/<name>.")
-    output_dir: str = Field("runs", description="Directory that holds run directories (created if missing).")
-    seed: int = Field(0, ge=0, description="Seed for initialisation, data order and dropout.")
+    output_dir: OneLine = Field("runs", description="Directory that holds run directories (created if missing).")
+    seed: int = Field(0, ge=0, lt=2 ** 63, description="Seed for initialisation, data order and dropout (below 2^63, "
+                                                       "as torch's generators take it with the rank added).")
 
 
 # ------------------------------------------------------------------------- model
@@ -381,7 +441,7 @@ class ScheduleSpec(Section):
     epochs: Optional[int] = Field(
         None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on every "
                                 "rank (instead of `steps`; default 1 when neither is set).")
-    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule.")
+    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule (at most optimizer.lr).")
 
     @field_validator("epochs")
     @classmethod
@@ -395,7 +455,8 @@ class ScheduleSpec(Section):
 class WebDatasetSpec(Section):
     source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
     urls: Union[str, list[str]] = Field(
-        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'.")
+        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at most "
+                    "2^20 (1,048,576) shards.")
     samples: int = Field(
         gt=0, description="Samples in one epoch (the sum over all shards). An epoch is samples ÷ (world size × "
                           "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
@@ -533,14 +594,28 @@ class CheckpointSpec(Section):
 
 
 # ----------------------------------------------------------------------- logging
+# What W&B refuses in a project name (wandb.sdk.wandb_settings.Settings.validate_project).
+WANDB_PROJECT_REFUSES = "/\\#?%:"
+
+
 class WandbSpec(Section):
-    project: Optional[str] = Field(None, description="W&B project (default: W&B's own, or WANDB_PROJECT).")
+    project: Optional[str] = Field(None, max_length=128, description="W&B project (default: W&B's own, or "
+                                   "WANDB_PROJECT): at most 128 characters, none of / \\ # ? % :, as W&B requires.")
     entity: Optional[str] = Field(None, description="W&B team or user (default: the logged-in user's).")
     name: Optional[str] = Field(None, description="Display name of the W&B run; default: run.name.")
-    tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, description="Tags of the W&B run, 1 to 64 characters each (W&B's limit).")
     mode: Literal["online", "offline", "disabled"] = Field(
         "online", description="'online' syncs as it trains; 'offline' writes the W&B run locally, never touching "
                               "the network (`wandb sync` uploads it later); 'disabled' turns W&B off.")
+
+    @field_validator("project")
+    @classmethod
+    def _project_name(cls, value: Optional[str]) -> Optional[str]:
+        refused = sorted(set(WANDB_PROJECT_REFUSES) & set(value or ""))
+        if refused:
+            raise ValueError(f"W&B refuses project names containing {' '.join(refused)}")
+        return value
 
 
 class LoggingSpec(Section):
@@ -566,18 +641,21 @@ def environment_names(value: dict[str, str]) -> dict[str, str]:
 
 
 class SlurmSpec(Section):
-    partition: Optional[str] = Field(None, description="sbatch --partition.")
-    account: Optional[str] = Field(None, description="sbatch --account.")
-    qos: Optional[str] = Field(None, description="sbatch --qos.")
+    partition: Optional[OneLine] = Field(None, description="sbatch --partition.")
+    account: Optional[OneLine] = Field(None, description="sbatch --account.")
+    qos: Optional[OneLine] = Field(None, description="sbatch --qos.")
     time: Optional[str] = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
                                 description="sbatch --time, e.g. '2-00:00:00' or '04:00:00'.")
     cpus_per_task: Optional[int] = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node).")
     requeue: bool = Field(True, description="Requeue the job after preemption or a time-limit signal.")
     signal_seconds: int = Field(120, gt=0, description="Send USR1 this many seconds before the time limit.")
-    extra_sbatch: list[str] = Field(default_factory=list, description="More '#SBATCH' options, e.g. '--exclusive'.")
-    setup: list[str] = Field(default_factory=list,
-                             description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables exported in the batch script.")
+    extra_sbatch: list[SbatchOption] = Field(
+        default_factory=list, description="More '#SBATCH' options, one '--option' or '--option=value' per item, e.g. "
+                                          "'--exclusive'.")
+    setup: list[OneLine] = Field(default_factory=list,
+                                 description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
+    env: dict[str, OneLine] = Field(default_factory=dict,
+                                    description="Environment variables exported in the batch script.")
 
     @field_validator("env")
     @classmethod
@@ -586,15 +664,17 @@ class SlurmSpec(Section):
 
 
 class LaunchSpec(Section):
-    nodes: int = Field(1, gt=0, description="Number of nodes.")
-    gpus_per_node: int = Field(1, gt=0, description="Processes per node: one per GPU (or CPU processes with device 'cpu').")
+    nodes: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Number of nodes (nodes × gpus_per_node at most 2^20).")
+    gpus_per_node: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Processes per node: one per GPU (or CPU "
+                                                                     "processes with device 'cpu').")
     device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
     gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
                                             "and to choose fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
     collective_timeout_s: int = Field(
         1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for every rank (e.g. NCCL_*).")
+    env: dict[str, OneLine] = Field(default_factory=dict,
+                                    description="Environment variables for every rank (e.g. NCCL_*).")
     fork_ranks: bool = Field(
         True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and OpenCLIP "
                           "to validate the spec: they start without importing them again (~10 s sooner on the GPU "
@@ -607,9 +687,19 @@ class LaunchSpec(Section):
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         return environment_names(value)
 
+    @model_validator(mode="after")
+    def _bounded_world(self) -> "LaunchSpec":
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(world_size_problem(self.world_size))
+        return self
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+def world_size_problem(world_size: int) -> str:
+    return f"nodes × GPUs per node = {world_size:,} ranks, more than a job may have ({MAX_WORLD_SIZE:,})"
 
 
 # --------------------------------------------------------------------------- job

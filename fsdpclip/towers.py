@@ -15,12 +15,16 @@ import torch
 from torch import nn
 
 from fsdpclip.problems import ModelError, closest
+from fsdpclip.rundir import read_text_file, special_file
 from fsdpclip.spec import HfTowerSpec, ModelSpec, TimmTowerSpec
 
 HF_INSTALL = "pip install 'fsdpclip[hf]'"
 TIMM_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
+# The files transformers' tokenizers read from a local directory, where present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
 LOCAL_HINT = "fsdpclip never downloads: save the model (save_pretrained) or copy its files into a local directory"
 
 
@@ -114,9 +118,14 @@ def check_hf_dir(path: str, location: str, from_spec: bool) -> None:
 
     register_hf_families()
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        model_type = json.loads(read_text_file(config)).get("model_type")
+    except OSError as exc:
+        raise ModelError(f"cannot read {config}: {exc.strerror}", location, path) from None
     except (json.JSONDecodeError, AttributeError):
         raise ModelError(f"{config} is not a JSON object", location, path) from None
+    special = [(name, kind) for name in TOKENIZER_FILES if (kind := special_file(Path(path) / name))]
+    if special:  # the tokenizer would read it and block (a FIFO) or never end (a device)
+        raise ModelError(f"its {special[0][0]} is not a regular file but {special[0][1]}", location, path)
     if model_type not in arch_dict:
         raise ModelError(f"model_type '{model_type}' is not a text tower OpenCLIP's HFTextEncoder builds", location,
                          path, hint=f"supported: {', '.join(sorted(arch_dict))}")

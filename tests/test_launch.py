@@ -91,6 +91,26 @@ def test_sbatch_content():
     assert "\n    python -m fsdpclip.torchrun" in quiet  # setup lines choose the interpreter
 
 
+def test_the_batch_script_refuses_what_would_break_its_lines():
+    """The rendering itself (not only the spec) refuses control characters in every value it writes: a job
+    built in code, never validated, cannot add lines to the script either."""
+    from fsdpclip.launch import LaunchError
+
+    job = resolve_paths(load_job(REPO / CASES["tiny-cpu-two-nodes"][0], CASES["tiny-cpu-two-nodes"][1]),
+                        Path("/project"))
+    slurm = job.launch.slurm
+    edits = [("partition", "gpu\necho injected"), ("extra_sbatch", ["--exclusive\necho injected"]),
+             ("setup", ["module load x\necho injected"]), ("env", {"A": "1\r"})]
+    for field, value in edits:
+        edited = job.model_copy(update={"launch": job.launch.model_copy(
+            update={"slurm": slurm.model_copy(update={field: value})})})
+        with pytest.raises(LaunchError, match="control character"):
+            sbatch_script(edited)
+    elsewhere = job.model_copy(update={"run": job.run.model_copy(update={"output_dir": "/runs\necho injected"})})
+    with pytest.raises(LaunchError, match="control character"):
+        sbatch_script(elsewhere)
+
+
 def test_torchrun_commands():
     job = Path("/runs/x/job.json")
     assert render(torchrun_command(job, 2, python="py")) == (
@@ -322,6 +342,9 @@ def test_flags_are_validated_with_the_real_world_size(cli, tmp_path):
     (["--slurm", "--master-addr", "h"], "--slurm starts every node itself"),
     (["--partition", "gpu"], "add --slurm"),
     (["--slurm", "--time", "soon"], "launch.slurm.time"),
+    (["--slurm", "--partition", "gpu\n#SBATCH --wrap=id"], "--partition 'gpu\\n#SBATCH --wrap=id': contains the "
+                                                            "control character"),
+    (["--slurm", "--nodes", str(2 ** 64)], "less than or equal to 1048576"),
 ])
 def test_bad_launch_flags_are_user_errors(cli, tmp_path, flags, message):
     result = cli("launch", _tiny(tmp_path), "--dry-run", *flags)

@@ -127,6 +127,38 @@ CASES = [
      "not an environment variable name", None),
     ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
      "not an environment variable name", None),
+    ("min-lr-above-lr", lambda j: _set(_set(j, "optimizer.lr", 0.5), "schedule.min_lr", 1.0), "schedule.min_lr",
+     "above the peak learning rate optimizer.lr 0.5", "at most optimizer.lr"),
+    ("lr-infinite", lambda j: _set(j, "optimizer.lr", float("inf")), "optimizer.lr", "finite number", None),
+    ("seed-beyond-torch", lambda j: _set(j, "run.seed", 2 ** 64), "run.seed", "less than 9223372036854775808", None),
+    ("boolean-batch", lambda j: _set(j, "batch.per_gpu", True), "batch.per_gpu", "a number, not true/false", None),
+    ("boolean-beta", lambda j: _set(j, "optimizer.betas", [False, 0.98]), "optimizer.betas",
+     "a number, not true/false", None),
+    ("boolean-unit-size", lambda j: _set(j, "fsdp.unit_size", True), "fsdp.unit_size", "a number, not true/false",
+     None),
+    ("wandb-project", lambda j: _set(j, "logging.wandb", {"project": "team/clip", "mode": "disabled"}),
+     "logging.wandb.project", "W&B refuses project names containing /", None),
+    ("wandb-long-project", lambda j: _set(j, "logging.wandb", {"project": "p" * 129, "mode": "disabled"}),
+     "logging.wandb.project", "at most 128 characters", None),
+    ("wandb-tag", lambda j: _set(j, "logging.wandb", {"tags": ["ok", "t" * 65], "mode": "disabled"}),
+     "logging.wandb.tags[1]", "at most 64 characters", None),
+    ("world-too-large", lambda j: _set(j, "launch", {"nodes": 2 ** 19, "gpus_per_node": 4}), "launch",
+     "2,097,152 ranks, more than a job may have (1,048,576)", None),
+    ("nodes-beyond-any-cluster", lambda j: _set(j, "launch.nodes", 2 ** 64), "launch.nodes",
+     "less than or equal to 1048576", None),
+    ("unbalanced-braces", lambda j: _set(j, "data.urls", "/data/shard-{0..3.tar"), "data.urls",
+     "unbalanced braces", "every '{' needs its '}'"),
+]
+
+# Values written into the batch script of `launch --slurm` (issue: a newline became a line of the script).
+SCRIPT_CASES = [
+    ("launch.slurm.partition", "gpu\n#SBATCH --exclusive"),
+    ("launch.slurm.account", "proj\ntouch /tmp/x"),
+    ("launch.slurm.qos", "low\r"),
+    ("run.output_dir", "/runs\nrm -rf /"),
+    ("launch.slurm.setup", ["module load cuda\u0007"]),
+    ("launch.env", {"NCCL_DEBUG": "INFO\ntouch /tmp/x"}),
+    ("launch.slurm.env", {"A": "1\x00"}),
 ]
 
 
@@ -350,3 +382,95 @@ def test_declared_types_torch_leaves_unchecked():
         assert [_fits(v, optional_int) for v in (None, 64, True, "64", 1.5)] == [True, True, True, False, False]
     assert [_fits(v, float) for v in (1.5, 1)] == [True, False]
     assert _fits(1, dict[str, int]) is False and _fits(1, "SomeType | None") is None
+
+
+def _script_location(dotted: str, value) -> str:
+    return f"{dotted}[0]" if isinstance(value, list) else f"{dotted}.{next(iter(value))}" if isinstance(value, dict) \
+        else dotted
+
+
+@pytest.mark.parametrize("dotted, value", SCRIPT_CASES, ids=[c[0] for c in SCRIPT_CASES])
+def test_control_characters_in_script_values_are_refused(cli, tiny_job, tmp_path, dotted, value):
+    """Every value `launch --slurm` writes into its batch script is one line of printable text, at validate."""
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, dotted, value)))
+    assert code == 2
+    match = [e for e in out["errors"] if e["location"] == _script_location(dotted, value)]
+    assert match and "control character" in match[0]["message"], out["errors"]
+
+
+def test_extra_sbatch_items_are_single_options(cli, tiny_job, tmp_path):
+    items = ["--exclusive", "--mem=0", "--comment=two words", "--exclusive --mem=0", "-N 2", "--mail-type=END\nid",
+             "exclusive"]
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "launch.slurm.extra_sbatch", items)))
+    assert code == 2
+    assert [e["location"] for e in out["errors"]] == [f"launch.slurm.extra_sbatch[{i}]" for i in (3, 4, 5, 6)]
+    assert "one sbatch option per item" in out["errors"][0]["message"]
+    assert "control character" in out["errors"][2]["message"]
+
+
+def test_a_huge_brace_range_is_counted_not_expanded(cli, tiny_job, tmp_path):
+    """10^9 shards are refused at once (they were expanded: minutes and gigabytes); 10^5 present ones are
+    checked by a sample (the first, the last and evenly between), which still finds missing ones."""
+    billion = _set(tiny_job, "data.urls", "/data/shard-{000000000..999999999}.tar")
+    code, out = cli.validate_json(write_job(tmp_path, billion), "--no-check-paths")
+    assert code == 2 and out["errors"][0]["location"] == "data.urls"
+    assert "1,000,000,000 shards, more than a job may read (1,048,576" in out["errors"][0]["message"]
+
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(0, 100_000, 7):  # a seventh of them: the sample finds the rest missing
+        (many / f"{i:05d}.tar").touch()
+    job = _set(tiny_job, "data.urls", str(many / "{00000..99999}.tar"))
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 2 and out["errors"][0]["location"] == "data.urls"
+    assert " of 1,000 checked (of 100,000) shards not found" in out["errors"][0]["message"]
+
+
+@pytest.mark.parametrize("flags", [("--world-size", str(2 ** 64)), ("--nodes", str(2 ** 64)),
+                                   ("--nodes", str(2 ** 20), "--gpus-per-node", "2")])
+def test_world_size_flags_are_bounded(cli, tiny_job, tmp_path, flags):
+    """A world of 2^64 ranks was counted through rank by rank; flags and their product stop at 2^20."""
+    result = cli("validate", write_job(tmp_path, tiny_job), "--no-check-paths", *flags)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "1048576" in result.output.replace(",", "")
+
+
+def test_files_the_spec_names_are_regular_bounded_utf8(cli, tiny_job, tmp_path):
+    """A FIFO (reading it blocked forever), a device (/dev/zero filled the memory) and non-UTF-8 bytes
+    (a raw UnicodeDecodeError): located errors, for the model config, class names, templates and weights."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    latin = tmp_path / "classes.txt"
+    latin.write_bytes("zéro\nun\n".encode("latin-1"))
+    for config, why in ((fifo, "not a regular file but a FIFO"), ("/dev/zero", "not a regular file but a character "
+                                                                              "device"), (latin, "not UTF-8 text")):
+        code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "model.config", str(config))))
+        assert code == 2 and [e["location"] for e in out["errors"]] == ["model.config"], out["errors"]
+        assert why in out["errors"][0]["message"]
+    zeroshot = {"dataset": "folder", "path": str(tmp_path), "classnames": str(latin), "templates": str(fifo)}
+    job = _set(_set(tiny_job, "eval.zeroshot", [zeroshot]), "model.pretrained", "/dev/zero")
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    errors = {e["location"]: e["message"] for e in out["errors"]}
+    assert code == 2 and "not UTF-8 text (byte 0xe9 on line 1)" in errors["eval.zeroshot[0].classnames"]
+    assert "FIFO" in errors["eval.zeroshot[0].templates"]
+    assert "character device" in errors["model.pretrained"]
+
+
+@pytest.mark.parametrize("content", [None, b'{"model": {"name": "ViT-B-32", "note": "\xe9"}}'])
+def test_a_job_file_that_is_no_text_file(tiny_job, tmp_path, content):
+    """The job file itself as a FIFO (the command hung) or in Latin-1 (a traceback): a located error, exit 2."""
+    import os
+
+    path = tmp_path / "job.json"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "fsdpclip", "validate", str(path), "--json"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    error = __import__("json").loads(proc.stdout)["errors"][0]
+    assert error["location"] == "(file)"
+    assert ("FIFO" if content is None else "not UTF-8 text (byte 0xe9 on line 1)") in error["message"]
