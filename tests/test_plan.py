@@ -91,3 +91,12 @@ def test_plan_refuses_a_bad_spec(cli, tiny_job, tmp_path):
     tiny_job["freeze"] = {"image": {"blocks": "0:40"}}
     code, out = _plan(cli, write_job(tmp_path, tiny_job), "--nodes", "1", "--gpus-per-node", "2")
     assert code == 2 and "freeze.image.blocks" in out
+
+
+def test_plan_refuses_a_world_beyond_the_maximum(cli, tmp_path):
+    """2^20 nodes × 2 GPUs: an error naming the maximum (every shard degree up to the world was tried);
+    a node count of 2^64 stops at the flag."""
+    code, out = _plan(cli, B32, "--nodes", str(2 ** 20), "--gpus-per-node", "2")
+    assert code == 2 and "2,097,152 ranks, more than a job may have (1,048,576)" in out.replace("\n", ""), out
+    code, out = _plan(cli, B32, "--nodes", str(2 ** 64), "--gpus-per-node", "8")
+    assert code == 2 and "--nodes" in out, out
