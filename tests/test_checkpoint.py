@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -250,3 +251,36 @@ def test_launch_exits_with_the_trainers_code_on_divergence(tmp_path):
     assert proc.returncode == 65, proc.stdout[-4000:]
     assert "is not finite" not in proc.stdout  # stopped, not skipped
     assert "stopped; the last good checkpoint is none" in proc.stdout
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
+    """A non-tensor value of a DCP checkpoint (DCP itself unpickles those with weights_only=False) and OpenCLIP
+    weights files (a state dict, a whole-model checkpoint) holding a pickle that would create a file: refused,
+    naming the file or value and what the pickle names; nothing runs. Plain values still load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from conftest import RunsCode
+    from fsdpclip.model import model_from_config
+    from fsdpclip.pickles import SafeLoadPlanner, SafeReader
+    from fsdpclip.problems import ModelError
+    from fsdpclip.weights import load_model_weights, read_state_dict
+
+    marker, system = tmp_path / "code-ran", f"{os.system.__module__}.system"
+    saved = {"lr": 0.25, "betas": (0.9, 0.98), "step": torch.ones(2)}
+    dcp.save({**saved, "planted": RunsCode(marker)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    loaded = {"lr": 0.0, "betas": None, "step": torch.zeros(2)}
+    dcp.load(loaded, storage_reader=SafeReader(str(tmp_path / "dcp")), planner=SafeLoadPlanner(), no_dist=True)
+    assert loaded["lr"] == 0.25 and loaded["betas"] == (0.9, 0.98) and loaded["step"].tolist() == [1.0, 1.0]
+    with pytest.raises(CheckpointException, match=f"the value of planted holds a pickle that names {system}"):
+        dcp.load({"planted": None}, storage_reader=SafeReader(str(tmp_path / "dcp")), planner=SafeLoadPlanner(),
+                 no_dist=True)
+
+    weights = tmp_path / "weights.pt"
+    torch.save({"state_dict": {"visual.proj": RunsCode(marker)}}, weights)
+    model = model_from_config(json.loads(TINY_CONFIG.read_text()), device="cpu")
+    for load in (read_state_dict, lambda path: load_model_weights(model, path)):
+        with pytest.raises(ModelError, match=f"{weights} holds a pickle that names {system}: refusing to load it"):
+            load(str(weights))
+    assert not marker.exists()

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import pickle
-import shlex
 import signal
 import socket
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
+from conftest import TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
 from ranks import REPO, json_result, run_group
 
 
@@ -250,16 +249,6 @@ def test_relaunches_of_one_run(tmp_path, cli):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == kept
 
 
-class _RunsCode:
-    """Pickles as a call of os.system that creates `marker`: what a planted checkpoint file would do."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
-
-
 def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_dir, cli):
     """Checkpoint files planted with a pickle that would create a file (the newest DCP .metadata, a rank's state
     in the one before): validate, launch and eval refuse them, naming each file (exit 2, no traceback), and
@@ -272,8 +261,8 @@ def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_di
     older, newest = run_dir / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000004"
     kept = {file: file.read_bytes() for file in (older / "rank-00001.pt", newest / ".metadata")}
     marker = tmp_path / "code-ran"
-    (newest / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    torch.save({"rng": _RunsCode(marker), "data": {}}, older / "rank-00001.pt")
+    (newest / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    torch.save({"rng": RunsCode(marker), "data": {}}, older / "rank-00001.pt")
     refusals = [squeezed(f"{file} holds a pickle that names {os.system.__module__}.system: refusing to load it")
                 for file in (".metadata", "rank-00001.pt")]
 
