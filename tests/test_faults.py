@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -290,6 +291,39 @@ def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_di
     code, out = cli.validate_json(path, "--set", "schedule.steps=8")
     assert code == 0 and [w["message"] for w in out["warnings"] if "rank-00000.pt" in w["message"]] == \
         [f"skipping {run_dir / 'checkpoints' / 'step-00000006'}: rank-00000.pt is missing"]
+
+
+def test_a_relaunch_compares_files_by_content(tmp_path, digits_dir, cli):
+    """What a relaunch finds in the files its spec names, compared with what its checkpoint saw: the model
+    config copied elsewhere unchanged is the same model (accepted); edited in place it is another (refused,
+    naming what differs); a shard rewritten under the same URL (another size and modification time) is said at
+    resume, and the data stream restarts its epoch instead of reading other samples from the saved position."""
+    shutil.copytree(digits_dir, tmp_path / "digits")
+    config = tmp_path / "model.json"
+    shutil.copy(TINY_CONFIG, config)
+    job = preemptible_job(tmp_path / "runs", tmp_path / "digits", "files")
+    job["model"]["config"], job["schedule"]["steps"], job["checkpoint"]["every_steps"] = str(config), 4, 4
+    path = write_job(tmp_path, job)
+    assert _launch(path).returncode == 0
+
+    shutil.copy(config, tmp_path / "elsewhere.json")
+    code, out = cli.validate_json(path, "--set", f"model.config={tmp_path / 'elsewhere.json'}")
+    assert (code, out["errors"]) == (0, []), out
+    config.write_text(json.dumps(json.loads(TINY_CONFIG.read_text()) | {"embed_dim": 96}))
+    code, out = cli.validate_json(path)
+    assert code == 2 and [(e["location"], e["value"]) for e in out["errors"]] == [("model.config", {"embed_dim": 96})]
+    assert "which was trained with {'embed_dim': 64}" in out["errors"][0]["message"]
+    shutil.copy(TINY_CONFIG, config)
+
+    shard = tmp_path / "digits" / "train-000003.tar"
+    shard.write_bytes(shard.read_bytes() + bytes(1024))  # a longer end of archive: the same samples, another file
+    rewritten = "data.urls: the same URLs name other files than the checkpoint read (8 local shards"
+    code, out = cli.validate_json(path, "--set", "schedule.steps=6")
+    assert code == 0 and [w["location"] for w in out["warnings"] if rewritten in w["message"]] == ["data.urls"], out
+    relaunched = _launch(path, "--set", "schedule.steps=6")
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:]
+    assert f"changed since step-00000004: {rewritten}" in relaunched.stdout
+    assert "the data stream restarts at its epoch (data or batch changed)" in relaunched.stdout
 
 
 def test_a_crashing_rank_is_reported(tmp_path):
