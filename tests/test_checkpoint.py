@@ -149,6 +149,19 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000008", "step-00000012"]
 
 
+def test_rank_state_damaged_after_the_check_falls_back_on_every_rank(tmp_path):
+    """Rank 1's state file in the newest checkpoint is damaged after rank 0 chose it (between the check and the
+    load): every rank learns it before anything is loaded, and all resume from the checkpoint before it."""
+    assert _launch(write_job(tmp_path, _plain_job(tmp_path))).returncode == 0
+    longer = write_job(tmp_path, _plain_job(tmp_path, schedule={"steps": STEPS + 4}), "longer.json")
+    resumed = _with_fault(longer, "damage-rank-state:1")
+    checkpoints = tmp_path / "runs" / "plain" / "checkpoints"
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert f"{checkpoints / 'step-00000012'} cannot be read: rank-00001.pt is truncated or damaged" in resumed.stdout
+    assert f"resumed from {checkpoints / 'step-00000008'} at step 8" in resumed.stdout
+    assert max(_losses(tmp_path / "runs" / "plain")) == STEPS + 4
+
+
 def test_non_finite_step_is_skipped(tmp_path):
     path = write_job(tmp_path, _plain_job(tmp_path, "skip", schedule={"steps": 6}))
     proc = _with_fault(path, "nan:3")
