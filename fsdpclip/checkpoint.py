@@ -6,7 +6,8 @@ rank-local state per rank (RNG, data position) and `meta.json` (step, schedule, 
 written last. Every checkpoint is written under a hidden `.partial` name and renamed into
 place only when complete; `checkpoints/latest` names the newest complete one. A crash while
 saving leaves at most a `.partial` directory, which is never loaded and is cleared on the
-next start.
+next start. Nothing is read in a way that can run code (`fsdpclip.pickles`): a checkpoint with a file
+that cannot be read, or whose pickle names anything but plain data, is passed over for the one before it.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def read_rank_state(path: Path) -> dict:
     except PickleRefused as exc:
         raise CheckpointError(str(exc)) from None
     except Exception as exc:  # torch reports a truncated or damaged file in many forms
-        first = " ".join(str(exc).split()).split(". ")[0][:200]  # torch's advice after it fits no rank file
+        first = " ".join(str(exc).split()).split(". ")[0][:200]  # what follows is torch's advice on its internals
         raise CheckpointError(f"{path.name} is truncated or damaged ({type(exc).__name__}: {first})") from None
 
 

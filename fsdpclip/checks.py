@@ -317,7 +317,7 @@ def _check_resume(job: Job, report: Report) -> None:
         config = model_config(resolved.model)
     except ModelError:  # reported by the model's own check
         config = None
-    for change in checkpoint_changes(meta, resolved, config, shard_fingerprint(resolved)):
+    for change in checkpoint_changes(meta, resolved, config, lambda: shard_fingerprint(resolved)):
         if is_fixed(change):
             report.error(change.field, f"differs from {checkpoint}, which was trained with {change.before!r}",
                          change.after, hint="resume it with the checkpoint's own value, or start a new run "

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 
@@ -91,8 +92,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading the non-tensor values of a checkpoint weights-only."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         loaded = load_weights_only(value, f"the value of {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

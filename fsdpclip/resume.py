@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fsdpclip.spec import Job, WebDatasetSpec
 
@@ -59,14 +59,16 @@ def spec_changes(saved: dict, job: Job) -> list[Change]:
             if before.get(field) != after.get(field) and not field.startswith(IGNORED)]
 
 
-def checkpoint_changes(meta: dict, job: Job, config: Optional[dict], shards: Optional[dict]) -> list[Change]:
+def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],
+                       shards: Callable[[], Optional[dict]]) -> list[Change]:
     """Every change of the new spec against a checkpoint's (`spec_changes` of its meta.json), files by content.
 
     `config`: the OpenCLIP config this spec makes (None where it cannot be made). A spec with a model-config
     file has it compared with the config the checkpoint was trained with, not by path: the file edited in
-    place is another model, an identical copy elsewhere the same. `shards`: `shard_fingerprint` of this
-    spec's data; the same URLs naming other files than the checkpoint saw is a change of `data.urls` (the
-    saved data position would point at other samples).
+    place is another model, an identical copy elsewhere the same. `shards` gives `shard_fingerprint` of this
+    spec's data, asked only where the checkpoint holds one and the URLs are the same: the same URLs naming
+    other files than the checkpoint read is a change of `data.urls` (the saved data position would point at
+    other samples).
     """
     if "job" not in meta:
         return []
@@ -78,10 +80,12 @@ def checkpoint_changes(meta: dict, job: Job, config: Optional[dict], shards: Opt
         if not any(c.field.startswith("model.") for c in changes):  # those change the config too: said already
             changes += _config_changes(saved_config, config)
     saved_shards = meta.get("shards")
-    if saved_shards and shards and saved_shards != shards and not any(c.field == "data.urls" for c in changes):
-        changes.append(Change("data.urls", job.data.urls, job.data.urls, note=(
-            f"the same URLs name other files than the checkpoint read ({shards['local']} local shards: names, sizes "
-            "or modification times differ)")))
+    if saved_shards and not any(c.field.startswith("data.") for c in changes):
+        found = shards()
+        if found and found != saved_shards:
+            changes.append(Change("data.urls", job.data.urls, job.data.urls, note=(
+                f"the same URLs name other files than the checkpoint read ({found['local']} local shards: names, "
+                "sizes or modification times differ)")))
     return changes
 
 

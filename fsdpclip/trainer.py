@@ -436,7 +436,7 @@ class Trainer:
                 log.warning("%s: trying the checkpoint before it", exc)
         else:
             raise CheckpointError(f"none of {', '.join(str(c) for c in candidates)} could be loaded")
-        changes = checkpoint_changes(meta, self.job, self.model_config, self.shards)
+        changes = checkpoint_changes(meta, self.job, self.model_config, lambda: self.shards)
         fixed = [str(c) for c in changes if is_fixed(c)]
         if fixed:
             raise CheckpointError(f"{checkpoint} was trained with another model or optimizer layout "
