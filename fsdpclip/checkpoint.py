@@ -6,7 +6,8 @@ rank-local state per rank (RNG, data position) and `meta.json` (step, schedule, 
 written last. Every checkpoint is written under a hidden `.partial` name and renamed into
 place only when complete; `checkpoints/latest` names the newest complete one. A crash while
 saving leaves at most a `.partial` directory, which is never loaded and is cleared on the
-next start.
+next start. Nothing is read in a way that can run code (`fsdpclip.pickles`): a checkpoint with a file
+that cannot be read, or whose pickle names anything but plain data, is passed over for the one before it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fsdpclip.pickles import PickleRefused, SafeLoadPlanner, SafeReader, load_weights_only, read_dcp_metadata
 from fsdpclip.rundir import JOB_FILE, write_atomically
 from fsdpclip.spec import CheckpointSpec, Job
 
@@ -83,11 +85,27 @@ def read_meta(checkpoint: Path) -> dict:
     return json.loads((checkpoint / META).read_text())
 
 
-def checkpoint_problem(checkpoint: Path) -> Optional[str]:
-    """Why a checkpoint directory cannot be loaded, or None: its meta.json and its DCP metadata must be
-    readable, and every data file that metadata names present and as long as the data it holds."""
-    from torch.distributed.checkpoint import FileSystemReader
+def rank_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / f"rank-{rank:05d}.pt"
 
+
+def read_rank_state(path: Path) -> dict:
+    """One rank's saved state (RNG, data position), read weights-only; CheckpointError saying what is wrong."""
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} is missing")
+    try:
+        return load_weights_only(path, path.name)
+    except PickleRefused as exc:
+        raise CheckpointError(str(exc)) from None
+    except Exception as exc:  # torch reports a truncated or damaged file in many forms
+        first = " ".join(str(exc).split()).split(". ")[0][:200]  # what follows is torch's advice on its internals
+        raise CheckpointError(f"{path.name} is truncated or damaged ({type(exc).__name__}: {first})") from None
+
+
+def checkpoint_problem(checkpoint: Path, rank_state: bool = True) -> Optional[str]:
+    """Why a checkpoint directory cannot be loaded, or None: its meta.json and its DCP metadata must be
+    readable (the metadata naming only DCP's own types), every data file that metadata names present and
+    as long as the data it holds, and (`rank_state`) every rank's state file readable weights-only."""
     if not (checkpoint / META).is_file():
         return f"it has no {META} (a save that did not finish)"
     try:
@@ -97,8 +115,10 @@ def checkpoint_problem(checkpoint: Path) -> Optional[str]:
     except (OSError, ValueError) as exc:
         return f"its {META} cannot be read: {exc}"
     try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as exc:  # a missing or damaged .metadata file, in whichever form DCP reports it
+        metadata = read_dcp_metadata(checkpoint / ".metadata", where=".metadata")
+    except PickleRefused as exc:
+        return str(exc)
+    except Exception as exc:  # a missing or damaged .metadata file, in whichever form it fails
         return f"its DCP metadata cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
     needed: dict[str, int] = {}
     for item in (metadata.storage_data or {}).values():
@@ -109,6 +129,11 @@ def checkpoint_problem(checkpoint: Path) -> Optional[str]:
             return f"{name} is missing"
         if path.stat().st_size < size:
             return f"{name} is truncated ({path.stat().st_size:,} of {size:,} bytes)"
+    for rank in range(meta["world_size"]) if rank_state and "imported" not in meta else ():  # imports hold none
+        try:
+            read_rank_state(rank_file(checkpoint, rank))
+        except CheckpointError as exc:
+            return str(exc)
     return None
 
 
@@ -247,7 +272,7 @@ class Checkpointer:
         return final
 
     def _write_rank_state(self, partial: Path, rank_state: dict) -> None:
-        torch.save(rank_state, partial / f"rank-{self.rank:05d}.pt")
+        torch.save(rank_state, rank_file(partial, self.rank))
 
     def finish_pending(self, wait: bool) -> None:
         """Complete an asynchronous save once its writes are done (or wait for them)."""
@@ -292,20 +317,34 @@ class Checkpointer:
         """Load model and optimizer (resharded to this world size); (meta, this rank's state or None).
 
         Rank-local state comes back only when the world size is the one that saved it. A checkpoint
-        DCP cannot read is a CheckpointError on every rank (DCP reports it to all).
+        that cannot be read (its rank state on any rank; what DCP reads, DCP reports to all) is a
+        CheckpointError on every rank, before anything is loaded into the model.
         """
         meta = read_meta(checkpoint)
+        same_world = meta["world_size"] == self.world_size and "imported" not in meta
+        rank_state = self._read_rank_state(checkpoint) if same_world else None
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         try:
-            dcp.load(state, checkpoint_id=str(checkpoint))
+            dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner())
         except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
             raise CheckpointError(f"{checkpoint} cannot be read: {_first_failure(exc)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        rank_file = checkpoint / f"rank-{self.rank:05d}.pt"
-        same_world = meta["world_size"] == self.world_size and rank_file.is_file()
-        rank_state = torch.load(rank_file, weights_only=False) if same_world else None
         return meta, rank_state
+
+    def _read_rank_state(self, checkpoint: Path) -> dict:
+        """This rank's saved state; CheckpointError on every rank when any rank cannot read its own."""
+        state, problem = None, None
+        try:
+            state = read_rank_state(rank_file(checkpoint, self.rank))
+        except CheckpointError as exc:
+            problem = str(exc)
+        problems = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p is not None), None)
+        if first is not None:
+            raise CheckpointError(f"{checkpoint} cannot be read: {first}")
+        return state
 
 
 # ----------------------------------------------------------------------- export
@@ -314,14 +353,15 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tens
 
     `model` (usually on the meta device) gives the keys, shapes and dtypes.
     """
-    problem = checkpoint_problem(checkpoint)
+    problem = checkpoint_problem(checkpoint, rank_state=False)
     if problem:
         raise CheckpointError(f"{checkpoint} cannot be read: {problem}")
     state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+            dcp.load({"model": state}, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
+                     no_dist=True)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
         raise CheckpointError(f"{checkpoint} cannot be read: {_first_failure(exc)}") from None
     except Exception as exc:  # DCP reports a mismatch in many forms

@@ -338,7 +338,7 @@ def _check_resume(job: Job, report: Report) -> None:
     its step), and for each checkpoint that cannot be loaded."""
     from fsdpclip.checkpoint import CheckpointError, read_meta, resume_candidates
     from fsdpclip.launch import resolve_paths
-    from fsdpclip.resume import is_fixed, spec_changes
+    from fsdpclip.resume import checkpoint_changes, is_fixed, shard_fingerprint
 
     resolved = resolve_paths(job, Path.cwd())
     try:
@@ -351,7 +351,11 @@ def _check_resume(job: Job, report: Report) -> None:
     if not candidates:
         return
     checkpoint, meta = candidates[0], read_meta(candidates[0])
-    for change in spec_changes(meta["job"], resolved) if "job" in meta else []:
+    try:
+        config = model_config(resolved.model)
+    except ModelError:  # reported by the model's own check
+        config = None
+    for change in checkpoint_changes(meta, resolved, config, lambda: shard_fingerprint(resolved)):
         if is_fixed(change):
             report.error(change.field, f"differs from {checkpoint}, which was trained with {change.before!r}",
                          change.after, hint="resume it with the checkpoint's own value, or start a new run "

@@ -40,6 +40,7 @@ from torch import nn
 from fsdpclip.checkpoint import CheckpointError, complete_checkpoints, save_whole
 from fsdpclip.model import SHARED_PARAMETERS, model_config, original_shapes
 from fsdpclip.optim import build_optimizer, lr_factor
+from fsdpclip.pickles import NEEDS_CODE_HINT, refusal
 from fsdpclip.rundir import IMPORT_FILE, HeldLock, lock_token, write_atomically
 from fsdpclip.spec import DEFAULT_DECAY_RULES, Job
 from fsdpclip.trainable import DecayGroup, frozen_meta_model, rule_matches, trainable_decay_groups
@@ -104,8 +105,9 @@ def read_checkpoint(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
-        raise CheckpointError(f"cannot read {path} as a torch checkpoint: {' '.join(str(exc).split())[:300]}") \
-            from None
+        refused = refusal(exc, str(path))
+        raise CheckpointError(f"{refused} ({NEEDS_CODE_HINT})" if refused else
+                              f"cannot read {path} as a torch checkpoint: {' '.join(str(exc).split())[:300]}") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("state_dict"), dict):
         raise CheckpointError(f"{path} is not an open_clip_train checkpoint (a dict with state_dict, optimizer and "
                               "epoch): to start from its weights alone, use model.pretrained")

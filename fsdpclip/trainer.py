@@ -37,7 +37,7 @@ from fsdpclip.parallelize import (
     resolve_auto, save_compile_cache,
 )
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
-from fsdpclip.resume import is_fixed, keeps_data_position, spec_changes
+from fsdpclip.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.rundir import (
     EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock, launch_time,
     lock_token, record_launch, stop_requested, write_exit_report,
@@ -114,6 +114,7 @@ class Trainer:
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
         self.last_saved: Optional[int] = None
         self.resumed_from, self.changes = None, []
+        self.shards = self._shard_fingerprint()
         if candidates:
             self._resume(candidates)
         if env.is_main:
@@ -420,7 +421,7 @@ class Trainer:
         meta = {"samples_seen": self.samples_seen, "skipped_steps": int(self.skipped_steps.item()),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "model": {"label": self.job.model.label, "open_clip_config": self.model_config},
-                "job": json.loads(self.job.to_json())}
+                "job": json.loads(self.job.to_json()), "shards": self.shards}
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
         self.last_saved = self.step
         return self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
@@ -435,7 +436,7 @@ class Trainer:
                 log.warning("%s: trying the checkpoint before it", exc)
         else:
             raise CheckpointError(f"none of {', '.join(str(c) for c in candidates)} could be loaded")
-        changes = spec_changes(meta["job"], self.job) if "job" in meta else []
+        changes = checkpoint_changes(meta, self.job, self.model_config, lambda: self.shards)
         fixed = [str(c) for c in changes if is_fixed(c)]
         if fixed:
             raise CheckpointError(f"{checkpoint} was trained with another model or optimizer layout "
@@ -448,10 +449,10 @@ class Trainer:
             set_rng_state(rank_state["rng"], self.env.device)
             self.batches.load_state_dict(rank_state["data"])
         else:
-            saved_by = f"imported from {meta['imported']['source']}" if "imported" in meta else \
+            why = "data or batch changed" if rank_state is not None else \
+                f"imported from {meta['imported']['source']}" if "imported" in meta else \
                 f"saved by {meta['world_size']} ranks, this run has {self.env.world_size}"
-            log.warning("%s: the data stream restarts at its epoch (%s%s)", checkpoint, saved_by,
-                        "; data or batch changed" if rank_state else "")
+            log.warning("%s: the data stream restarts at its epoch (%s)", checkpoint, why)
             if isinstance(self.batches, SyntheticBatches):
                 self.batches.index = self.step * self.job.batch.grad_accum
             else:
@@ -459,6 +460,13 @@ class Trainer:
         for change in self.changes:
             log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def _shard_fingerprint(self) -> Optional[dict]:
+        """`resume.shard_fingerprint` of this run's shards, taken by rank 0 (one stat per shard) and given to
+        every rank: all must agree on whether a saved data position still holds."""
+        found = [shard_fingerprint(self.job) if self.env.is_main else None]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     def _apply_spec(self, meta: dict) -> None:
         """This spec's optimizer settings, schedule and length from the resumed step on (a checkpoint

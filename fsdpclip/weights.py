@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fsdpclip.model import build_model, tower_of
+from fsdpclip.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
 from fsdpclip.problems import ModelError
 from fsdpclip.spec import ModelSpec
 from fsdpclip.towers import hf_encoder_state, timm_trunk_state
@@ -26,7 +27,10 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
 
         state = load_file(path)
     else:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            state = load_weights_only(path, str(path), map_location="cpu", mmap=True)
+        except PickleRefused as exc:
+            raise ModelError(f"{exc} ({NEEDS_CODE_HINT})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -74,13 +78,15 @@ def load_model_weights(model: nn.Module, path: str) -> None:
     import open_clip
 
     try:
-        open_clip.load_checkpoint(model, path, strict=True)
+        open_clip.load_checkpoint(model, path, strict=True, weights_only=True)
     except (RuntimeError, AssertionError) as exc:  # missing, unexpected or mis-shaped keys; resizes that cannot be
         detail = " ".join(str(exc).split())
         raise ModelError(f"{path} does not match the model: {detail[:400]}{'...' if len(detail) > 400 else ''}") \
             from None
     except (OSError, ValueError, KeyError, StopIteration, pickle.UnpicklingError) as exc:
-        raise ModelError(f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
+        refused = refusal(exc, path)
+        raise ModelError(f"{refused} ({NEEDS_CODE_HINT})" if refused else
+                         f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
 
 
 # 'auto' init draws OpenCLIP's own weights (one serial random stream) up to this size, in parallel above.

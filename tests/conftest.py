@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -155,6 +156,16 @@ class Cli:
 @pytest.fixture
 def cli() -> Cli:
     return Cli()
+
+
+class RunsCode:
+    """Pickles as a call of os.system that creates `marker`: what a planted checkpoint or weights file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
 
 
 def squeezed(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -148,6 +149,19 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000008", "step-00000012"]
 
 
+def test_rank_state_damaged_after_the_check_falls_back_on_every_rank(tmp_path):
+    """Rank 1's state file in the newest checkpoint is damaged after rank 0 chose it (between the check and the
+    load): every rank learns it before anything is loaded, and all resume from the checkpoint before it."""
+    assert _launch(write_job(tmp_path, _plain_job(tmp_path))).returncode == 0
+    longer = write_job(tmp_path, _plain_job(tmp_path, schedule={"steps": STEPS + 4}), "longer.json")
+    resumed = _with_fault(longer, "damage-rank-state:1")
+    checkpoints = tmp_path / "runs" / "plain" / "checkpoints"
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert f"{checkpoints / 'step-00000012'} cannot be read: rank-00001.pt is truncated or damaged" in resumed.stdout
+    assert f"resumed from {checkpoints / 'step-00000008'} at step 8" in resumed.stdout
+    assert max(_losses(tmp_path / "runs" / "plain")) == STEPS + 4
+
+
 def test_non_finite_step_is_skipped(tmp_path):
     path = write_job(tmp_path, _plain_job(tmp_path, "skip", schedule={"steps": 6}))
     proc = _with_fault(path, "nan:3")
@@ -250,3 +264,36 @@ def test_launch_exits_with_the_trainers_code_on_divergence(tmp_path):
     assert proc.returncode == 65, proc.stdout[-4000:]
     assert "is not finite" not in proc.stdout  # stopped, not skipped
     assert "stopped; the last good checkpoint is none" in proc.stdout
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
+    """A non-tensor value of a DCP checkpoint (DCP itself unpickles those with weights_only=False) and OpenCLIP
+    weights files (a state dict, a whole-model checkpoint) holding a pickle that would create a file: refused,
+    naming the file or value and what the pickle names; nothing runs. Plain values still load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from conftest import RunsCode
+    from fsdpclip.model import model_from_config
+    from fsdpclip.pickles import SafeLoadPlanner, SafeReader
+    from fsdpclip.problems import ModelError
+    from fsdpclip.weights import load_model_weights, read_state_dict
+
+    marker, system = tmp_path / "code-ran", f"{os.system.__module__}.system"
+    saved = {"lr": 0.25, "betas": (0.9, 0.98), "step": torch.ones(2)}
+    dcp.save({**saved, "planted": RunsCode(marker)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    loaded = {"lr": 0.0, "betas": None, "step": torch.zeros(2)}
+    dcp.load(loaded, storage_reader=SafeReader(str(tmp_path / "dcp")), planner=SafeLoadPlanner(), no_dist=True)
+    assert loaded["lr"] == 0.25 and loaded["betas"] == (0.9, 0.98) and loaded["step"].tolist() == [1.0, 1.0]
+    with pytest.raises(CheckpointException, match=f"the value of planted holds a pickle that names {system}"):
+        dcp.load({"planted": None}, storage_reader=SafeReader(str(tmp_path / "dcp")), planner=SafeLoadPlanner(),
+                 no_dist=True)
+
+    weights = tmp_path / "weights.pt"
+    torch.save({"state_dict": {"visual.proj": RunsCode(marker)}}, weights)
+    model = model_from_config(json.loads(TINY_CONFIG.read_text()), device="cpu")
+    for load in (read_state_dict, lambda path: load_model_weights(model, path)):
+        with pytest.raises(ModelError, match=f"{weights} holds a pickle that names {system}: refusing to load it"):
+            load(str(weights))
+    assert not marker.exists()

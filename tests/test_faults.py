@@ -11,6 +11,8 @@ import contextlib
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,8 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import TINY_CONFIG, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
+from conftest import TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
 from ranks import REPO, json_result, run_group
 
 
@@ -245,6 +248,82 @@ def test_relaunches_of_one_run(tmp_path, cli):
     code, out = cli.validate_json(path, *longer)
     assert code == 2 and "none can be loaded" in out["errors"][0]["message"]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == kept
+
+
+def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_dir, cli):
+    """Checkpoint files planted with a pickle that would create a file (the newest DCP .metadata, a rank's state
+    in the one before): validate, launch and eval refuse them, naming each file (exit 2, no traceback), and
+    nothing runs. The newest checkpoint's rank state truncated instead: the relaunch resumes from the one
+    before with a line saying which file is why. A rank's state file missing: named."""
+    run_dir = tmp_path / "runs" / "story"
+    path = write_job(tmp_path, _short_job(tmp_path, schedule={"warmup_steps": 2, "steps": 4},
+                                          checkpoint={"every_steps": 2, "keep": 2}))
+    assert _launch(path).returncode == 0
+    older, newest = run_dir / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000004"
+    kept = {file: file.read_bytes() for file in (older / "rank-00001.pt", newest / ".metadata")}
+    marker = tmp_path / "code-ran"
+    (newest / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    torch.save({"rng": RunsCode(marker), "data": {}}, older / "rank-00001.pt")
+    refusals = [squeezed(f"{file} holds a pickle that names {os.system.__module__}.system: refusing to load it")
+                for file in (".metadata", "rank-00001.pt")]
+
+    code, out = cli.validate_json(path)
+    assert code == 2 and "none can be loaded" in out["errors"][0]["message"]
+    assert all(refusal in squeezed(out["errors"][0]["message"]) for refusal in refusals)
+    launched = _launch(path)
+    assert launched.returncode == 2 and "Traceback" not in launched.stdout, launched.stdout[-3000:]
+    assert all(refusal in squeezed(launched.stdout) for refusal in refusals)
+    evaluated = cli("eval", run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
+    assert evaluated.exit_code == 2 and "Traceback" not in evaluated.output
+    assert squeezed(f"{newest} cannot be read: ") + refusals[0] in squeezed(evaluated.output)
+    assert not marker.exists()
+
+    for file, content in kept.items():
+        file.write_bytes(content)
+    damaged = newest / "rank-00001.pt"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    relaunched = _launch(path, "--set", "schedule.steps=6")
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:]
+    assert f"skipping {newest}: rank-00001.pt is truncated or damaged" in relaunched.stdout
+    assert f"resumed from {older} at step 2" in relaunched.stdout
+
+    (run_dir / "checkpoints" / "step-00000006" / "rank-00000.pt").unlink()
+    code, out = cli.validate_json(path, "--set", "schedule.steps=8")
+    assert code == 0 and [w["message"] for w in out["warnings"] if "rank-00000.pt" in w["message"]] == \
+        [f"skipping {run_dir / 'checkpoints' / 'step-00000006'}: rank-00000.pt is missing"]
+
+
+def test_a_relaunch_compares_files_by_content(tmp_path, digits_dir, cli):
+    """What a relaunch finds in the files its spec names, compared with what its checkpoint saw: the model
+    config copied elsewhere unchanged is the same model (accepted); edited in place it is another (refused,
+    naming what differs); a shard rewritten under the same URL (another size and modification time) is said at
+    resume, and the data stream restarts its epoch instead of reading other samples from the saved position."""
+    shutil.copytree(digits_dir, tmp_path / "digits")
+    config = tmp_path / "model.json"
+    shutil.copy(TINY_CONFIG, config)
+    job = preemptible_job(tmp_path / "runs", tmp_path / "digits", "files")
+    job["model"]["config"], job["schedule"]["steps"], job["checkpoint"]["every_steps"] = str(config), 4, 4
+    path = write_job(tmp_path, job)
+    assert _launch(path).returncode == 0
+
+    shutil.copy(config, tmp_path / "elsewhere.json")
+    code, out = cli.validate_json(path, "--set", f"model.config={tmp_path / 'elsewhere.json'}")
+    assert (code, out["errors"]) == (0, []), out
+    config.write_text(json.dumps(json.loads(TINY_CONFIG.read_text()) | {"embed_dim": 96}))
+    code, out = cli.validate_json(path)
+    assert code == 2 and [(e["location"], e["value"]) for e in out["errors"]] == [("model.config", {"embed_dim": 96})]
+    assert "which was trained with {'embed_dim': 64}" in out["errors"][0]["message"]
+    shutil.copy(TINY_CONFIG, config)
+
+    shard = tmp_path / "digits" / "train-000003.tar"
+    shard.write_bytes(shard.read_bytes() + bytes(1024))  # a longer end of archive: the same samples, another file
+    rewritten = "data.urls: the same URLs name other files than the checkpoint read (8 local shards"
+    code, out = cli.validate_json(path, "--set", "schedule.steps=6")
+    assert code == 0 and [w["location"] for w in out["warnings"] if rewritten in w["message"]] == ["data.urls"], out
+    relaunched = _launch(path, "--set", "schedule.steps=6")
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:]
+    assert f"changed since step-00000004: {rewritten}" in relaunched.stdout
+    assert "the data stream restarts at its epoch (data or batch changed)" in relaunched.stdout
 
 
 def test_a_crashing_rank_is_reported(tmp_path):

@@ -6,6 +6,8 @@
     faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
     faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
     faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
+    faults.py JOB damage-rank-state:RANK RANK halves its state file in the checkpoint chosen to resume from, after
+                                         rank 0 checked it (a filesystem damaging it between the check and the load)
 Several at once: FAULT+FAULT.
 """
 
@@ -92,6 +94,17 @@ def inject(fault: str, rank: int) -> None:
         if rank == target:
             checkpoint.latest_checkpoint = lambda run_dir: checkpoint.Path(run_dir) / checkpoint.CHECKPOINTS / \
                 checkpoint.checkpoint_name(step)
+    elif kind == "damage-rank-state":
+        target, candidates = int(args[0]), checkpoint.Checkpointer.resume_candidates
+
+        def damaging(self):
+            chosen = candidates(self)
+            if rank == target and chosen:
+                state = checkpoint.rank_file(chosen[0], rank)
+                state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+            return chosen
+
+        checkpoint.Checkpointer.resume_candidates = damaging
 
 
 if __name__ == "__main__":
