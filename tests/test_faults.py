@@ -355,9 +355,7 @@ def test_lock_of_a_finished_process_is_taken_over(tmp_path):
     """A lock left by a process that is gone (same host) is taken over; a live holder's is not."""
     from fsdpclip.rundir import RunLocked, acquire_lock, lock_holder, release_lock
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    (tmp_path / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "token": "old",
+    (tmp_path / "lock").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "token": "old",
                                                "since": time.time()}))
     assert acquire_lock(tmp_path, "new") is True and lock_holder(tmp_path).token == "new"
     assert acquire_lock(tmp_path, "new") is False  # the same job again (a requeued Slurm job)
@@ -365,6 +363,98 @@ def test_lock_of_a_finished_process_is_taken_over(tmp_path):
         acquire_lock(tmp_path, "third")
     release_lock(tmp_path, "new")
     assert lock_holder(tmp_path) is None
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def _race_for_locks(run_dirs: list[Path], token: str, barrier, results) -> None:
+    """One of two processes taking each run directory's lock at the same instant as the other."""
+    from fsdpclip.rundir import RunLocked, acquire_lock
+
+    outcomes = []
+    for run_dir in run_dirs:
+        barrier.wait(timeout=60)
+        try:
+            outcomes.append("took" if acquire_lock(run_dir, token) else "joined")
+        except RunLocked:
+            outcomes.append("refused")
+    results.put((token, outcomes))
+
+
+def test_taking_over_a_stale_lock_is_atomic(tmp_path):
+    """200 times, two processes released by one barrier take over a stale lock (its pid is gone) at the
+    same instant: exactly one holds it and the other is refused (the take-over was an unlink and a link
+    apart, and the second start could unlink the first one's new lock: two holders)."""
+    import multiprocessing
+
+    dead = _dead_pid()
+    run_dirs = []
+    for trial in range(200):
+        run_dirs.append(tmp_path / f"{trial:03d}")
+        run_dirs[-1].mkdir()
+        (run_dirs[-1] / "lock").write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "token": "dead",
+                                                       "since": time.time()}))
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(2), context.Queue()
+    racers = [context.Process(target=_race_for_locks, args=(run_dirs, token, barrier, results)) for token in "ab"]
+    for racer in racers:
+        racer.start()
+    try:
+        outcomes = dict(results.get(timeout=120) for _ in racers)
+    finally:
+        for racer in racers:
+            racer.join(timeout=10)
+            if racer.is_alive():
+                racer.kill()
+                racer.join()
+    for trial, run_dir in enumerate(run_dirs):
+        both = sorted([outcomes["a"][trial], outcomes["b"][trial]])
+        assert both == ["refused", "took"], (trial, both)
+        winner = "a" if outcomes["a"][trial] == "took" else "b"
+        assert json.loads((run_dir / "lock").read_text())["token"] == winner
+
+
+def test_a_lock_is_held_by_processes_not_pids(tmp_path):
+    """The lock names processes by pid and start time: a lock whose pid now belongs to another process (a pid
+    reused after a restart) is stale and taken over; a lock whose first process is gone but another process
+    of the job (torchrun, a rank) runs is not, and the holder named says which still run; a job process that
+    gives the lock back while another runs keeps it theirs; an unreaped (zombie) holder holds nothing."""
+    from fsdpclip.rundir import HeldLock, RunLocked, acquire_lock, lock_holder, process_identity, release_lock
+
+    pid, ticks = process_identity()
+    host = socket.gethostname()
+    (tmp_path / "lock").write_text(json.dumps({"pid": pid, "host": host, "token": "old", "since": time.time(),
+                                               "started": ticks - 1}))
+    assert lock_holder(tmp_path) is None and acquire_lock(tmp_path, "new") is True
+
+    member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ended_with_a_member = json.dumps({"pid": _dead_pid(), "host": host, "token": "old", "since": time.time(),
+                                      "members": [process_identity(member.pid)]})
+    try:
+        (tmp_path / "lock").write_text(ended_with_a_member)
+        with pytest.raises(RunLocked, match=f"which has ended; its processes {member.pid} still run"):
+            acquire_lock(tmp_path, "new")
+        (tmp_path / "lock").unlink()
+        with HeldLock(tmp_path, "job") as lock:
+            assert lock.taken and acquire_lock(tmp_path, "job") is False  # the same job's rank 0 joins
+            lock.add(member.pid)
+        assert json.loads((tmp_path / "lock").read_text())["token"] == "job"  # given back, still held by the member
+        with pytest.raises(RunLocked, match=f"pid {pid} on"):
+            acquire_lock(tmp_path, "other")
+    finally:
+        member.kill()
+    os.waitid(os.P_PID, member.pid, os.WEXITED | os.WNOWAIT)  # until it has ended, leaving it unreaped
+    (tmp_path / "lock").write_text(ended_with_a_member)
+    assert lock_holder(tmp_path) is None  # its member killed, not reaped yet: a zombie holds nothing
+    member.wait()
+    assert acquire_lock(tmp_path, "other") is True
+    release_lock(tmp_path, "other")
+    assert not (tmp_path / "lock").exists()
 
 
 def test_every_fault_row_names_a_test():
