@@ -81,7 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SpecError as exc:
         print(f"fsdpclip.train: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
         return EXIT_SPEC
-    keep_output(job.run_dir / LOG_DIR / f"rank-{int(os.environ.get('RANK', '0')):05d}.out")  # a terminal hung up
+    keep_output(job.run_dir / LOG_DIR / f"rank-{int(os.environ.get('RANK', '0')):05d}.out")  # once a terminal is gone
     signals = StopSignals()
     keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)  # before any other thread reads the environment
     import_in_background([TRAINER_MODULE, "open_clip"], absent=() if hf_text_tower(job.model) else ("transformers",))
