@@ -263,14 +263,15 @@ def _lock_guard(run_dir: Path):
 def acquire_lock(run_dir: Path, token: str, pid: Optional[int] = None) -> bool:
     """Take the run directory for this job (this process, or `pid`): True when taken (no lock, or a stale
     one: none of its processes runs), False when the job holds it already (the same token: the process
-    joins it), RunLocked when a live job of another does."""
+    joins it; a requeued Slurm job on another host takes it afresh), RunLocked when a live job of another
+    does."""
     path = Path(run_dir) / LOCK_FILE
     process = process_identity(pid)
     with _lock_guard(run_dir):
         holder = lock_holder(run_dir)
         if holder is not None and holder.token != token:
             raise RunLocked(Path(run_dir), holder)
-        if holder is not None:
+        if holder is not None and holder.host == socket.gethostname():
             if process not in holder.processes():
                 holder = replace(holder, members=(*holder.members, process))
                 write_atomically(path, json.dumps(asdict(holder)) + "\n")

@@ -552,7 +552,8 @@ def test_a_lock_is_held_by_processes_not_pids(tmp_path):
     """The lock names processes by pid and start time: a lock whose pid now belongs to another process (a pid
     reused after a restart) is stale and taken over; a lock whose first process is gone but another process
     of the job (torchrun, a rank) runs is not, and the holder named says which still run; a job process that
-    gives the lock back while another runs keeps it theirs; an unreaped (zombie) holder holds nothing."""
+    gives the lock back while another runs keeps it theirs; an unreaped (zombie) holder holds nothing; a
+    requeued Slurm job on another node takes its own lock afresh."""
     from fsdpclip.rundir import HeldLock, RunLocked, acquire_lock, lock_holder, process_identity, release_lock
 
     pid, ticks = process_identity()
@@ -584,6 +585,10 @@ def test_a_lock_is_held_by_processes_not_pids(tmp_path):
     assert acquire_lock(tmp_path, "other") is True
     release_lock(tmp_path, "other")
     assert not (tmp_path / "lock").exists()
+    (tmp_path / "lock").write_text(json.dumps({"pid": 1, "host": "another-node", "token": "slurm-7",
+                                               "since": time.time()}))
+    assert acquire_lock(tmp_path, "slurm-7") is True  # the job requeued on another node takes its lock afresh
+    assert lock_holder(tmp_path).processes() == [(pid, ticks)] and lock_holder(tmp_path).host == host
 
 
 def test_every_fault_row_names_a_test():
