@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
@@ -40,7 +41,7 @@ def _fail(problems: list[Problem], as_json: bool = False) -> None:
 
 def _stop(message: str) -> None:
     """A mistake outside any spec (a path, a checkpoint): one line, the user-error code."""
-    err_console.print(f"[red]✗[/red] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[red]✗[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(USER_ERROR)
 
 
