@@ -160,6 +160,8 @@ def launch(
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
                                               help="Rendezvous port on node 0 (default: launch.master_port)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run (or the batch script)."),
+    check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
+                                     help="Check that data, eval and weight files exist (off for cluster paths)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
@@ -178,7 +180,7 @@ def launch(
         new_interpreters = "Slurm starts them" if slurm else prepare_forked_ranks(job)  # before torch's import
         from fsdpclip.checks import check_job
 
-        report = check_job(job)
+        report = check_job(job, check_paths=check_paths)
         if report.errors:
             _fail(report.problems)
         if report.warnings:
