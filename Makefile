@@ -10,7 +10,7 @@ DEMO_DATA ?= data/digits
 
 venv: $(VENV)/.demo-installed
 
-# What the demo needs: torch, fsdpclip and scikit-learn (for the digits). The long step prints its progress.
+# What the demo needs: torch, fsdpclip, scikit-learn (the digits) and matplotlib (report). The long step prints its progress.
 $(VENV)/.demo-installed: pyproject.toml
 	@echo "== [1/3] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
