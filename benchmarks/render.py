@@ -1,6 +1,6 @@
 """docs/benchmarks.md and README.md's performance table, rendered from the result rows.
 
-    python benchmarks/render.py            # rewrite both from benchmarks/results/index.json
+    python benchmarks/render.py            # rewrite both, and draw docs/benchmarks.png (matplotlib)
     python benchmarks/render.py --check    # exit 1 where either is not what the rows give
 
 index.json names each table: its title, what it shows, the row files, the command that writes them, the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +27,7 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 README_BEGIN = "<!-- performance table: written by benchmarks/render.py from benchmarks/results -->"
 README_END = "<!-- end of the performance table -->"
+PLOT = ROOT / "docs" / "benchmarks.png"
 
 
 def read_rows(name: str) -> list[dict]:
@@ -100,7 +102,7 @@ def markdown_table(header: list[str], lines: list[list[str]]) -> str:
 
 
 def render_page(index: dict) -> str:
-    parts = [f"# Benchmarks\n\n{index['about']}\n"]
+    parts = [f"# Benchmarks\n\n{index['about']}\n\n![each side's rate over its table's reference]({PLOT.name})\n"]
     for table in index["tables"]:
         header, lines = KINDS[table["kind"]](table)
         rows = ", ".join(f"`benchmarks/results/{name}`" for name in table["rows"])
@@ -142,6 +144,33 @@ def render_readme(index: dict, readme: str) -> str:
     return head + readme_table(index) + rest.split(README_END, 1)[1]
 
 
+def draw(index: dict, out: Path) -> None:
+    """One panel per side-by-side table: each side's samples/s/GPU over the reference's, per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = [t for t in index["tables"] if t["kind"] == "sidebyside"]
+    fig, axes = plt.subplots(1, len(tables), figsize=(4.5 * len(tables), 3.6), squeeze=False)
+    for ax, table in zip(axes[0], tables):
+        _, lines = sidebyside(table)
+        models = list(dict.fromkeys(line[0] for line in lines))
+        sides = list(dict.fromkeys(line[2] for line in lines))
+        width = 0.8 / len(sides)
+        for i, side in enumerate(sides):
+            ratios = {line[0]: float(line[6].rstrip("×")) for line in lines if line[2] == side and line[6] != "—"}
+            ax.bar([m + i * width for m in range(len(models))], [ratios.get(model, 0) for model in models], width,
+                   label=side)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks([m + width * (len(sides) - 1) / 2 for m in range(len(models))], models, fontsize=8)
+        ax.set_title(f"{textwrap.fill(table['title'], 44)}, {table['date']}", fontsize=8)
+        ax.set_ylabel(f"samples/s/GPU ÷ {table['reference']}", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def load_index() -> dict:
     return json.loads((RESULTS / "index.json").read_text())
 
@@ -160,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in stale:
         path.write_text(wanted[path])
         print(f"wrote {path.relative_to(ROOT)}")
+    try:
+        draw(index, PLOT)
+        print(f"drew {PLOT.relative_to(ROOT)}")
+    except ImportError:
+        print("matplotlib is not installed: docs/benchmarks.png left as it is (pip install 'fsdpclip[bench]')")
     return 0
 
 
