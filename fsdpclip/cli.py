@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from enum import Enum
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
@@ -40,7 +42,7 @@ def _fail(problems: list[Problem], as_json: bool = False) -> None:
 
 def _stop(message: str) -> None:
     """A mistake outside any spec (a path, a checkpoint): one line, the user-error code."""
-    err_console.print(f"[red]✗[/red] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[red]✗[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(USER_ERROR)
 
 
@@ -53,7 +55,7 @@ def _problem_table(problems: list[Problem], out: Console) -> None:
     for p in problems:
         mark = "[red]✗[/red]" if p.severity == "error" else "[yellow]![/yellow]"
         value = "" if p.value is None else repr(p.value)
-        table.add_row(mark, p.location, p.message, value, p.hint or "")
+        table.add_row(mark, *(escape(text) for text in (p.location, p.message, value, p.hint or "")))
     out.print(table)
 
 
@@ -92,7 +94,8 @@ def validate(
         _problem_table(report.warnings, console)
     for table in summary_tables(report.summary):
         console.print(table)
-    console.print(f"[bold green]✓[/bold green] {job_file} is valid for world size {report.world_size}")
+    console.print(f"[bold green]✓[/bold green] {escape(str(job_file))} is valid for world size {report.world_size}",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -167,7 +170,6 @@ def launch(
         run_local, shown_command,
     )
     from fsdpclip.jobfile import load_job
-    from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
 
     flags = LaunchFlags(nodes, gpus_per_node, slurm, partition, time_limit, node_rank, master_addr, master_port,
                         dry_run)
@@ -191,23 +193,40 @@ def launch(
     if slurm:
         _submit(job, dry_run)
         return
-    console.print(f"[bold]run directory[/bold] {job.run_dir}")
+    console.print(f"[bold]run directory[/bold] {escape(str(job.run_dir))}", highlight=False, soft_wrap=True)
     new_interpreters = new_interpreters or cuda_forbids_forked_ranks(job)
     fork_ranks = new_interpreters is None
     if new_interpreters:
-        console.print(f"[dim]the ranks start as new interpreters: {new_interpreters}[/dim]", highlight=False)
-    console.print(shown_command(flags.torchrun(job, fork_ranks), forking_environment(job, fork_ranks)), highlight=False,
-                  soft_wrap=True)
+        console.print(f"[dim]the ranks start as new interpreters: {escape(new_interpreters)}[/dim]", highlight=False)
+    console.print(escape(shown_command(flags.torchrun(job, fork_ranks), forking_environment(job, fork_ranks))),
+                  highlight=False, soft_wrap=True)
     if dry_run:
         return
     try:
         report = run_local(job, flags, fork_ranks)
     except LaunchError as exc:
         _stop(str(exc))
-    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(report["code"], "[red]✗[/red]")
-    (console if report["code"] == 0 else err_console).print(f"{mark} {report['message']}", highlight=False,
-                                                             soft_wrap=True)
-    raise typer.Exit(report["code"])
+    _ending(report["code"], report["message"], job.run_dir)
+
+
+def _ending(code: int, message: str, run_dir: Path) -> None:
+    """How a launch ended, its run directory and the commands that come next; exits with `code`."""
+    from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED, LOG_DIR
+
+    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(code, "[red]✗[/red]")
+    relaunch = shlex.join(["fsdpclip", *sys.argv[1:]])
+    report = f"fsdpclip report {shlex.quote(str(run_dir))}"
+    if code == EXIT_OK:
+        follow = [f"next: {report}", f"      fsdpclip eval {shlex.quote(str(run_dir))} --zeroshot folder --data DIR",
+                  f"      fsdpclip export {shlex.quote(str(run_dir))} OUT.safetensors --safetensors"]
+    elif code == EXIT_PREEMPTED:
+        follow = [f"resume: {relaunch}", f"progress: {report}"]
+    else:
+        follow = [f"logs: {run_dir / LOG_DIR}", f"once fixed, resume with: {relaunch}", f"progress: {report}"]
+    out = console if code == EXIT_OK else err_console
+    for line in [f"{mark} {escape(message)}", f"run directory: {escape(str(run_dir))}", *map(escape, follow)]:
+        out.print(line, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def _submit(job: Job, dry_run: bool) -> None:
@@ -237,10 +256,10 @@ def _submit(job: Job, dry_run: bool) -> None:
         job_id = submit(script_path)
     except SubmitError as exc:
         _stop(f"sbatch refused {script_path}: {exc}")
-    console.print(f"[green]✓[/green] submitted batch job {job_id} ({job.launch.nodes} node(s) × "
-                  f"{job.launch.gpus_per_node} rank(s)): {script_path}", highlight=False, soft_wrap=True)
-    console.print(f"logs: {logs}/slurm-{job_id}.out and .err (the batch script), "
-                  f"{logs}/slurm-{job_id}-node<N>.out (node N's ranks)", highlight=False, soft_wrap=True)
+    console.print(f"[green]✓[/green] submitted batch job {escape(job_id)} ({job.launch.nodes} node(s) × "
+                  f"{job.launch.gpus_per_node} rank(s)): {escape(str(script_path))}", highlight=False, soft_wrap=True)
+    console.print(escape(f"logs: {logs}/slurm-{job_id}.out and .err (the batch script), "
+                         f"{logs}/slurm-{job_id}-node<N>.out (node N's ranks)"), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -271,7 +290,8 @@ def export(
         _stop(str(exc))
     except OSError as exc:
         _stop(f"cannot write {out}: {exc.strerror or exc}")
-    console.print(f"[green]✓[/green] {source} (step {meta['step']}) → {written}")
+    done = f"{source} (step {meta['step']}) → {written}"
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
 
 
 @app.command("import")
@@ -305,10 +325,10 @@ def import_command(
     except OSError as exc:
         _stop(f"cannot write into {job.run_dir}: {exc.strerror or exc}")
     for note in imported.notes:
-        console.print(f"[yellow]![/yellow] {note}", highlight=False, soft_wrap=True)
-    console.print(f"[green]✓[/green] {checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step "
-                  f"{imported.step} of {imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with "
-                  f"`fsdpclip launch {job_file}`", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]![/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+    done = (f"{checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step {imported.step} of "
+            f"{imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with `fsdpclip launch {job_file}`")
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
 
 
 class ZeroShotKind(str, Enum):
@@ -363,7 +383,7 @@ def eval_command(
                    TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
 
     def progress(name: str, total: Optional[int]):
-        task = bar.add_task(name, total=total)
+        task = bar.add_task(escape(name), total=total)
         return lambda done: bar.advance(task, done)
 
     try:
@@ -384,15 +404,16 @@ def eval_command(
     samples, texts = record.pop("samples"), record.pop("texts", None)
     if "folder_classes" in record:
         pairs = list(record["folder_classes"].items())
+        paired = f"{', '.join(f'{f} → {c}' for f, c in pairs[:5])}{', …' if len(pairs) > 5 else ''}"
         console.print(f"[yellow]![/yellow] the class names are not the folder names: paired with the folders in "
-                      f"sorted order: {', '.join(f'{f} → {c}' for f, c in pairs[:5])}{', …' if len(pairs) > 5 else ''} "
-                      "(all in the result JSON, folder_classes)", highlight=False, soft_wrap=True)
+                      f"sorted order: {escape(paired)} (all in the result JSON, folder_classes)", highlight=False,
+                      soft_wrap=True)
     counted = f"{samples} images" + (f", {texts} captions" if texts is not None else "")
-    console.print(_result_table(f"{kind} {record['dataset']}: {record['model']} ({counted})", record))
+    console.print(_result_table(escape(f"{kind} {record['dataset']}: {record['model']} ({counted})"), record))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(record) + "\n")
-        console.print(f"[green]✓[/green] {output}")
+        console.print(f"[green]✓[/green] {escape(str(output))}", highlight=False, soft_wrap=True)
 
 
 def _result_table(title: str, record: dict) -> Table:
@@ -462,5 +483,6 @@ def data_digits(
         info = write_digits(out_dir, shards=shards, seed=seed)
     except RuntimeError as exc:
         _stop(str(exc))
-    console.print(f"[green]✓[/green] {info['train_samples']} training pairs in {shards} shards "
-                  f"({info['train_urls']}), {info['test_samples']} held-out images in {info['test_dir']}")
+    done = (f"{info['train_samples']} training pairs in {shards} shards ({info['train_urls']}), "
+            f"{info['test_samples']} held-out images in {info['test_dir']}")
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)

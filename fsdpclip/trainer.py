@@ -355,7 +355,7 @@ class Trainer:
             code = EXIT_OK
         except Stop as stop:
             self.checkpointer.finish_pending(wait=True)
-            metrics.announce(f"[bold red]{stop.message}[/bold red]")
+            metrics.announce(stop.message, style="bold red")
             self._report_exit(stop.code, stop.message)
             code = stop.code
         finally:
