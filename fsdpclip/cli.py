@@ -222,7 +222,8 @@ def _ending(code: int, message: str, run_dir: Path) -> None:
     elif code == EXIT_PREEMPTED:
         follow = [f"resume: {relaunch}", f"progress: {report}"]
     else:
-        follow = [f"logs: {run_dir / LOG_DIR}", f"once fixed, resume with: {relaunch}", f"progress: {report}"]
+        follow = [f"logs: {run_dir / LOG_DIR}", f"run again (it resumes from the last checkpoint, if any): {relaunch}",
+                  f"progress: {report}"]
     out = console if code == EXIT_OK else err_console
     for line in [f"{mark} {escape(message)}", f"run directory: {escape(str(run_dir))}", *map(escape, follow)]:
         out.print(line, highlight=False, soft_wrap=True)

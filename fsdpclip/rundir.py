@@ -291,19 +291,28 @@ def exit_report(run_dir: Path, since: float) -> Optional[dict]:
 
 def write_crash_report(run_dir: Path, rank: int, error: BaseException) -> None:
     """What killed a rank, for the launcher's last line (each rank its own file: no race)."""
-    path = Path(run_dir) / LOG_DIR / f"crash-rank-{rank:05d}.json"
-    text = " ".join(f"{type(error).__name__}: {error}".split())
+    _write_crash(run_dir, {"rank": rank, "error": " ".join(f"{type(error).__name__}: {error}".split())[:500]})
+
+
+def record_killed_rank(run_dir: Path, rank: int, signal_name: str) -> None:
+    """A rank that a signal killed (torchrun saw it go): the cause the launcher names before the other ranks'
+    errors, which are then only their lost connection to it."""
+    _write_crash(run_dir, {"rank": rank, "signal": signal_name})
+
+
+def _write_crash(run_dir: Path, record: dict) -> None:
+    path = Path(run_dir) / LOG_DIR / f"crash-rank-{record['rank']:05d}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps({"rank": rank, "error": text[:500], "time": time.time()}) + "\n")
+        write_atomically(path, json.dumps({**record, "time": time.time()}) + "\n")
     except OSError:
         pass  # the report is a courtesy; the rank's own traceback still reaches its log
 
 
 def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
     """The report of a launch that ended with exit `status`: the trainer's own, or, when the trainer
-    could not write one (a rank crashed or was killed), one made from the first rank's crash report or
-    the status. Written to exit.json either way."""
+    could not write one (a rank crashed or was killed), one made from the crash reports (a rank killed by a
+    signal first: the others' errors follow from it) or the status. Written to exit.json either way."""
     report = exit_report(run_dir, since)
     if report is not None:
         return report
@@ -315,7 +324,12 @@ def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
             continue
         if crash.get("time", 0) >= since:
             crashes.append(crash)
-    if crashes:
+    killed = [crash for crash in crashes if "signal" in crash]
+    if killed:
+        first = min(killed, key=lambda c: c["time"])
+        others = " (the other ranks lost their connection to it)" if len(crashes) > len(killed) else ""
+        message = f"rank {first['rank']} was killed by {first['signal']}{others}"
+    elif crashes:
         first = min(crashes, key=lambda c: c["time"])
         message = f"rank {first['rank']} failed: {first['error']}"
     elif status == 130:

@@ -15,7 +15,8 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
         the ranks agree on it at their next stop check (after the first step, then every 10 steps;
         about every 10 s where steps take over a second), save a checkpoint and stop; start the job again
         in the same run directory to resume
-A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report.
+A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report; one whose collective
+failed because another rank is gone says so in one line and exits 1 (the launcher names the rank that ended).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fsdpclip.distributed import init_distributed
+from fsdpclip.distributed import init_distributed, lost_peer
 from fsdpclip.graphs import keep_nccl_capturable
 from fsdpclip.model import hf_text_tower, without_modules
-from fsdpclip.rundir import EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
+from fsdpclip.rundir import EXIT_CRASH, EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
@@ -112,6 +113,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             write_crash_report(job.run_dir, env.rank, exc)
         finally:
             stop_child_processes()
+        lost = lost_peer(exc)
+        if lost:  # another rank's end, which the launcher names: one line here, no traceback
+            print(f"fsdpclip.train: rank {env.rank} lost its connection to another rank ({lost})", file=sys.stderr)
+            return EXIT_CRASH
         raise
     finally:
         dist.destroy_process_group()

@@ -351,6 +351,50 @@ def test_a_crashing_rank_is_reported(tmp_path):
     assert f"✗ {report['message'][:60]}" in crashed.stdout
 
 
+def _ranks(launcher: int) -> list[int]:
+    """The ranks under a launch, in rank order: torchrun's children (the launcher's child), which it starts one
+    after another from local rank 0."""
+    def children(pid: int) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if entry.isdigit() and int(fields[1]) == pid:
+                found.append((int(fields[19]), int(entry)))  # start time (clock ticks), pid
+        return [pid for _, pid in sorted(found)]
+
+    torchrun = children(launcher)
+    return children(torchrun[0]) if torchrun else []
+
+
+def test_a_rank_killed_by_a_signal_is_named(tmp_path, digits_dir):
+    """SIGKILL to one rank of a 2-rank launch (the kernel's out-of-memory killer, a user's kill -9), data workers
+    on: the launch ends with exit 1 and one line naming that rank and the signal (exit.json too), not the
+    other rank's lost connection; no traceback (gloo's `[/…/pair.cc:545]` in that error is no rich markup
+    either); no process of the job is left."""
+    job = preemptible_job(tmp_path / "runs", digits_dir, "killed")
+    job["schedule"]["steps"] = 100_000
+    path, log, run_dir = write_job(tmp_path, job), tmp_path / "launch.log", tmp_path / "runs" / "killed"
+    process = _start(path, log)
+    try:
+        _wait_for_step(run_dir, 3, process, log)
+        ranks = _ranks(process.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        code, output = _finish(process, log, timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    _none_left(run_dir, path)
+    assert code == 1, output[-3000:]
+    assert _exit_report(run_dir)["message"].startswith("rank 1 was killed by SIGKILL"), _exit_report(run_dir)
+    assert "✗ rank 1 was killed by SIGKILL" in output, output[-3000:]
+    assert "Traceback" not in output and "Error" not in output.split("✗ rank 1")[1], output[-3000:]
+    assert f"resumes from the last checkpoint, if any): fsdpclip launch {path}" in output, output[-3000:]
+
+
 def test_lock_of_a_finished_process_is_taken_over(tmp_path):
     """A lock left by a process that is gone (same host) is taken over; a live holder's is not."""
     from fsdpclip.rundir import RunLocked, acquire_lock, lock_holder, release_lock
