@@ -17,6 +17,7 @@ from rich.table import Table
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 if TYPE_CHECKING:
+    from fsdpclip.launch import LaunchFlags
     from fsdpclip.spec import Job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -193,6 +194,8 @@ def launch(
     if slurm:
         _submit(job, dry_run)
         return
+    if not dry_run:
+        _preflight(job, flags)
     console.print(f"[bold]run directory[/bold] {escape(str(job.run_dir))}", highlight=False, soft_wrap=True)
     new_interpreters = new_interpreters or cuda_forbids_forked_ranks(job)
     fork_ranks = new_interpreters is None
@@ -207,6 +210,23 @@ def launch(
     except LaunchError as exc:
         _stop(str(exc))
     _ending(report["code"], report["message"], job.run_dir)
+
+
+def _preflight(job: Job, flags: LaunchFlags) -> None:
+    """This node's checks before any process starts (`preflight`): errors end the launch (exit 2), warnings are
+    shown; a run already over ends it as finished, starting nothing."""
+    from fsdpclip.preflight import already_finished, preflight
+    from fsdpclip.rundir import EXIT_OK
+
+    static_rendezvous = job.launch.nodes > 1 or flags.master_addr is not None
+    report = preflight(job, flags.node_rank or 0, static_rendezvous)
+    if report.errors:
+        _fail(report.problems)
+    if report.warnings:
+        _problem_table(report.warnings, console)
+    finished = already_finished(job) if (flags.node_rank or 0) == 0 else None
+    if finished:
+        _ending(EXIT_OK, finished, job.run_dir)
 
 
 def _ending(code: int, message: str, run_dir: Path) -> None:

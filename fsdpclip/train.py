@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -41,6 +42,10 @@ from fsdpclip.model import hf_text_tower, without_modules
 from fsdpclip.rundir import EXIT_CRASH, EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
+# agent reports only the first rank it finds ended, which is then the one that died (a signal's victim), not
+# this one.
+PEER_GONE_GRACE_S = 5
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
 # and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
 # forked from the launcher, OpenCLIP, DTensor and checkpointing are imported already).
@@ -59,6 +64,12 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    def wait(self, seconds: float) -> None:
+        """Until a stop signal arrives, at most `seconds`."""
+        deadline = time.monotonic() + seconds
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -116,6 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         lost = lost_peer(exc)
         if lost:  # another rank's end, which the launcher names: one line here, no traceback
             print(f"fsdpclip.train: rank {env.rank} lost its connection to another rank ({lost})", file=sys.stderr)
+            signals.wait(PEER_GONE_GRACE_S)
             return EXIT_CRASH
         raise
     finally:
