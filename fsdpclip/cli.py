@@ -399,6 +399,8 @@ def eval_command(
         _stop("--zeroshot needs --data DIR, the dataset's folder")
     if retrieval is not None and (data, classnames, templates) != (None, None, None):
         _stop("--data, --classnames and --templates are for --zeroshot; --retrieval takes the dataset's folder itself")
+    if output is not None and os.environ.get("RANK", "0") == "0":
+        _check_destination(output)
     kind = "zero-shot" if zeroshot is not None else "retrieval"
     bar = Progress(TextColumn(f"[bold]{kind} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
@@ -432,9 +434,30 @@ def eval_command(
     counted = f"{samples} images" + (f", {texts} captions" if texts is not None else "")
     console.print(_result_table(escape(f"{kind} {record['dataset']}: {record['model']} ({counted})"), record))
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(record) + "\n")
+        try:
+            output.write_text(json.dumps(record) + "\n")
+        except OSError as exc:
+            _stop(f"cannot write {output}: {exc.strerror or exc}")
         console.print(f"[green]✓[/green] {escape(str(output))}", highlight=False, soft_wrap=True)
+
+
+def _check_destination(path: Path) -> None:
+    """A file written at the end of a long command, tried now: its folder made and the file opened for appending
+    (a file this made is removed again); one line and the user-error code when it cannot be written."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        _stop(f"cannot write {path}: {path.parent} is not a directory")
+    except OSError as exc:
+        _stop(f"cannot write {path}: {exc.strerror or exc}")
+    try:
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        _stop(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def _result_table(title: str, record: dict) -> Table:
