@@ -11,6 +11,8 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
         its checkpoints cannot be used with this spec
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
+    74  no space left: a checkpoint that does not fit on its disk (found before it is written) or a log
+        that could not be written; the last complete checkpoint stays latest
     75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, or a stop request in RUN_DIR/stop):
         the ranks agree on it at their next stop check (after the first step, then every 10 steps;
         about every 10 s where steps take over a second), save a checkpoint and stop; start the job again
@@ -22,6 +24,7 @@ failed because another rank is gone says so in one line and exits 1 (the launche
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import logging
 import multiprocessing
@@ -39,7 +42,10 @@ import torch.distributed as dist
 from fsdpclip.distributed import init_distributed, lost_peer
 from fsdpclip.graphs import keep_nccl_capturable
 from fsdpclip.model import hf_text_tower, without_modules
-from fsdpclip.rundir import EXIT_CRASH, EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
+from fsdpclip.rundir import (
+    EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, StartupClock, disk_free, no_space_message, write_crash_report,
+    write_exit_report,
+)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
@@ -129,6 +135,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"fsdpclip.train: rank {env.rank} lost its connection to another rank ({lost})", file=sys.stderr)
             signals.wait(PEER_GONE_GRACE_S)
             return EXIT_CRASH
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # a log or report that did not fit: one line
+            path = Path(exc.filename or job.run_dir)
+            print(f"fsdpclip.train: rank {env.rank}: {no_space_message(path, disk_free(path))}", file=sys.stderr)
+            return EXIT_NO_SPACE
         raise
     finally:
         dist.destroy_process_group()

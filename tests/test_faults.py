@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -499,3 +500,44 @@ def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_
     for rank in (0, 1):
         report = json.loads((logs / f"crash-rank-{rank:05d}.json").read_text())
         assert "out of memory in the evaluation (injected)" in report["error"]
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, megabytes: int):
+    """A tmpfs of `megabytes` at `path` (root only), unmounted afterwards; the test is skipped where none can be
+    mounted."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
+    """A run directory on a 64 MB disk where the second checkpoint (~41 MB) does not fit beside the first: the
+    ranks agree on it before writing anything of it, the launch ends with exit 74 and one line naming the device,
+    the mount point, the checkpoint's path, the space needed and free (no OSError or traceback from any
+    rank); the first checkpoint stays latest and whole, and once the disk is larger a relaunch resumes from
+    it and finishes."""
+    with _small_disk(tmp_path / "disk", 64) as disk:
+        job = _short_job(tmp_path, run={"name": "full", "output_dir": str(disk), "seed": 1}, schedule={"steps": 8},
+                         checkpoint={"every_steps": 4, "keep": 2})
+        path, run_dir = write_job(tmp_path, job), disk / "full"
+        full = _launch(path)
+        output = full.stdout
+        assert full.returncode == 74, output[-3000:]
+        needed = rf"needed ~\d+ MB, \d+ MB free"
+        line = f"✗ no space left on tmpfs ({disk}) writing {run_dir}/checkpoints/step-00000008: "
+        assert line in output and len(re.findall(needed, output)) <= 2, output[-3000:]  # the trainer's, the last line
+        assert "Traceback" not in output and "Errno" not in output and "rank 1" not in output, output[-3000:]
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-00000004"]
+        assert _exit_report(run_dir)["code"] == 74
+        subprocess.run(["mount", "-o", "remount,size=160m", str(disk)], check=True)
+        resumed = _launch(path)
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert "resumed from" in resumed.stdout and _exit_report(run_dir)["step"] == 8
