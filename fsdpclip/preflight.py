@@ -91,4 +91,4 @@ def already_finished(job: Job) -> Optional[str]:
     total = job.total_steps(job.launch.world_size, step, meta.get("samples_seen", 0))
     if total is None or step < total:
         return None
-    return f"already finished: {candidates[0].name} is step {step} of {total}, nothing to train"
+    return f"already finished: step {step} of {total}, nothing to train"

@@ -80,7 +80,7 @@ def test_relaunching_a_finished_run_starts_nothing(tmp_path):
     launches, metrics = sorted((run_dir / "launches").iterdir()), (run_dir / "metrics.jsonl").read_bytes()
     again = _launch(path)
     assert again.returncode == 0, again.stdout[-3000:]
-    assert "✓ already finished: step-00000003 is step 3 of 3, nothing to train" in again.stdout, again.stdout
+    assert "✓ already finished: step 3 of 3, nothing to train" in again.stdout, again.stdout
     assert f"next: fsdpclip report {run_dir}" in again.stdout
     assert "fsdpclip.torchrun" not in again.stdout
     assert sorted((run_dir / "launches").iterdir()) == launches and (run_dir / "metrics.jsonl").read_bytes() == metrics
