@@ -24,7 +24,7 @@ def summary_tables(summary: dict) -> list:
         params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
     for tower, row in summary["towers"].items():
         params.add_row(tower, f"{row['parameters']:,}", f"{row['trainable']:,}", f"{row['frozen']:,}",
-                       str(row["blocks"] or ""), ", ".join(row["block_classes"]))
+                       str(row["blocks"] or ""), escape(", ".join(row["block_classes"])))
     total = summary["parameters"]
     params.add_row("total", f"{total['parameters']:,}", f"{total['trainable']:,}", f"{total['frozen']:,}", "", "",
                    style="bold")
@@ -34,7 +34,7 @@ def summary_tables(summary: dict) -> list:
     for column in ("tower", "class", "units", "blocks each", "parameters each", "fp32 shard each", "first"):
         units.add_column(column, justify="left" if column in ("tower", "class", "first") else "right")
     for row in summary["fsdp_units"]:
-        units.add_row(row["tower"], row["class"], str(row["count"]), str(row["modules_each"]),
+        units.add_row(row["tower"], escape(row["class"]), str(row["count"]), str(row["modules_each"]),
                       f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", escape(row["first"]))
 
     decay = Table(title="Weight decay groups (original parameter names)")
