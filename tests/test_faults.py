@@ -109,8 +109,9 @@ def _report(cli, run_dir: Path, tmp_path: Path) -> dict:
 
 def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses, cli):
     """SIGTERM to the whole process group of `fsdpclip launch` (a scheduler's `kill -TERM -PGID`), with
-    2 data workers per rank: a checkpoint, exit 75, no process left, no traceback; relaunched, the run
-    finishes with the losses of a run that was never stopped."""
+    2 data workers per rank: a checkpoint, exit 75, no process left, no traceback nor torchrun's error line, the
+    launch's own last lines say how to resume; relaunched, the run finishes with the losses of a run that was
+    never stopped."""
     run_dir = tmp_path / "runs" / "preempted"
     path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "preempted"))
     process = _start(path, tmp_path / "first.log")
@@ -119,7 +120,8 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     os.killpg(process.pid, signal.SIGTERM)
     code, output = _finish(process, tmp_path / "first.log")
     assert code == 75, output[-4000:]
-    assert "Traceback" not in output and "killed by signal" not in output
+    assert "Traceback" not in output and "killed by signal" not in output and "exitcode: 75" not in output
+    assert f"run directory: {run_dir}\nresume: fsdpclip launch {path}\nprogress: fsdpclip report {run_dir}" in output
     report = _exit_report(run_dir)
     assert report["code"] == 75 and "a stop was requested: stopped after step 10" in report["message"]
     _none_left(run_dir, path)
