@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
+from fsdpclip.launch import nvml_gpu_count
 from fsdpclip.problems import Report
 from fsdpclip.spec import Job
 
@@ -32,14 +33,16 @@ def preflight(job: Job, node_rank: int = 0, static_rendezvous: bool = False) -> 
 
 def visible_gpus() -> tuple[int, str]:
     """How many GPUs this process may use (CUDA_VISIBLE_DEVICES applied), and where the number comes from;
-    -1 where it cannot be told without the CUDA driver (MIG devices, an NVML that fails on a driver present)."""
+    negative where it cannot be told without the CUDA driver (MIG devices, NVML failing beside a driver)."""
     import torch
 
     if not torch.backends.cuda.is_built():
         return 0, f"this torch ({torch.__version__}) is built without CUDA"
-    count = torch.cuda._device_count_nvml()  # CUDA_VISIBLE_DEVICES applied; -1: NVML failed
-    if count < 0 and not Path("/dev/nvidiactl").exists():
-        return 0, "no NVIDIA driver is loaded (no /dev/nvidiactl)"
+    count = nvml_gpu_count()
+    if count is None or count < 0:
+        if not Path("/dev/nvidiactl").exists():
+            return 0, "no NVIDIA driver is loaded (no /dev/nvidiactl)"
+        return -1, "NVML cannot tell"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return count, f"NVML sees {count}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
 
