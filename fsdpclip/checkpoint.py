@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdpclip.pickles import PickleRefused, SafeLoadPlanner, SafeReader, load_weights_only, read_dcp_metadata
-from fsdpclip.rundir import JOB_FILE, write_atomically
+from fsdpclip.rundir import JOB_FILE, disk_free, no_space_message, write_atomically
 from fsdpclip.spec import CheckpointSpec, Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
@@ -39,6 +39,10 @@ PARTIAL_SUFFIX = ".partial"
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used (message meant for the user)."""
+
+
+class DiskFull(CheckpointError):
+    """A checkpoint that does not fit on its disk: nothing of it is published, the last complete one stays latest."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -213,6 +217,18 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _local_tensors(state):
+    """The tensors of a (nested) state dict as this rank holds them: a DTensor's local shard."""
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _local_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _local_tensors(value)
+    elif isinstance(state, torch.Tensor):
+        yield state.to_local() if hasattr(state, "to_local") else state
+
+
 def publish(partial: Path, final: Path, meta: dict) -> None:
     """Complete a written checkpoint: meta.json last, rename into place, point `latest` at it."""
     write_atomically(partial / META, json.dumps(meta, indent=2))
@@ -263,24 +279,43 @@ class Checkpointer:
         self.finish_pending(wait=True)
         final = self.root / checkpoint_name(step)
         partial = self.root / (final.name + PARTIAL_SUFFIX)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        needed = self._check_space(final, state)
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         dist.barrier()
-        self._write_rank_state(partial, rank_state)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
         meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-        if asynchronous:
-            if self.async_group is None:
-                self.async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
-            self.pending = (future, partial, final, meta)
-        else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(partial, final, meta)
-            dist.barrier()
+        try:
+            self._write_rank_state(partial, rank_state)
+            if asynchronous:
+                if self.async_group is None:
+                    self.async_group = dist.new_group(backend="gloo")
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+                self.pending = (future, partial, final, meta)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
+                self._finalize(partial, final, meta)
+                dist.barrier()
+        except Exception as exc:  # the disk filled while writing (torch.save says only 'unexpected pos')
+            free = disk_free(self.root)
+            if free < needed:
+                raise DiskFull(no_space_message(final, free, needed)) from exc
+            raise
         return final
+
+    def _check_space(self, final: Path, state: dict) -> int:
+        """The bytes checkpoint `final` will take (every rank's shards, and a margin for the rank and metadata
+        files); DiskFull on every rank, before anything is written, when rank 0 finds less free on its disk."""
+        local = sum(tensor.nbytes for tensor in _local_tensors(state))
+        found = [None] * self.world_size
+        dist.all_gather_object(found, (local, disk_free(self.root) if self.rank == 0 else 0))
+        needed = int(sum(size for size, _ in found) * 1.01) + self.world_size * 2 ** 16 + 2 ** 20
+        free = found[0][1]
+        if needed > free:
+            raise DiskFull(no_space_message(final, free, needed))
+        return needed
 
     def _write_rank_state(self, partial: Path, rank_state: dict) -> None:
         torch.save(rank_state, rank_file(partial, self.rank))

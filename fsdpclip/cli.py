@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from enum import Enum
 from pathlib import Path
@@ -16,6 +17,7 @@ from rich.table import Table
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 if TYPE_CHECKING:
+    from fsdpclip.launch import LaunchFlags
     from fsdpclip.spec import Job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -54,7 +56,7 @@ def _problem_table(problems: list[Problem], out: Console) -> None:
     for p in problems:
         mark = "[red]✗[/red]" if p.severity == "error" else "[yellow]![/yellow]"
         value = "" if p.value is None else repr(p.value)
-        table.add_row(mark, p.location, p.message, value, p.hint or "")
+        table.add_row(mark, *(escape(text) for text in (p.location, p.message, value, p.hint or "")))
     out.print(table)
 
 
@@ -93,7 +95,8 @@ def validate(
         _problem_table(report.warnings, console)
     for table in summary_tables(report.summary):
         console.print(table)
-    console.print(f"[bold green]✓[/bold green] {job_file} is valid for world size {report.world_size}")
+    console.print(f"[bold green]✓[/bold green] {escape(str(job_file))} is valid for world size {report.world_size}",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -170,7 +173,6 @@ def launch(
         run_local, shown_command,
     )
     from fsdpclip.jobfile import load_job
-    from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED
 
     flags = LaunchFlags(nodes, gpus_per_node, slurm, partition, time_limit, node_rank, master_addr, master_port,
                         dry_run)
@@ -194,23 +196,60 @@ def launch(
     if slurm:
         _submit(job, dry_run)
         return
-    console.print(f"[bold]run directory[/bold] {job.run_dir}")
+    if not dry_run:
+        _preflight(job, flags)
+    console.print(f"[bold]run directory[/bold] {escape(str(job.run_dir))}", highlight=False, soft_wrap=True)
     new_interpreters = new_interpreters or cuda_forbids_forked_ranks(job)
     fork_ranks = new_interpreters is None
     if new_interpreters:
-        console.print(f"[dim]the ranks start as new interpreters: {new_interpreters}[/dim]", highlight=False)
-    console.print(shown_command(flags.torchrun(job, fork_ranks), forking_environment(job, fork_ranks)), highlight=False,
-                  soft_wrap=True)
+        console.print(f"[dim]the ranks start as new interpreters: {escape(new_interpreters)}[/dim]", highlight=False)
+    console.print(escape(shown_command(flags.torchrun(job, fork_ranks), forking_environment(job, fork_ranks))),
+                  highlight=False, soft_wrap=True)
     if dry_run:
         return
     try:
         report = run_local(job, flags, fork_ranks)
     except LaunchError as exc:
         _stop(str(exc))
-    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(report["code"], "[red]✗[/red]")
-    (console if report["code"] == 0 else err_console).print(f"{mark} {report['message']}", highlight=False,
-                                                             soft_wrap=True)
-    raise typer.Exit(report["code"])
+    _ending(report["code"], report["message"], job.run_dir)
+
+
+def _preflight(job: Job, flags: LaunchFlags) -> None:
+    """This node's checks before any process starts (`preflight`): errors end the launch (exit 2), warnings are
+    shown; a run already over ends it as finished, starting nothing."""
+    from fsdpclip.preflight import already_finished, preflight
+    from fsdpclip.rundir import EXIT_OK
+
+    static_rendezvous = job.launch.nodes > 1 or flags.master_addr is not None
+    report = preflight(job, flags.node_rank or 0, static_rendezvous)
+    if report.errors:
+        _fail(report.problems)
+    if report.warnings:
+        _problem_table(report.warnings, console)
+    finished = already_finished(job) if (flags.node_rank or 0) == 0 else None
+    if finished:
+        _ending(EXIT_OK, finished, job.run_dir)
+
+
+def _ending(code: int, message: str, run_dir: Path) -> None:
+    """How a launch ended, its run directory and the commands that come next; exits with `code`."""
+    from fsdpclip.rundir import EXIT_OK, EXIT_PREEMPTED, LOG_DIR
+
+    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(code, "[red]✗[/red]")
+    relaunch = shlex.join(["fsdpclip", *sys.argv[1:]])
+    report = f"fsdpclip report {shlex.quote(str(run_dir))}"
+    if code == EXIT_OK:
+        follow = [f"next: {report}", f"      fsdpclip eval {shlex.quote(str(run_dir))} --zeroshot folder --data DIR",
+                  f"      fsdpclip export {shlex.quote(str(run_dir))} OUT.safetensors --safetensors"]
+    elif code == EXIT_PREEMPTED:
+        follow = [f"resume: {relaunch}", f"progress: {report}"]
+    else:
+        follow = [f"logs: {run_dir / LOG_DIR}", f"run again (it resumes from the last checkpoint, if any): {relaunch}",
+                  f"progress: {report}"]
+    out = console if code == EXIT_OK else err_console
+    for line in [f"{mark} {escape(message)}", f"run directory: {escape(str(run_dir))}", *map(escape, follow)]:
+        out.print(line, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def _submit(job: Job, dry_run: bool) -> None:
@@ -240,10 +279,10 @@ def _submit(job: Job, dry_run: bool) -> None:
         job_id = submit(script_path)
     except SubmitError as exc:
         _stop(f"sbatch refused {script_path}: {exc}")
-    console.print(f"[green]✓[/green] submitted batch job {job_id} ({job.launch.nodes} node(s) × "
-                  f"{job.launch.gpus_per_node} rank(s)): {script_path}", highlight=False, soft_wrap=True)
-    console.print(f"logs: {logs}/slurm-{job_id}.out and .err (the batch script), "
-                  f"{logs}/slurm-{job_id}-node<N>.out (node N's ranks)", highlight=False, soft_wrap=True)
+    console.print(f"[green]✓[/green] submitted batch job {escape(job_id)} ({job.launch.nodes} node(s) × "
+                  f"{job.launch.gpus_per_node} rank(s)): {escape(str(script_path))}", highlight=False, soft_wrap=True)
+    console.print(escape(f"logs: {logs}/slurm-{job_id}.out and .err (the batch script), "
+                         f"{logs}/slurm-{job_id}-node<N>.out (node N's ranks)"), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -274,7 +313,8 @@ def export(
         _stop(str(exc))
     except OSError as exc:
         _stop(f"cannot write {out}: {exc.strerror or exc}")
-    console.print(f"[green]✓[/green] {source} (step {meta['step']}) → {written}")
+    done = f"{source} (step {meta['step']}) → {written}"
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
 
 
 @app.command("import")
@@ -308,10 +348,10 @@ def import_command(
     except OSError as exc:
         _stop(f"cannot write into {job.run_dir}: {exc.strerror or exc}")
     for note in imported.notes:
-        console.print(f"[yellow]![/yellow] {note}", highlight=False, soft_wrap=True)
-    console.print(f"[green]✓[/green] {checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step "
-                  f"{imported.step} of {imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with "
-                  f"`fsdpclip launch {job_file}`", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]![/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+    done = (f"{checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step {imported.step} of "
+            f"{imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with `fsdpclip launch {job_file}`")
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
 
 
 class ZeroShotKind(str, Enum):
@@ -361,12 +401,14 @@ def eval_command(
         _stop("--zeroshot needs --data DIR, the dataset's folder")
     if retrieval is not None and (data, classnames, templates) != (None, None, None):
         _stop("--data, --classnames and --templates are for --zeroshot; --retrieval takes the dataset's folder itself")
+    if output is not None and os.environ.get("RANK", "0") == "0":
+        _check_destination(output)
     kind = "zero-shot" if zeroshot is not None else "retrieval"
     bar = Progress(TextColumn(f"[bold]{kind} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
 
     def progress(name: str, total: Optional[int]):
-        task = bar.add_task(name, total=total)
+        task = bar.add_task(escape(name), total=total)
         return lambda done: bar.advance(task, done)
 
     try:
@@ -387,15 +429,37 @@ def eval_command(
     samples, texts = record.pop("samples"), record.pop("texts", None)
     if "folder_classes" in record:
         pairs = list(record["folder_classes"].items())
+        paired = f"{', '.join(f'{f} → {c}' for f, c in pairs[:5])}{', …' if len(pairs) > 5 else ''}"
         console.print(f"[yellow]![/yellow] the class names are not the folder names: paired with the folders in "
-                      f"sorted order: {', '.join(f'{f} → {c}' for f, c in pairs[:5])}{', …' if len(pairs) > 5 else ''} "
-                      "(all in the result JSON, folder_classes)", highlight=False, soft_wrap=True)
+                      f"sorted order: {escape(paired)} (all in the result JSON, folder_classes)", highlight=False,
+                      soft_wrap=True)
     counted = f"{samples} images" + (f", {texts} captions" if texts is not None else "")
-    console.print(_result_table(f"{kind} {record['dataset']}: {record['model']} ({counted})", record))
+    console.print(_result_table(escape(f"{kind} {record['dataset']}: {record['model']} ({counted})"), record))
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(record) + "\n")
-        console.print(f"[green]✓[/green] {output}")
+        try:
+            output.write_text(json.dumps(record) + "\n")
+        except OSError as exc:
+            _stop(f"cannot write {output}: {exc.strerror or exc}")
+        console.print(f"[green]✓[/green] {escape(str(output))}", highlight=False, soft_wrap=True)
+
+
+def _check_destination(path: Path) -> None:
+    """A file written at the end of a long command, tried now: its folder made and the file opened for appending
+    (a file this made is removed again); one line and the user-error code when it cannot be written."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        _stop(f"cannot write {path}: {path.parent} is not a directory")
+    except OSError as exc:
+        _stop(f"cannot write {path}: {exc.strerror or exc}")
+    try:
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        _stop(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def _result_table(title: str, record: dict) -> Table:
@@ -465,5 +529,6 @@ def data_digits(
         info = write_digits(out_dir, shards=shards, seed=seed)
     except RuntimeError as exc:
         _stop(str(exc))
-    console.print(f"[green]✓[/green] {info['train_samples']} training pairs in {shards} shards "
-                  f"({info['train_urls']}), {info['test_samples']} held-out images in {info['test_dir']}")
+    done = (f"{info['train_samples']} training pairs in {shards} shards ({info['train_urls']}), "
+            f"{info['test_samples']} held-out images in {info['test_dir']}")
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)

@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -102,3 +103,16 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     dist.all_reduce(tensor)
     return tensor.tolist()
 
+
+# How a collective fails when a peer is gone (its process killed, its node lost): gloo's socket errors, NCCL's
+# aborted communicator or its watchdog's word for an exited peer, the store's closed connection.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
+             "communicator was aborted", "Socket closed")
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """How this rank's collective failed (one of PEER_LOST) where it failed because another rank is gone, else
+    None: a consequence, which the launcher names from that rank's own report, not a fault of this one."""
+    if isinstance(error, RuntimeError):  # torch's collective errors (DistBackendError and gloo's are RuntimeErrors)
+        return next((words for words in PEER_LOST if words in str(error)), None)
+    return None

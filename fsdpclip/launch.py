@@ -211,11 +211,21 @@ def cuda_forbids_forked_ranks(job: Job) -> Optional[str]:
         return "this process has initialised CUDA"
     if job.launch.device != "cuda":
         return None
-    try:
-        gpus = torch.cuda._device_count_nvml()
-    except Exception:  # a private torch function
+    gpus = nvml_gpu_count()
+    if gpus is None:
         return "this torch cannot ask NVML for the GPUs"
     return None if gpus > 0 else "NVML sees no GPU"
+
+
+def nvml_gpu_count() -> Optional[int]:
+    """The GPUs NVML sees, CUDA_VISIBLE_DEVICES applied (negative where NVML fails), asked without the CUDA
+    driver (which would leave later forks unable to use CUDA); None where this torch cannot ask."""
+    import torch
+
+    try:
+        return torch.cuda._device_count_nvml()
+    except Exception:  # a private torch function
+        return None
 
 
 def render(command: list[str]) -> str:

@@ -118,10 +118,10 @@ class MetricsLog:
         elif line:
             self.console.print(f"step {record.get('step')}/{self.total_steps} {line}", highlight=False, soft_wrap=True)
 
-    def announce(self, text: str) -> None:
-        """A line for the reader (above the progress bar when there is one)."""
+    def announce(self, text: str, style: str = "") -> None:
+        """A line for the reader (above the progress bar when there is one), as it is (no markup)."""
         if self.enabled:
-            self.console.print(text, highlight=False, soft_wrap=True)
+            self.console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
 
     def close(self, exit_code: int = EXIT_OK) -> None:
         """Close every sink; the W&B run ends with the run's exit code."""

@@ -43,16 +43,16 @@ def read_run(run_dir: Path) -> Run:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl: not a run directory, or a run that has not logged yet")
-    rows = [row for row in map(_json, metrics.read_text().splitlines()) if isinstance(row, dict)]
+    rows = [row for row in map(_json, _text(metrics).splitlines()) if isinstance(row, dict)]
     launches = sorted((run_dir / LAUNCHES).glob("*.json"))
     restarts = []
     for launch in launches:
-        record = _json(launch.read_text())
+        record = _json(_text(launch))
         match = re.search(r"step-(\d+)", str(record.get("resumed_from") if isinstance(record, dict) else ""))
         if match:
             restarts.append(int(match.group(1)))
     exit_file = run_dir / EXIT_FILE
-    ended = _json(exit_file.read_text()) if exit_file.is_file() else None
+    ended = _json(_text(exit_file)) if exit_file.is_file() else None
     holder = lock_holder(run_dir)
     from fsdpclip.checkpoint import complete_checkpoints
 
@@ -61,6 +61,12 @@ def read_run(run_dir: Path) -> Run:
                restarts, len(launches), ended if isinstance(ended, dict) and "code" in ended else None,
                f"pid {holder.pid} on {holder.host}" if holder else None,
                checkpoints[-1].name if checkpoints else None)
+
+
+def _text(path: Path) -> str:
+    """A file the run wrote, as text: bytes that are not UTF-8 (a damaged disk block, a foreign writer) read as
+    U+FFFD, so a line holding them still parses where they fall inside a string, and is skipped otherwise."""
+    return path.read_bytes().decode("utf-8", errors="replace")
 
 
 def _json(text: str):

@@ -26,6 +26,8 @@ import errno
 import fcntl
 import json
 import os
+import re
+import shutil
 import socket
 import stat
 import sys
@@ -39,7 +41,7 @@ from typing import Optional
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
 WANDB_ID_FILE, IMPORT_FILE = "wandb-id", "imported.json"
 # How a run ends (the trainer's exit code, in exit.json): fsdpclip.train says when each is used.
-EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 1, 2, 65, 75
+EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED = 0, 1, 2, 65, 74, 75
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.
 LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
 # The lock token of the launch that started the ranks (they hold the lock through it).
@@ -106,6 +108,45 @@ def read_text_file(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise OSError(None, f"not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line})", str(path)) from None
+
+
+def disk_free(path: Path) -> int:
+    """Bytes free for this user on the filesystem that holds (or would hold) `path`."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def disk_of(path: Path) -> tuple[str, str]:
+    """The device (what is mounted: /dev/nvme0n1p2, tmpfs, server:/export) and the mount point holding `path`
+    (Linux: /proc/self/mountinfo); ('the disk', '/') where that cannot be read."""
+    where, found = os.path.realpath(path), ("the disk", "/")
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    def unescape(field: str) -> str:  # the kernel writes a space in a path as \040
+        return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), field)
+
+    for line in mounts:
+        fields, _, rest = line.partition(" - ")
+        mount, source = unescape(fields.split()[4]), unescape(rest.split()[1])
+        inside = where == mount or where.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(found[1]):
+            found = (source, mount)
+    return found
+
+
+def no_space_message(path: Path, free: int, needed: Optional[int] = None) -> str:
+    """What a write that does not fit says: the device, its mount point, the path, what it needs and what is free."""
+    device, mount = disk_of(path)
+    need = f"needed ~{megabytes(needed)}, " if needed is not None else ""
+    return f"no space left on {device} ({mount}) writing {path}: {need}{megabytes(free)} free"
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 1e6:,.0f} MB" if count >= 1e6 else f"{count / 1e6:.2f} MB"
 
 
 def launch_time() -> float:
@@ -411,19 +452,28 @@ def exit_report(run_dir: Path, since: float) -> Optional[dict]:
 
 def write_crash_report(run_dir: Path, rank: int, error: BaseException) -> None:
     """What killed a rank, for the launcher's last line (each rank its own file: no race)."""
-    path = Path(run_dir) / LOG_DIR / f"crash-rank-{rank:05d}.json"
-    text = " ".join(f"{type(error).__name__}: {error}".split())
+    _write_crash(run_dir, {"rank": rank, "error": " ".join(f"{type(error).__name__}: {error}".split())[:500]})
+
+
+def record_killed_rank(run_dir: Path, rank: int, signal_name: str) -> None:
+    """A rank that a signal killed (torchrun saw it go): the cause the launcher names before the other ranks'
+    errors, which are then only their lost connection to it."""
+    _write_crash(run_dir, {"rank": rank, "signal": signal_name})
+
+
+def _write_crash(run_dir: Path, record: dict) -> None:
+    path = Path(run_dir) / LOG_DIR / f"crash-rank-{record['rank']:05d}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps({"rank": rank, "error": text[:500], "time": time.time()}) + "\n")
+        write_atomically(path, json.dumps({**record, "time": time.time()}) + "\n")
     except OSError:
         pass  # the report is a courtesy; the rank's own traceback still reaches its log
 
 
 def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
     """The report of a launch that ended with exit `status`: the trainer's own, or, when the trainer
-    could not write one (a rank crashed or was killed), one made from the first rank's crash report or
-    the status. Written to exit.json either way."""
+    could not write one (a rank crashed or was killed), one made from the crash reports (a rank killed by a
+    signal first: the others' errors follow from it) or the status. Written to exit.json either way."""
     report = exit_report(run_dir, since)
     if report is not None:
         return report
@@ -435,7 +485,12 @@ def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
             continue
         if crash.get("time", 0) >= since:
             crashes.append(crash)
-    if crashes:
+    killed = [crash for crash in crashes if "signal" in crash]
+    if killed:
+        first = min(killed, key=lambda c: c["time"])
+        others = " (the other ranks lost their connection to it)" if len(crashes) > len(killed) else ""
+        message = f"rank {first['rank']} was killed by {first['signal']}{others}"
+    elif crashes:
         first = min(crashes, key=lambda c: c["time"])
         message = f"rank {first['rank']} failed: {first['error']}"
     elif status == 130:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.decode import DECODED_WHERE
@@ -18,12 +19,12 @@ if TYPE_CHECKING:
 def summary_tables(summary: dict) -> list:
     """validate's summary: parameters per tower, FSDP units, decay groups, memory, then the mesh and
     batch lines."""
-    params = Table(title=f"{summary['model']} ({summary['class']})")
+    params = Table(title=escape(f"{summary['model']} ({summary['class']})"))
     for column in ("tower", "parameters", "trainable", "frozen", "blocks", "block class"):
         params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
     for tower, row in summary["towers"].items():
         params.add_row(tower, f"{row['parameters']:,}", f"{row['trainable']:,}", f"{row['frozen']:,}",
-                       str(row["blocks"] or ""), ", ".join(row["block_classes"]))
+                       str(row["blocks"] or ""), escape(", ".join(row["block_classes"])))
     total = summary["parameters"]
     params.add_row("total", f"{total['parameters']:,}", f"{total['trainable']:,}", f"{total['frozen']:,}", "", "",
                    style="bold")
@@ -33,14 +34,14 @@ def summary_tables(summary: dict) -> list:
     for column in ("tower", "class", "units", "blocks each", "parameters each", "fp32 shard each", "first"):
         units.add_column(column, justify="left" if column in ("tower", "class", "first") else "right")
     for row in summary["fsdp_units"]:
-        units.add_row(row["tower"], row["class"], str(row["count"]), str(row["modules_each"]),
-                      f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", row["first"])
+        units.add_row(row["tower"], escape(row["class"]), str(row["count"]), str(row["modules_each"]),
+                      f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", escape(row["first"]))
 
     decay = Table(title="Weight decay groups (original parameter names)")
     for column in ("rule", "weight decay", "tensors", "parameters"):
         decay.add_column(column, justify="left" if column == "rule" else "right")
     for row in summary["decay_groups"]:
-        decay.add_row(row["rule"], f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
+        decay.add_row(escape(row["rule"]), f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
 
     memory = summary["memory_gib"]
     mem = Table(title="Estimated memory per GPU (GiB)")
@@ -72,7 +73,7 @@ def mesh_line(world: int, mesh: dict) -> str:
 def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
     """One row per strategy, marking the degree 'auto' takes, the spec's, the fastest that fits and
     what does not fit."""
-    table = Table(title=f"{job.model.name or job.model.config}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
+    table = Table(title=f"{escape(job.model.name or job.model.config)}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
                         f"{job.batch.per_gpu * job.batch.grad_accum} samples per GPU and step")
     for column in ("strategy", "shard group", "replicas", "memory GiB/GPU", "in group GiB", "across replicas GiB",
                    "compute ms", "comm ms", "step ms", "samples/s/GPU", ""):
@@ -104,9 +105,11 @@ def plan_model_line(plan: "Plan", intra_gbps: float, inter_gbps: float) -> str:
 
 
 def report_lines(info: dict) -> list[str]:
-    """`report`'s summary: state, progress and ETA, checkpoint, launches and restarts, last results."""
+    """`report`'s summary: state, progress and ETA, checkpoint, launches and restarts, last results (rich markup,
+    the run's own text escaped)."""
     total = f"/{info['total_steps']:,}" if info["total_steps"] else ""
-    lines = [f"[bold]{info['run_dir']}[/bold]: {info['state']}" + (f" ({info['holder']})" if info["holder"] else "")]
+    lines = [f"[bold]{escape(info['run_dir'])}[/bold]: {info['state']}"
+             + (f" ({escape(info['holder'])})" if info["holder"] else "")]
     progress = f"step {info['step']:,}{total}"
     if info["eta_s"] is not None:
         hours, rest = divmod(int(info["eta_s"]), 3600)
@@ -118,10 +121,10 @@ def report_lines(info: dict) -> list[str]:
     restarts = f", resumed at step {', '.join(map(str, info['restarts_at']))}" if info["restarts_at"] else ""
     lines.append(f"launches: {info['launches']}{restarts}")
     if info["exit"] and not info["holder"]:
-        lines.append(f"last exit: code {info['exit']['code']}: {info['exit']['message']}")
+        lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
     from fsdpclip.evaluate import result_line
 
-    lines += [result_line(f"{kind}/{name}", values) for kind in ("zeroshot", "retrieval")
+    lines += [escape(result_line(f"{kind}/{name}", values)) for kind in ("zeroshot", "retrieval")
               for name, values in info[kind].items()]
-    lines.append(f"curves ({', '.join(info['panels'])}): {info['png']}")
+    lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")
     return lines

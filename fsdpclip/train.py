@@ -11,18 +11,22 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
         its checkpoints cannot be used with this spec
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
+    74  no space left: a checkpoint that does not fit on its disk (found before it is written) or a log
+        that could not be written; the last complete checkpoint stays latest
     75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, a stop request in RUN_DIR/stop, or the
         `fsdpclip launch` that started a rank gone):
         the ranks agree on it at their next stop check (after the first step, then every 10 steps;
         about every 10 s where steps take over a second), save a checkpoint and stop; start the job again
         in the same run directory to resume
-A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report. A rank whose terminal
-hung up or whose output pipe closed writes on to RUN_DIR/logs/rank-N.out.
+A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report; one whose collective
+failed because another rank is gone says so in one line and exits 1 (the launcher names the rank that ended).
+A rank whose terminal hung up or whose output pipe closed writes on to RUN_DIR/logs/rank-N.out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import logging
 import multiprocessing
@@ -30,18 +34,26 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from fsdpclip.distributed import init_distributed
+from fsdpclip.distributed import init_distributed, lost_peer
 from fsdpclip.graphs import keep_nccl_capturable
 from fsdpclip.model import hf_text_tower, without_modules
-from fsdpclip.rundir import EXIT_SPEC, LOG_DIR, StartupClock, keep_output, write_crash_report, write_exit_report
+from fsdpclip.rundir import (
+    EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR, StartupClock, disk_free, keep_output, no_space_message,
+    write_crash_report, write_exit_report,
+)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
+# agent reports only the first rank it finds ended, which is then the one that died (a signal's victim), not
+# this one.
+PEER_GONE_GRACE_S = 5
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
 # and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
 # forked from the launcher, OpenCLIP, DTensor and checkpointing are imported already).
@@ -60,6 +72,12 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    def wait(self, seconds: float) -> None:
+        """Until a stop signal arrives, at most `seconds`."""
+        deadline = time.monotonic() + seconds
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -115,6 +133,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             write_crash_report(job.run_dir, env.rank, exc)
         finally:
             stop_child_processes()
+        lost = lost_peer(exc)
+        if lost:  # another rank's end, which the launcher names: one line here, no traceback
+            print(f"fsdpclip.train: rank {env.rank} lost its connection to another rank ({lost})", file=sys.stderr)
+            signals.wait(PEER_GONE_GRACE_S)
+            return EXIT_CRASH
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # a log or report that did not fit: one line
+            path = Path(exc.filename or job.run_dir)
+            print(f"fsdpclip.train: rank {env.rank}: {no_space_message(path, disk_free(path))}", file=sys.stderr)
+            return EXIT_NO_SPACE
         raise
     finally:
         dist.destroy_process_group()

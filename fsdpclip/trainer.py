@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpclip.checkpoint import (
-    CheckpointError, Checkpointer, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
+    CheckpointError, Checkpointer, DiskFull, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
 )
 from fsdpclip.data import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
 from fsdpclip.decode import DECODED_WHERE
@@ -39,8 +39,8 @@ from fsdpclip.parallelize import (
 from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.rundir import (
-    EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock, launch_time,
-    launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
+    EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock,
+    launch_time, launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
 )
 from fsdpclip.spec import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
@@ -356,7 +356,7 @@ class Trainer:
             code = EXIT_OK
         except Stop as stop:
             self.checkpointer.finish_pending(wait=True)
-            metrics.announce(f"[bold red]{stop.message}[/bold red]")
+            metrics.announce(stop.message, style="bold red")
             self._report_exit(stop.code, stop.message)
             code = stop.code
         finally:
@@ -428,8 +428,14 @@ class Trainer:
                 "model": {"label": self.job.model.label, "open_clip_config": self.model_config},
                 "job": json.loads(self.job.to_json()), "shards": self.shards}
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
+        try:
+            saved = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
+        except DiskFull as exc:
+            latest = latest_checkpoint(self.job.run_dir)
+            raise Stop(EXIT_NO_SPACE, f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, "
+                                      "is kept: make room and launch again to resume from it") from None
         self.last_saved = self.step
-        return self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
+        return saved
 
     def _resume(self, candidates: list[Path]) -> None:
         """Continue from the newest candidate that loads, with this spec's settings from its step on."""

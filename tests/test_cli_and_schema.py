@@ -55,3 +55,23 @@ def test_resolved_spec_round_trips(tmp_path):
     job = load_job(REPO / "examples" / "vit-bigg-14.json")
     again = Job.model_validate_json(job.to_json())
     assert again == job.model_copy(update={"schema_ref": None})
+
+
+def test_text_that_reads_as_markup_is_printed_as_it_is(cli, tmp_path):
+    """Paths and messages are the user's text, never rich markup: `[bold]` is printed as typed, and a closing tag
+    without its opening one (gloo's `[/…/pair.cc:545]` in a rank's error) is no MarkupError."""
+    from conftest import TINY_CONFIG
+
+    folder = tmp_path / "[bold]runs[" / "bold]"  # …/[bold]runs[/bold]
+    folder.mkdir(parents=True)
+    job = {"run": {"name": "x", "output_dir": str(folder)}, "model": {"config": str(TINY_CONFIG)},
+           "data": {"source": "synthetic"}, "batch": {"per_gpu": 4}, "schedule": {"steps": 2},
+           "launch": {"gpus_per_node": 1, "device": "cpu"}}
+    (folder / "job.json").write_text(json.dumps(job))
+    valid = cli("validate", folder / "job.json")
+    assert valid.exit_code == 0 and f"{folder / 'job.json'} is valid" in valid.output.replace("\n", ""), valid.output
+    missing = cli("report", folder / "[" / "x]")
+    assert missing.exit_code == 2 and f"✗ {folder}/[/x] has no metrics.jsonl" in missing.output, missing.output
+    (folder / "bad.json").write_text(json.dumps({**job, "run": {"name": "[/y]"}}))
+    invalid = cli("validate", folder / "bad.json")
+    assert invalid.exit_code == 2 and "'[/y]'" in invalid.output, invalid.output

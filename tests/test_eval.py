@@ -389,3 +389,20 @@ def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
         evaluate_set(model, build_tokenizer(model_config(spec)), data, torch.device("cpu"), 4, workers=2)
     assert failure.value.__traceback__ is not None  # the failing frames are still held, as in a rank's crash
     assert multiprocessing.active_children() == []
+
+
+def test_an_unwritable_output_is_found_before_the_evaluation(digits_dir, tmp_path, cli):
+    """--output where no file can be written (under a file; a directory): said before the checkpoint is even
+    read (here it does not exist), not after the whole evaluation; nothing is left behind."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
+    for output, why in ((tmp_path / "a-file" / "result.json", f"{tmp_path / 'a-file'} is not a directory"),
+                        (tmp_path / "a-folder", "Is a directory")):
+        result = cli("eval", tmp_path / "no-run", "--zeroshot", "digits", "--data", digits_dir / "test",
+                     "--output", output)
+        assert result.exit_code == 2, result.output
+        assert squeezed(result.output).startswith(squeezed(f"✗ cannot write {output}: {why}")), result.output
+    writable = tmp_path / "new" / "result.json"
+    result = cli("eval", tmp_path / "no-run", "--zeroshot", "digits", "--data", digits_dir / "test",
+                 "--output", writable)
+    assert result.exit_code == 2 and "no-run is not a checkpoint" in result.output and not writable.exists(), result.output

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -110,8 +111,9 @@ def _report(cli, run_dir: Path, tmp_path: Path) -> dict:
 
 def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses, cli):
     """SIGTERM to the whole process group of `fsdpclip launch` (a scheduler's `kill -TERM -PGID`), with
-    2 data workers per rank: a checkpoint, exit 75, no process left, no traceback; relaunched, the run
-    finishes with the losses of a run that was never stopped."""
+    2 data workers per rank: a checkpoint, exit 75, no process left, no traceback nor torchrun's error line, the
+    launch's own last lines say how to resume; relaunched, the run finishes with the losses of a run that was
+    never stopped."""
     run_dir = tmp_path / "runs" / "preempted"
     path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "preempted"))
     process = _start(path, tmp_path / "first.log")
@@ -120,7 +122,8 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     os.killpg(process.pid, signal.SIGTERM)
     code, output = _finish(process, tmp_path / "first.log")
     assert code == 75, output[-4000:]
-    assert "Traceback" not in output and "killed by signal" not in output
+    assert "Traceback" not in output and "killed by signal" not in output and "exitcode: 75" not in output
+    assert f"run directory: {run_dir}\nresume: fsdpclip launch {path}\nprogress: fsdpclip report {run_dir}" in output
     report = _exit_report(run_dir)
     assert report["code"] == 75 and "a stop was requested: stopped after step 10" in report["message"]
     _none_left(run_dir, path)
@@ -480,6 +483,50 @@ def test_a_crashing_rank_is_reported(tmp_path):
     assert f"✗ {report['message'][:60]}" in crashed.stdout
 
 
+def _ranks(launcher: int) -> list[int]:
+    """The ranks under a launch, in rank order: torchrun's children (the launcher's child), which it starts one
+    after another from local rank 0."""
+    def children(pid: int) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if entry.isdigit() and int(fields[1]) == pid:
+                found.append((int(fields[19]), int(entry)))  # start time (clock ticks), pid
+        return [pid for _, pid in sorted(found)]
+
+    torchrun = children(launcher)
+    return children(torchrun[0]) if torchrun else []
+
+
+def test_a_rank_killed_by_a_signal_is_named(tmp_path, digits_dir):
+    """SIGKILL to one rank of a 2-rank launch (the kernel's out-of-memory killer, a user's kill -9), data workers
+    on: the launch ends with exit 1 and one line naming that rank and the signal (exit.json too), not the
+    other rank's lost connection; no traceback (gloo's `[/…/pair.cc:545]` in that error is no rich markup
+    either); no process of the job is left."""
+    job = preemptible_job(tmp_path / "runs", digits_dir, "killed")
+    job["schedule"]["steps"] = 100_000
+    path, log, run_dir = write_job(tmp_path, job), tmp_path / "launch.log", tmp_path / "runs" / "killed"
+    process = _start(path, log)
+    try:
+        _wait_for_step(run_dir, 3, process, log)
+        ranks = _ranks(process.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        code, output = _finish(process, log, timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    _none_left(run_dir, path)
+    assert code == 1, output[-3000:]
+    assert _exit_report(run_dir)["message"].startswith("rank 1 was killed by SIGKILL"), _exit_report(run_dir)
+    assert "✗ rank 1 was killed by SIGKILL" in output, output[-3000:]
+    assert "Traceback" not in output and "Error" not in output.split("✗ rank 1")[1], output[-3000:]
+    assert f"resumes from the last checkpoint, if any): fsdpclip launch {path}" in output, output[-3000:]
+
+
 def test_lock_of_a_finished_process_is_taken_over(tmp_path):
     """A lock left by a process that is gone (same host) is taken over; a live holder's is not."""
     from fsdpclip.rundir import RunLocked, acquire_lock, lock_holder, release_lock
@@ -679,3 +726,44 @@ def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_
     for rank in (0, 1):
         report = json.loads((logs / f"crash-rank-{rank:05d}.json").read_text())
         assert "out of memory in the evaluation (injected)" in report["error"]
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, megabytes: int):
+    """A tmpfs of `megabytes` at `path` (root only), unmounted afterwards; the test is skipped where none can be
+    mounted."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
+    """A run directory on a 64 MB disk where the second checkpoint (~41 MB) does not fit beside the first: the
+    ranks agree on it before writing anything of it, the launch ends with exit 74 and one line naming the device,
+    the mount point, the checkpoint's path, the space needed and free (no OSError or traceback from any
+    rank); the first checkpoint stays latest and whole, and once the disk is larger a relaunch resumes from
+    it and finishes."""
+    with _small_disk(tmp_path / "disk", 64) as disk:
+        job = _short_job(tmp_path, run={"name": "full", "output_dir": str(disk), "seed": 1}, schedule={"steps": 8},
+                         checkpoint={"every_steps": 4, "keep": 2})
+        path, run_dir = write_job(tmp_path, job), disk / "full"
+        full = _launch(path)
+        output = full.stdout
+        assert full.returncode == 74, output[-3000:]
+        needed = rf"needed ~\d+ MB, \d+ MB free"
+        line = f"✗ no space left on tmpfs ({disk}) writing {run_dir}/checkpoints/step-00000008: "
+        assert line in output and len(re.findall(needed, output)) <= 2, output[-3000:]  # the trainer's, the last line
+        assert "Traceback" not in output and "Errno" not in output and "rank 1" not in output, output[-3000:]
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-00000004"]
+        assert _exit_report(run_dir)["code"] == 74
+        subprocess.run(["mount", "-o", "remount,size=160m", str(disk)], check=True)
+        resumed = _launch(path)
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert "resumed from" in resumed.stdout and _exit_report(run_dir)["step"] == 8

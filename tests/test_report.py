@@ -49,3 +49,21 @@ def test_report_of_a_run_cut_short(cli, tmp_path):
     info = json.loads(result.stdout)
     assert info["state"] == "ended without a report" and info["step"] == 3 and info["launches"] == 1
     assert info["restarts_at"] == [] and info["panels"] == ["loss", "learning rate"]
+
+
+def test_report_of_metrics_with_bytes_that_are_not_utf8(cli, tmp_path):
+    """metrics.jsonl, a launch record and exit.json holding bytes that are not UTF-8: the report reads every
+    line it can (bad bytes inside a string as U+FFFD; a line they break is skipped as a cut one), no
+    UnicodeDecodeError."""
+    run_dir = tmp_path / "bytes"
+    (run_dir / "launches").mkdir(parents=True)
+    lines = [json.dumps({"step": step, "total_steps": 10, "time": float(step), "loss": 4.0, "lr": 1e-3}).encode()
+             for step in (1, 2, 3)]
+    lines[1] = b'{"step": 2, \xff\xfe "loss": 4.0}'
+    (run_dir / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (run_dir / "launches" / "0001.json").write_bytes(b'{"resumed_from": null, "note": "\xc3\x28"}')
+    (run_dir / "exit.json").write_bytes(b'{"code": 1, "message": "rank 0 failed: \xff", "time": 5.0}')
+    result = cli("report", run_dir, "--json", "--png", tmp_path / "bytes.png")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info["step"] == 3 and info["launches"] == 1 and info["exit"]["message"] == "rank 0 failed: \ufffd"
