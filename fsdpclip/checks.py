@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
@@ -23,6 +23,8 @@ from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
 from fsdpclip.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
+
+T = TypeVar("T")
 
 
 def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
@@ -49,47 +51,75 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if world_size > MAX_WORLD_SIZE:  # nodes × GPUs of flags each within it; every check below counts through ranks
         report.error("launch", world_size_problem(world_size))
         return report
-    _check_precision(job, report)
-    _check_cuda_graph(job, report)
-    _check_compile_options(job, report)
-    _check_eval(job, report)
-    steps = _check_batch_and_schedule(job, report)
-    _check_learning_rate(job, report)
-    usable_run_dir = _check_output_dir(job, report)
-    _check_data(job, report, check_paths)
+    for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval, _check_global_batch):
+        if_parsed(check, job, report)
+    steps = if_parsed(_check_batch_and_schedule, job, report)
+    if_parsed(_check_learning_rate, job, report)
+    usable_run_dir = if_parsed(_check_output_dir, job, report)
+    if_parsed(_check_data, job, report, check_paths)
     if check_paths:
-        _check_files(job, report)
-        _check_eval_paths(job, report)
-        if usable_run_dir:
-            _check_resume(job, report)
+        if_parsed(_check_files, job, report)
+        if_parsed(_check_eval_paths, job, report)
+        if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
+            if_parsed(_check_resume, job, report)
+    if_parsed(_check_logging, job, report)
+    if_parsed(_check_model, job, report, steps)
+    return report
+
+
+def if_parsed(check: Callable[..., T], job: Job, *args) -> Optional[T]:
+    """Run one check, or skip it (None) when it reads a section of the job that did not parse (a Job from
+    `jobfile.salvaged_job`): every check whose sections parsed still runs, so one round shows every mistake."""
+    try:
+        return check(job, *args)
+    except AttributeError as exc:
+        if isinstance(exc.obj, Job) and exc.name in Job.model_fields:
+            return None
+        raise
+
+
+def _check_logging(job: Job, report: Report) -> None:
     if job.logging.tensorboard:
         _check_importable("tensorboard", "logging.tensorboard", report)
     if job.logging.wandb is not None and job.logging.wandb.mode != "disabled":
         _check_importable("wandb", "logging.wandb", report, extra="wandb")
+
+
+def _check_model(job: Job, report: Report, steps: Optional[int]) -> None:
+    """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary."""
     try:
         cfg = model_config(job.model)
         model = model_from_config(cfg, device="meta")
     except ModelError as exc:
         _model_problem(job, exc, report)
-        return report
+        return
     text_ok = _check_text_input(job, cfg, model, report)
+    if_parsed(_check_uncapturable, job, model, report)
+    towers = find_towers(model, job.model.block_classes)
+    if_parsed(_check_compile_options_used, job, model, towers, report)
+    classes_ok = if_parsed(_check_classes, job, towers, report)
+    if_parsed(_check_freeze, job, towers, report)
+    frozen = if_parsed(lambda job: frozen_names(towers, job.freeze) if not report.errors else set(), job)
+    if frozen is None:
+        return
+    apply_freeze(model, frozen)
+    groups = if_parsed(_check_decay, job, model, report)
+    if_parsed(_check_loss_fits, job, model, report)
+    if classes_ok and text_ok and groups is not None:
+        if_parsed(summarise, job, model, towers, frozen, groups, steps, report)
+
+
+def _check_uncapturable(job: Job, model, report: Report) -> None:
     if job.fsdp.cuda_graph is True and (uncapturable := uncapturable_modules(model)):
         report.error("fsdp.cuda_graph", f"cannot capture the model's patch dropout ({uncapturable[0]}: its kept "
                                         f"patches are drawn on the host)", True,
                      hint="leave it 'auto', or set model.image.patch_dropout to 0")
-    towers = find_towers(model, job.model.block_classes)
-    _check_compile_options_used(job, model, towers, report)
-    classes_ok = _check_classes(job, towers, report)
-    _check_freeze(job, towers, report)
-    frozen = frozen_names(towers, job.freeze) if not report.errors else set()
-    apply_freeze(model, frozen)
-    groups = _check_decay(job, model, report)
+
+
+def _check_loss_fits(job: Job, model, report: Report) -> None:
     if job.loss.kind == "siglip" and getattr(model, "logit_bias", None) is None:
         report.error("loss.kind", "SigLIP needs a model with a learned logit bias (init_logit_bias in its config)",
                      value="siglip", hint="use a *-SigLIP model config, or kind 'clip'")
-    if classes_ok and text_ok:
-        summarise(job, model, towers, frozen, groups, steps, report)
-    return report
 
 
 # ----------------------------------------------------------------------- the model
@@ -186,14 +216,20 @@ def _check_decay(job: Job, model, report: Report) -> list[DecayGroup]:
 
 
 # ------------------------------------------------------------- batch and schedule
-def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
-    """Batch arithmetic and the schedule's length; returns total optimizer steps when known."""
+def _check_global_batch(job: Job, report: Report) -> None:
+    """batch.global_batch, where given, is what per_gpu, grad_accum and the world size make."""
     batch, world = job.batch, report.world_size
     global_batch = job.samples_per_step(world)
     if batch.global_batch is not None and batch.global_batch != global_batch:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
                      hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+
+
+def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
+    """The schedule's length against the batches an epoch holds; returns total optimizer steps when known."""
+    batch, world = job.batch, report.world_size
+    global_batch = job.samples_per_step(world)
     if job.epoch_samples(world) == 0 and (isinstance(job.data, WebDatasetSpec) or job.schedule.steps is None):
         report.error("data.samples", f"fewer samples than one micro batch on every rank (batch.per_gpu "
                      f"{batch.per_gpu} × world size {world} = {batch.per_gpu * world}): an epoch holds no batch",

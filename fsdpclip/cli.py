@@ -71,7 +71,7 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
-    from fsdpclip.checks import check_job, layout_of
+    from fsdpclip.checks import check_job, if_parsed, layout_of
     from fsdpclip.jobfile import load_job
     from fsdpclip.tables import summary_tables
 
@@ -79,8 +79,10 @@ def validate(
         _fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
     try:
         job = load_job(job_file, overrides)
-    except SpecError as exc:
-        _fail(exc.problems, as_json)
+    except SpecError as exc:  # with what the sections that parsed mean: every mistake in one round
+        salvaged = exc.salvaged and if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node)
+        _fail(exc.problems + (check_job(exc.salvaged, *salvaged, check_paths=check_paths).problems if salvaged else []),
+              as_json)
     report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
     if report.errors:
         _fail(report.problems, as_json)
