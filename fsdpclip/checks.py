@@ -15,6 +15,7 @@ from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, mo
     text_shape
 from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
+from fsdpclip.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
 from fsdpclip.rundir import read_text_file, special_file
 from fsdpclip.shard import wrap_classes
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec, world_size_problem
@@ -63,7 +64,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
             if_parsed(_check_resume, job, report)
     if_parsed(_check_logging, job, report)
-    if_parsed(_check_model, job, report, steps)
+    if_parsed(_check_model, job, report, steps, check_paths)
     return report
 
 
@@ -85,7 +86,7 @@ def _check_logging(job: Job, report: Report) -> None:
         _check_importable("wandb", "logging.wandb", report, extra="wandb")
 
 
-def _check_model(job: Job, report: Report, steps: Optional[int]) -> None:
+def _check_model(job: Job, report: Report, steps: Optional[int], check_paths: bool) -> None:
     """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary."""
     try:
         cfg = model_config(job.model)
@@ -93,6 +94,7 @@ def _check_model(job: Job, report: Report, steps: Optional[int]) -> None:
     except ModelError as exc:
         _model_problem(job, exc, report)
         return
+    _check_published(job, cfg, report, check_paths)
     text_ok = _check_text_input(job, cfg, model, report)
     if_parsed(_check_uncapturable, job, model, report)
     towers = find_towers(model, job.model.block_classes)
@@ -135,6 +137,34 @@ def _model_problem(job: Job, exc: ModelError, report: Report) -> None:
     else:
         report.error("model.config" if job.model.config else "model.name" if job.model.name else "model",
                      exc.message, job.model.config or job.model.name)
+
+
+def _check_published(job: Job, cfg: dict, report: Report, check_paths: bool) -> None:
+    """A published tag in model.pretrained: OpenCLIP publishes it for model.name, with the model's activation,
+    and (`check_paths`) the Hugging Face cache holds it, or the hub may be asked for it at launch."""
+    name, tag = job.model.name, job.model.published_tag
+    if tag is None:
+        return
+    problem = tag_problem(name, tag)
+    if problem:
+        report.error("model.pretrained", problem[0], tag, problem[1])
+        return
+    model_quick_gelu = bool(cfg.get("quick_gelu", False))
+    mismatch = quick_gelu_mismatch(name, tag, model_quick_gelu)
+    if mismatch:
+        import open_clip
+
+        renamed = name.removesuffix("-quickgelu") if model_quick_gelu else f"{name}-quickgelu"
+        report.warn("model.pretrained", mismatch, tag,
+                    hint=f"use model.name '{renamed}'" if renamed in open_clip.list_models() and renamed != name else
+                    f"set model.quick_gelu {str(not model_quick_gelu).lower()}")
+    if check_paths and cached_weights(name, tag) is None:
+        if hub_offline():
+            report.error("model.pretrained", f"not in the Hugging Face cache ({hub_cache()}) and HF_HUB_OFFLINE is set",
+                         tag, FETCH_HINT.format(name=name, tag=tag))
+        else:
+            report.warn("model.pretrained", f"not in the Hugging Face cache ({hub_cache()}) yet: fsdpclip launch "
+                        "fetches it before training starts", tag, hint=f"or now: fsdpclip fetch {name} {tag}")
 
 
 def _check_text_input(job: Job, cfg: dict, model, report: Report) -> bool:
@@ -265,7 +295,7 @@ def _batch_hint(global_batch: int, per_gpu: int, world: int) -> str:
 # ------------------------------------------------------------------ files and data
 def _check_files(job: Job, report: Report) -> None:
     timm_weights = job.model.image.timm.pretrained if job.model.image.timm else None
-    paths = [("model.pretrained", job.model.pretrained),
+    paths = [("model.pretrained", None if job.model.published_tag else job.model.pretrained),
              ("model.image.pretrained", job.model.image.pretrained),
              ("model.text.pretrained", job.model.text.pretrained),
              ("model.image.timm.pretrained", timm_weights if isinstance(timm_weights, str) else None)]

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 if TYPE_CHECKING:
-    from fsdpclip.spec import Job
+    from fsdpclip.spec import Job, ModelSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
@@ -190,6 +191,8 @@ def launch(
     except LaunchError as exc:
         _stop(str(exc))
     job = resolve_paths(job, Path.cwd())
+    if not dry_run:
+        _fetch_published(job.model)
     if slurm:
         _submit(job, dry_run)
         return
@@ -210,6 +213,41 @@ def launch(
     (console if report["code"] == 0 else err_console).print(f"{mark} {report['message']}", highlight=False,
                                                              soft_wrap=True)
     raise typer.Exit(report["code"])
+
+
+def _fetch_published(model: ModelSpec) -> None:
+    """Published weights into the Hugging Face cache of this node, once, before any rank starts."""
+    from fsdpclip.problems import ModelError
+    from fsdpclip.published import fetch
+
+    if model.published_tag is None:
+        return
+    try:
+        with console.status(f"fetching the '{model.published_tag}' weights of {model.name}"):
+            file, downloaded = fetch(model.name, model.published_tag)
+    except ModelError as exc:
+        _stop(f"{exc.location}: {escape(exc.message)}; {escape(exc.hint or '')}")
+    if downloaded:
+        console.print(f"[green]✓[/green] fetched the '{model.published_tag}' weights of {model.name}: {escape(file)}",
+                      highlight=False, soft_wrap=True)
+
+
+@app.command()
+def fetch(
+    name: str = typer.Argument(..., help="OpenCLIP architecture, e.g. ViT-B-32."),
+    tag: str = typer.Argument(..., help="Its published weights, e.g. laion2b_s34b_b79k (fsdpclip models --pretrained)."),
+) -> None:
+    """Download OpenCLIP's published weights into the Hugging Face cache (HF_HOME), for model.pretrained."""
+    from fsdpclip.problems import ModelError
+    from fsdpclip.published import fetch as fetch_weights
+
+    try:
+        with console.status(f"fetching the '{tag}' weights of {name}"):
+            file, downloaded = fetch_weights(name, tag)
+    except ModelError as exc:
+        _stop(f"{escape(exc.message)}; {escape(exc.hint or '')}")
+    console.print(f"[green]✓[/green] {'fetched' if downloaded else 'already cached'}: {escape(file)}", highlight=False,
+                  soft_wrap=True)
 
 
 def _submit(job: Job, dry_run: bool) -> None:
