@@ -24,6 +24,7 @@ from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
 from fsdpclip.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
+from fsdpclip.weights import usable_cores
 
 T = TypeVar("T")
 
@@ -60,6 +61,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if_parsed(_check_data, job, report, check_paths)
     if check_paths:
         if_parsed(_check_files, job, report)
+        if_parsed(_check_workers_against_cores, job, report)
         if_parsed(_check_eval_paths, job, report)
         if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
             if_parsed(_check_resume, job, report)
@@ -316,6 +318,17 @@ def _check_files(job: Job, report: Report) -> None:
 
 
 CHECKED_SHARDS = 1000  # at most this many shard URLs are looked at (evenly spread over a larger set)
+
+
+def _check_workers_against_cores(job: Job, report: Report) -> None:
+    """The data workers of every rank of a node against the cores this machine lets fsdpclip use (said once
+    here instead of by each rank's DataLoader)."""
+    workers = getattr(job.data, "workers", 0)
+    cores, ranks = usable_cores(), report.gpus_per_node
+    if workers * ranks > cores:
+        report.warn("data.workers", f"{workers} workers × {ranks} ranks per node = {workers * ranks} data workers, "
+                    f"more than the {cores} cores here: they will share cores", workers,
+                    hint=f"at most {max(1, cores // ranks)} per rank fits, unless the nodes that train have more cores")
 
 
 def _check_data(job: Job, report: Report, check_paths: bool) -> None:

@@ -13,6 +13,7 @@ ending with it. Any other failure is torchrun's own report, unchanged. Ranks it 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -40,6 +41,7 @@ def main() -> int:
     from torch.distributed.run import main as torchrun
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(ExitCodeWithoutTraceback())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner about it
     try:
         torchrun()
     except ChildFailedError as exc:

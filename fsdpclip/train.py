@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +45,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
 # forked from the launcher, OpenCLIP, DTensor and checkpointing are imported already).
 TRAINER_MODULE = "fsdpclip.trainer"
+# Other libraries' warnings a user cannot act on: torch's deprecation of the all_gather that OpenCLIP's losses
+# call (once per rank and tower), and the DataLoader's count of one rank's workers against the cores (`validate`
+# weighs the workers of every rank of a node against the node's cores instead).
+UNACTIONABLE_WARNINGS = (
+    (FutureWarning, r"torch\.distributed\.nn\.functional\.all_gather is deprecated"),
+    (UserWarning, r"This DataLoader will create \d+ worker processes in total"),
+)
 
 
 class StopSignals:
@@ -65,6 +73,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     startup = StartupClock()
     startup.mark("imports")
     adopt_rank_environment()
+    for category, message in UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     import argparse
 
     from fsdpclip.problems import SpecError
