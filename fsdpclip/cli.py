@@ -29,6 +29,23 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 USER_ERROR = 2
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        from fsdpclip import __version__
+
+        console.print(f"fsdpclip {__version__} (open_clip_torch {version('open_clip_torch')}, torch {version('torch')})",
+                      highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(_: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                    help="Print the versions of fsdpclip, OpenCLIP and torch, and exit.")) -> None:
+    pass
+
+
 def _fail(problems: list[Problem], as_json: bool = False) -> None:
     """Show problems (table or JSON) and exit with the user-error code."""
     if as_json:
@@ -479,6 +496,80 @@ def report(
         return
     for line in report_lines(info):
         console.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def models(
+    pretrained: bool = typer.Option(False, "--pretrained", help="Only architectures with published weights, and "
+                                                                "their tags (for model.pretrained)."),
+    contains: Optional[str] = typer.Argument(None, help="Only names holding this text (any case), e.g. ViT-B."),
+) -> None:
+    """The OpenCLIP architectures model.name takes, and the tags of their published weights."""
+    import open_clip
+
+    from fsdpclip.published import published_tags
+
+    tags = published_tags()
+    names = [n for n in open_clip.list_models() if (n in tags or not pretrained) and
+             (contains is None or contains.lower() in n.lower())]
+    table = Table(title=f"{len(names)} OpenCLIP architectures" + (" with published weights" if pretrained else ""))
+    table.add_column("model.name")
+    table.add_column("model.pretrained (published tags)", overflow="fold")
+    for name in names:
+        table.add_row(name, ", ".join(tags.get(name, [])))
+    console.print(table)
+
+
+@app.command()
+def init(
+    out: Path = typer.Argument(..., help="Where to write the job spec (JSON)."),
+    model: str = typer.Option("ViT-B-32", "--model", help="OpenCLIP architecture (fsdpclip models)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Webdataset shards, e.g. '/data/cc3m/{00000..00331}.tar' "
+                                                            "(default: synthetic batches)."),
+    samples: Optional[int] = typer.Option(None, "--samples", min=1, help="Image-text pairs in the shards of --data."),
+    pretrained: Optional[str] = typer.Option(None, "--pretrained", help="Fine-tune these published weights of the "
+                                                                        "model (fsdpclip models --pretrained)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, max=MAX_WORLD_SIZE,
+                                       help="GPUs to train on (default: those this machine sees; 0: the CPU)."),
+    per_gpu: Optional[int] = typer.Option(None, "--per-gpu", min=1, help="Batch per GPU (default 128; 8 on the CPU)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
+) -> None:
+    """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
+    from fsdpclip.checks import check_job
+    from fsdpclip.jobfile import parse_job
+    from fsdpclip.starter import described_fields, starter_spec
+    from fsdpclip.weights import usable_cores
+
+    if (data is None) != (samples is None):
+        _stop("--data and --samples go together: the shards and how many pairs they hold (without them: synthetic)")
+    if out.exists() and not force:
+        _stop(f"{escape(str(out))} exists: give another path, or --force to overwrite it")
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    spec = starter_spec(model, gpus, usable_cores(), data, samples, pretrained, per_gpu)
+    try:
+        report = check_job(parse_job(spec))
+    except SpecError as exc:
+        _fail(exc.problems)
+    if report.errors:
+        _fail(report.problems)
+    try:
+        out.write_text(json.dumps(spec, indent=2) + "\n")
+    except OSError as exc:
+        _stop(f"cannot write {escape(str(out))}: {exc.strerror or exc}")
+    table = Table(title=f"{out}", title_justify="left")
+    for column in ("field", "value", "what it means"):
+        table.add_column(column, overflow="fold")
+    for field, value, description in described_fields(spec):
+        table.add_row(field, escape(json.dumps(value)), escape(description))
+    console.print(table)
+    if report.warnings:
+        _problem_table(report.warnings, console)
+    console.print(f"[green]✓[/green] {escape(str(out))} is valid for {report.world_size} rank(s); next: fsdpclip "
+                  f"validate {escape(str(out))}, then fsdpclip launch {escape(str(out))}", highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()
