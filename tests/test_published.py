@@ -129,3 +129,24 @@ def test_published_weights_load_into_the_initial_model(hf_home):
     model = initial_model(spec, seed=2)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, published[name].to(value.dtype), msg=name)
+
+
+def test_fetch_asks_the_hub_only_for_what_the_cache_lacks(hf_home, monkeypatch):
+    """Online (the hub stood in for by a function that writes what the real one would), a missing file is
+    fetched once into the cache; a cached one is taken from there."""
+    import open_clip.pretrained
+
+    from fsdpclip.published import fetch
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    asked = []
+
+    def hub(repo_id, filename, revision=None, cache_dir=None):
+        asked.append((repo_id, filename, cache_dir))
+        return str(put_in_cache(hf_home, f"{repo_id}/", filename, b"weights"))
+
+    monkeypatch.setattr(open_clip.pretrained, "hf_hub_download", hub)
+    file, downloaded = fetch("RN50-quickgelu", "openai")
+    assert downloaded and Path(file).read_bytes() == b"weights"
+    assert asked == [("timm/resnet50_clip.openai", "open_clip_model.safetensors", str(hf_home / "hub"))]
+    assert fetch("RN50-quickgelu", "openai") == (file, False) and len(asked) == 1
