@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, SpecError
 
 if TYPE_CHECKING:
     from fsdpclip.spec import Job, ModelSpec
@@ -234,7 +234,6 @@ def launch(
 
 def _fetch_published(model: ModelSpec) -> None:
     """Published weights into the Hugging Face cache of this node, once, before any rank starts."""
-    from fsdpclip.problems import ModelError
     from fsdpclip.published import fetch
 
     if model.published_tag is None:
@@ -243,10 +242,14 @@ def _fetch_published(model: ModelSpec) -> None:
         with console.status(f"fetching the '{model.published_tag}' weights of {model.name}"):
             file, downloaded = fetch(model.name, model.published_tag)
     except ModelError as exc:
-        _stop(f"{exc.location}: {escape(exc.message)}; {escape(exc.hint or '')}")
+        _stop(f"{exc.location}: {_model_error_line(exc)}")
     if downloaded:
         console.print(f"[green]✓[/green] fetched the '{model.published_tag}' weights of {model.name}: {escape(file)}",
                       highlight=False, soft_wrap=True)
+
+
+def _model_error_line(exc: ModelError) -> str:
+    return escape(exc.message + (f"; {exc.hint}" if exc.hint else ""))
 
 
 @app.command()
@@ -255,14 +258,13 @@ def fetch(
     tag: str = typer.Argument(..., help="Its published weights, e.g. laion2b_s34b_b79k (fsdpclip models --pretrained)."),
 ) -> None:
     """Download OpenCLIP's published weights into the Hugging Face cache (HF_HOME), for model.pretrained."""
-    from fsdpclip.problems import ModelError
     from fsdpclip.published import fetch as fetch_weights
 
     try:
         with console.status(f"fetching the '{tag}' weights of {name}"):
             file, downloaded = fetch_weights(name, tag)
     except ModelError as exc:
-        _stop(f"{escape(exc.message)}; {escape(exc.hint or '')}")
+        _stop(_model_error_line(exc))
     console.print(f"[green]✓[/green] {'fetched' if downloaded else 'already cached'}: {escape(file)}", highlight=False,
                   soft_wrap=True)
 
