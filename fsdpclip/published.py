@@ -124,6 +124,7 @@ def weights_file(spec: ModelSpec) -> Optional[str]:
         return spec.pretrained
     found = cached_weights(spec.name, tag)
     if found is None:
-        raise ModelError(f"the '{tag}' weights of {spec.name} are not in the Hugging Face cache ({hub_cache()})",
-                         "model.pretrained", tag, FETCH_HINT.format(name=spec.name, tag=tag))
+        hint = FETCH_HINT.format(name=spec.name, tag=tag)
+        raise ModelError(f"the '{tag}' weights of {spec.name} are not in the Hugging Face cache of this node "
+                         f"({hub_cache()}): {hint}", "model.pretrained", tag, hint)
     return found

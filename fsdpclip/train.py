@@ -101,6 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint's.
         from fsdpclip.trainer import Stop, Trainer, run_lock
         from fsdpclip.checkpoint import CheckpointError
+        from fsdpclip.problems import ModelError
 
         startup.mark("trainer_imported")
         try:
@@ -110,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return trainer.fit()
                 finally:
                     trainer.close()
-        except (Stop, CheckpointError) as exc:  # the job cannot start as it is: one line, no traceback
+        except (Stop, CheckpointError, ModelError) as exc:  # the job cannot start as it is: one line, no traceback
             message = getattr(exc, "message", str(exc))
             if env.is_main:
                 print(f"fsdpclip.train: {message}", file=sys.stderr)

@@ -150,3 +150,25 @@ def test_fetch_asks_the_hub_only_for_what_the_cache_lacks(hf_home, monkeypatch):
     assert downloaded and Path(file).read_bytes() == b"weights"
     assert asked == [("timm/resnet50_clip.openai", "open_clip_model.safetensors", str(hf_home / "hub"))]
     assert fetch("RN50-quickgelu", "openai") == (file, False) and len(asked) == 1
+
+
+def test_a_rank_whose_cache_lacks_the_weights_stops_in_one_line(hf_home, tmp_path):
+    """A node that launch's fetch did not reach (another node's HF_HOME): the rank building the initial
+    weights says which weights and how to fetch them, and the job ends with the spec's exit code, no traceback."""
+    import sys
+
+    from fsdpclip.rundir import EXIT_SPEC
+    from ranks import run_group
+
+    job = Job.model_validate({"run": {"name": "p", "output_dir": str(tmp_path / "runs")},
+                              "model": {"name": "ViTamin-S", "pretrained": "datacomp1b"},
+                              "fsdp": {"param_dtype": "fp32"}, "data": {"source": "synthetic"},
+                              "schedule": {"steps": 2}, "batch": {"per_gpu": 2},
+                              "launch": {"device": "cpu", "collective_timeout_s": 60}})
+    job.save(tmp_path / "job.json")
+    proc = run_group([sys.executable, "-m", "fsdpclip.torchrun", "--nproc-per-node=1", "--standalone", "-m",
+                      "fsdpclip.train", str(tmp_path / "job.json")], timeout=300,
+                     env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == EXIT_SPEC, proc.stdout[-3000:]
+    assert "the 'datacomp1b' weights of ViTamin-S are not in the Hugging Face cache" in proc.stdout
+    assert "fsdpclip fetch ViTamin-S datacomp1b" in proc.stdout and "Traceback" not in proc.stdout
