@@ -328,7 +328,8 @@ def _check_workers_against_cores(job: Job, report: Report) -> None:
     if workers * ranks > cores:
         report.warn("data.workers", f"{workers} workers × {ranks} ranks per node = {workers * ranks} data workers, "
                     f"more than the {cores} cores here: they will share cores", workers,
-                    hint=f"at most {max(1, cores // ranks)} per rank fits, unless the nodes that train have more cores")
+                    hint=(f"at most {cores // ranks} per rank fits" if cores >= ranks else "the ranks alone outnumber "
+                          "the cores") + ", unless the nodes that train have more cores")
 
 
 def _check_data(job: Job, report: Report, check_paths: bool) -> None:
