@@ -45,17 +45,21 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
 
     The world defaults to the spec's launch section; `check_paths=False` skips the existence of data,
-    eval and weight files (paths of another machine).
+    eval and weight files (paths of another machine). Where the launch section did not parse and no world
+    is given, the checks that count ranks are skipped (the report's world size is 0).
     """
     if world_size is None:
-        world_size, gpus_per_node = layout_of(job)
+        world_size, gpus_per_node = if_parsed(layout_of, job) or (0, 0)
     report = Report(world_size, gpus_per_node or world_size)
     if world_size > MAX_WORLD_SIZE:  # nodes × GPUs of flags each within it; every check below counts through ranks
         report.error("launch", world_size_problem(world_size))
         return report
-    for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval, _check_global_batch):
+    for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval):
         if_parsed(check, job, report)
-    steps = if_parsed(_check_batch_and_schedule, job, report)
+    steps = None
+    if world_size:
+        if_parsed(_check_global_batch, job, report)
+        steps = if_parsed(_check_batch_and_schedule, job, report)
     if_parsed(_check_learning_rate, job, report)
     usable_run_dir = if_parsed(_check_output_dir, job, report)
     if_parsed(_check_data, job, report, check_paths)
@@ -109,7 +113,7 @@ def _check_model(job: Job, report: Report, steps: Optional[int], check_paths: bo
     apply_freeze(model, frozen)
     groups = if_parsed(_check_decay, job, model, report)
     if_parsed(_check_loss_fits, job, model, report)
-    if classes_ok and text_ok and groups is not None:
+    if classes_ok and text_ok and groups is not None and report.world_size:
         if_parsed(summarise, job, model, towers, frozen, groups, steps, report)
 
 

@@ -98,9 +98,10 @@ def validate(
     try:
         job = load_job(job_file, overrides)
     except SpecError as exc:  # with what the sections that parsed mean: every mistake in one round
-        salvaged = exc.salvaged and if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node)
-        _fail(exc.problems + (check_job(exc.salvaged, *salvaged, check_paths=check_paths).problems if salvaged else []),
-              as_json)
+        if exc.salvaged is None:
+            _fail(exc.problems, as_json)
+        layout = if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
+        _fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths).problems, as_json)
     report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
     if report.errors:
         _fail(report.problems, as_json)
@@ -561,7 +562,7 @@ def init(
         out.write_text(json.dumps(spec, indent=2) + "\n")
     except OSError as exc:
         _stop(f"cannot write {escape(str(out))}: {exc.strerror or exc}")
-    table = Table(title=f"{out}", title_justify="left")
+    table = Table(title=escape(str(out)), title_justify="left")
     for column in ("field", "value", "what it means"):
         table.add_column(column, overflow="fold")
     for field, value, description in described_fields(spec):

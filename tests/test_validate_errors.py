@@ -486,3 +486,9 @@ def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp
     job = _set(_set(tiny_job, "batch", {"per_gpu": 0}), "model", {"name": "ViT-B-32x"})
     code, out = cli.validate_json(write_job(tmp_path, job))
     assert {e["location"] for e in out["errors"]} == {"batch.per_gpu", "model.name"}
+    # the launch section lays out the world: without it nothing that counts ranks is checked, unless a flag gives it
+    job = _set(_set(_set(tiny_job, "launch.device", "gpu"), "batch.global_batch", 7), "model", {"name": "ViT-B-32x"})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name"}
+    code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
+    assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name", "batch.global_batch"}
