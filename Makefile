@@ -2,22 +2,33 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch that lies on this project's machines; override on others.
+# The torch that lies on this project's machines; override with another build, e.g. a CPU-only one.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 DEMO_DATA ?= data/digits
 
 .PHONY: venv demo test schema clean
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.demo-installed
 
-$(VENV)/.installed: pyproject.toml
+# What the demo needs: torch, fsdpclip, scikit-learn (the digits) and matplotlib (report). The long step prints its progress.
+$(VENV)/.demo-installed: pyproject.toml
+	@echo "== [1/3] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e '.[test]'
+	@echo "== [2/3] installing $(TORCH_SPEC): the largest step (several GB with a CUDA build of torch)"
+	$(BIN)/pip install $(TORCH_SPEC)
+	@echo "== [3/3] installing fsdpclip with its demo extra"
+	$(BIN)/pip install --quiet -e '.[demo]'
+	touch $@
+
+# What the tests need besides: the Hugging Face, TensorBoard, W&B and report extras, and CLIP_benchmark.
+$(VENV)/.installed: $(VENV)/.demo-installed
+	@echo "== installing the test extras (transformers, tensorboard, wandb, matplotlib, pytest)"
+	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps clip_benchmark  # the reference the eval tests compare with
 	touch $@
 
 $(DEMO_DATA)/info.json: | venv
+	@echo "== writing the digits data to $(DEMO_DATA)"
 	$(BIN)/fsdpclip data digits $(DEMO_DATA)
 
 # The main job: a tiny CLIP trained with FSDP on 2 CPU processes, then zero-shot on held-out digits.
@@ -25,8 +36,9 @@ demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip validate examples/tiny-cpu.json
 	$(BIN)/fsdpclip launch examples/tiny-cpu.json
 	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
+	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
-test: venv
+test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests
 
 schema: venv

@@ -78,7 +78,18 @@ def resolve_checkpoint(path: Path) -> Path:
         if found is not None:
             return found
     raise CheckpointError(f"{path} is neither a complete checkpoint (a directory with {META}) "
-                          f"nor a run directory with one under {CHECKPOINTS}/")
+                          f"nor a run directory with one under {CHECKPOINTS}/{_checkpoints_there(path)}")
+
+
+def _checkpoints_there(path: Path) -> str:
+    """The complete checkpoints of the run a missing checkpoint path points into, for its error."""
+    run_dir = path.parent.parent if path.parent.name == CHECKPOINTS else path
+    if not (run_dir / CHECKPOINTS).is_dir():
+        return ""
+    found = [p.name for p in complete_checkpoints(run_dir)]
+    if not found:
+        return f"; {run_dir / CHECKPOINTS} holds no complete checkpoint"
+    return f"; {run_dir / CHECKPOINTS} holds {', '.join(found)} (checkpoint.keep removes older ones)"
 
 
 def read_meta(checkpoint: Path) -> dict:

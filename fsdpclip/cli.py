@@ -58,7 +58,7 @@ def _fail(problems: list[Problem], as_json: bool = False) -> None:
 
 def _stop(message: str) -> None:
     """A mistake outside any spec (a path, a checkpoint): one line, the user-error code."""
-    err_console.print(f"[red]✗[/red] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[red]✗[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(USER_ERROR)
 
 
@@ -180,6 +180,8 @@ def launch(
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
                                               help="Rendezvous port on node 0 (default: launch.master_port)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run (or the batch script)."),
+    check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
+                                     help="Check that data, eval and weight files exist (off for cluster paths)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
@@ -198,7 +200,7 @@ def launch(
         new_interpreters = "Slurm starts them" if slurm else prepare_forked_ranks(job)  # before torch's import
         from fsdpclip.checks import check_job
 
-        report = check_job(job)
+        report = check_job(job, check_paths=check_paths)
         if report.errors:
             _fail(report.problems)
         if report.warnings:

@@ -584,7 +584,7 @@ def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optio
     if (model_name is None) == (model_config is None):
         raise ModelError(f"{path} is an OpenCLIP weights file: give --model NAME or --model-config FILE")
     spec = ModelSpec(name=model_name, config=model_config)
-    return ModelSource(spec_config(spec), spec.label, lambda model: load_model_weights(model, str(path)))
+    return ModelSource(spec_config(spec), spec.label, lambda model: load_model_weights(model, str(path), spec.label))
 
 
 def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: str) -> nn.Module:

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.rundir import (
-    EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked, finish_exit_report, request_stop,
+    EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LAUNCHER_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked,
+    finish_exit_report, keep_output, process_identity, request_stop,
 )
 from fsdpclip.spec import Job, one_line
 from fsdpclip.urls import is_local
@@ -35,6 +36,7 @@ from fsdpclip.urls import is_local
 TRAIN_MODULE = "fsdpclip.train"
 TORCHRUN = "fsdpclip.torchrun"  # torchrun, without a traceback for the trainer's deliberate exits
 STOPPED_AT_ONCE = 130  # the exit status of a launch stopped by a second Ctrl-C or SIGTERM
+LAUNCHER_LOG = "launch.out"  # RUN_DIR/logs/: the launcher's and torchrun's output once their terminal is gone
 BATCH_SCRIPT = "launch.sbatch"
 
 
@@ -359,16 +361,20 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     """Take the run directory (node 0), write RUN_DIR/job.json, run torchrun for this node under
     supervision and wait; returns the exit report, written to exit.json however the job ended
     (torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one).
-    `fork_ranks`: see `torchrun_command` and `prepare_forked_ranks`.
+    `fork_ranks`: see `torchrun_command` and `prepare_forked_ranks`. The ranks learn this launcher
+    (LAUNCHER_ENV) and stop as on a stop request once it is gone; the lock stays held while torchrun or
+    rank 0 runs, whatever became of the launcher.
     """
     token, started = uuid.uuid4().hex, time.time()
-    env = {**job_environment(job), LOCK_TOKEN_ENV: token, **forking_environment(job, fork_ranks)}
-    lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else contextlib.nullcontext()
+    env = {**job_environment(job), LOCK_TOKEN_ENV: token, LAUNCHER_ENV: "%d:%d" % process_identity(),
+           **forking_environment(job, fork_ranks)}
+    lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else None
     try:
         job.run_dir.mkdir(parents=True, exist_ok=True)
-        with lock:
+        with lock or contextlib.nullcontext():
             job.save(job.run_dir / JOB_FILE)
-            status = supervise(flags.torchrun(job, fork_ranks), env, job.run_dir)
+            keep_output(job.run_dir / LOG_DIR / LAUNCHER_LOG)
+            status = supervise(flags.torchrun(job, fork_ranks), env, job.run_dir, lock)
     except RunLocked as exc:
         raise LaunchError(str(exc)) from None
     except OSError as exc:
@@ -376,19 +382,24 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     return finish_exit_report(job.run_dir, started, status)
 
 
-def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
+def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Optional[HeldLock] = None) -> int:
     """Run `command` (torchrun) in its own session with inherited output (`ForkedTorchrun`), and return its
-    exit status.
+    exit status; torchrun joins `lock`.
 
-    A first SIGTERM or Ctrl-C to this process (or to its process group: the terminal's Ctrl-C, a
-    scheduler's `kill -TERM -PGID`) becomes a stop request in RUN_DIR/stop: the ranks checkpoint and
-    exit 75 (no signal reaches torchrun, which would give them only 30 s on torch < 2.12). A second
-    one stops everything at once: SIGKILL to torchrun and every process under it (status 130).
+    A first SIGTERM, SIGHUP (the terminal or ssh connection gone) or Ctrl-C to this process (or to its
+    process group: the terminal's Ctrl-C, a scheduler's `kill -TERM -PGID`) becomes a stop request in
+    RUN_DIR/stop: the ranks checkpoint and exit 75 (no signal reaches torchrun, which would give them
+    only 30 s on torch < 2.12). A second SIGTERM or Ctrl-C stops everything at once: SIGKILL to torchrun
+    and every process under it (status 130).
     """
     process = ForkedTorchrun(command, env)
+    if lock is not None:
+        lock.add(process.pid)
     received: list[int] = []
 
     def handle(signum, frame) -> None:
+        if signum == signal.SIGHUP and received:
+            return  # a hang-up reaches us from the terminal and from the shell alike: it never stops at once
         received.append(signum)
         if len(received) == 1:
             request_stop(run_dir)
@@ -397,7 +408,7 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path) -> int:
         else:
             kill_tree(process.pid)
 
-    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         status = process.wait()
         return STOPPED_AT_ONCE if len(received) > 1 else status

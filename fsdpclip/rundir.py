@@ -6,7 +6,9 @@ job's, and how each launch ended.
     metrics.jsonl  what the trainer logged
     checkpoints/   sharded checkpoints (fsdpclip.checkpoint)
     exit.json      how the last launch ended: code, message, step, checkpoint
-    lock           who runs in it now (pid, host, since; refreshed while it runs)
+    lock           who runs in it now: the processes of the job (pid and start time), host, since; refreshed
+                   while it runs
+    .lock.guard    what a process holds (flock) while it reads and replaces the lock
     stop           a request to checkpoint and stop, from `fsdpclip launch` or the Slurm script
     logs/          Slurm's and each node's output; a report from each rank that crashed
     wandb-id       the Weights & Biases run this run logs to (a relaunch continues it)
@@ -19,6 +21,9 @@ Pure file handling, no torch: the launcher imports it before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -27,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +44,9 @@ EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 1, 2, 65, 75
 LAUNCH_TIME_ENV = "FSDPCLIP_LAUNCH_TIME"
 # The lock token of the launch that started the ranks (they hold the lock through it).
 LOCK_TOKEN_ENV = "FSDPCLIP_LOCK_TOKEN"
+LOCK_GUARD = ".lock.guard"
+# The launcher of this node's ranks, as "pid:start ticks": they stop (checkpoint, exit 75) once it is gone.
+LAUNCHER_ENV = "FSDPCLIP_LAUNCHER"
 LOCK_REFRESH_S = 30
 # A lock of another host is stale once it has not been refreshed for this long (its job died with
 # its node); on the same host the holder's pid tells at once.
@@ -109,13 +117,14 @@ def launch_time() -> float:
 def process_start() -> float:
     """When this process started, by exec or fork (Linux: from /proc, so before its imports), else now (also
     when /proc disagrees with itself, as a container's own /proc/uptime beside the host's start times does)."""
-    now = time.time()
+    now, started = time.time(), start_ticks(os.getpid())
     try:
-        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: clock ticks
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        began = now - uptime + started / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return now
+    if started is None:
+        return now
+    began = now - uptime + started / os.sysconf("SC_CLK_TCK")
     return began if now - 600 <= began <= now else now
 
 
@@ -138,19 +147,73 @@ class StartupClock:
 
 
 # ---------------------------------------------------------------------- the lock
+def start_ticks(pid: int) -> Optional[int]:
+    """When a live process started (clock ticks since boot: /proc/PID/stat field 22), which tells it from a
+    later process given the same pid; None when there is no such live process (a zombie is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def process_alive(pid: int, ticks: int = 0) -> bool:
+    """Whether the process `pid` that started at `ticks` (0: whenever) still runs. Without /proc (another
+    system), whether the pid is taken."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    started = start_ticks(pid)
+    return started is not None and ticks in (0, started)
+
+
+def process_identity(pid: Optional[int] = None) -> tuple[int, int]:
+    """A process as the lock records it: its pid and start ticks (this process by default)."""
+    pid = os.getpid() if pid is None else pid
+    return pid, start_ticks(pid) or 0
+
+
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a run directory."""
+    """Who holds a run directory: the process that took the lock (pid, its start ticks), host, token, since,
+    and the job's other processes that joined it (torchrun, rank 0) as (pid, start ticks) pairs. The lock is
+    live while any of them runs."""
 
     pid: int
     host: str
     token: str
     since: float
     command: str = ""
+    started: int = 0
+    members: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Holder":
+        """A holder from the lock file's JSON (TypeError, ValueError: not a lock)."""
+        fields = json.loads(text)
+        fields["members"] = tuple((int(pid), int(ticks)) for pid, ticks in fields.get("members", ()))
+        return cls(**fields)
+
+    def processes(self) -> list[tuple[int, int]]:
+        """Every process of the job the lock names, the one that took it first."""
+        return [(self.pid, self.started), *(m for m in self.members if m != (self.pid, self.started))]
+
+    def running(self, but: Optional[tuple[int, int]] = None) -> list[int]:
+        """The pids of its processes that still run on this host (leaving out `but`)."""
+        return [pid for pid, ticks in self.processes() if (pid, ticks) != but and process_alive(pid, ticks)]
 
     def __str__(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"pid {self.pid} on {self.host} (since {started}{': ' + self.command if self.command else ''})"
+        text = f"pid {self.pid} on {self.host} (since {started}{': ' + self.command if self.command else ''})"
+        running = self.running() if self.host == socket.gethostname() else [self.pid]
+        if self.pid not in running and running:
+            text += f", which has ended; its processes {', '.join(map(str, running))} still run"
+        return text
 
 
 class RunLocked(Exception):
@@ -176,63 +239,64 @@ def lock_holder(run_dir: Path) -> Optional[Holder]:
     """The live holder of a run directory's lock, or None (no lock, or a stale one)."""
     path = Path(run_dir) / LOCK_FILE
     try:
-        holder = Holder(**json.loads(path.read_text()))
+        holder = Holder.parse(path.read_text())
         refreshed = path.stat().st_mtime
     except (OSError, ValueError, TypeError):
         return None
     if holder.host == socket.gethostname():
-        return holder if _alive(holder.pid) else None
+        return holder if holder.running() else None
     return holder if time.time() - refreshed < LOCK_STALE_S else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def acquire_lock(run_dir: Path, token: str) -> bool:
-    """Take the run directory for this job; False when it already holds it (same token), RunLocked when
-    a live job of another does. A stale lock (its process gone) is taken over. The lock file appears
-    whole or not at all (hard link of a written file), so two starts cannot both take it."""
-    path = Path(run_dir) / LOCK_FILE
-    mine = Holder(os.getpid(), socket.gethostname(), token, time.time(), " ".join(sys.argv)[:200])
-    for _ in range(3):
-        holder = lock_holder(run_dir)
-        if holder is not None:
-            if holder.token == token:
-                return False
-            raise RunLocked(Path(run_dir), holder)
-        staged = path.with_name(f".{LOCK_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        staged.write_text(json.dumps(asdict(mine)) + "\n")
+@contextlib.contextmanager
+def _lock_guard(run_dir: Path):
+    """Only one process at a time reads and replaces the lock (flock on RUN_DIR/.lock.guard), so that taking
+    over a stale lock is one step. A filesystem without flock leaves the step unguarded."""
+    with open(Path(run_dir) / LOCK_GUARD, "a") as guard:
         try:
-            path.unlink(missing_ok=True)  # stale: its holder is gone
-            os.link(staged, path)
-            return True
-        except FileExistsError:
-            continue  # another start took it in the same instant: look again
-        finally:
-            staged.unlink(missing_ok=True)
-    raise RunLocked(Path(run_dir), lock_holder(run_dir) or mine)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
+def acquire_lock(run_dir: Path, token: str, pid: Optional[int] = None) -> bool:
+    """Take the run directory for this job (this process, or `pid`): True when taken (no lock, or a stale
+    one: none of its processes runs), False when the job holds it already (the same token: the process
+    joins it; a requeued Slurm job on another host takes it afresh), RunLocked when a live job of another
+    does."""
+    path = Path(run_dir) / LOCK_FILE
+    process = process_identity(pid)
+    with _lock_guard(run_dir):
+        holder = lock_holder(run_dir)
+        if holder is not None and holder.token != token:
+            raise RunLocked(Path(run_dir), holder)
+        if holder is not None and holder.host == socket.gethostname():
+            if process not in holder.processes():
+                holder = replace(holder, members=(*holder.members, process))
+                write_atomically(path, json.dumps(asdict(holder)) + "\n")
+            return False
+        mine = Holder(process[0], socket.gethostname(), token, time.time(), " ".join(sys.argv)[:200], process[1])
+        write_atomically(path, json.dumps(asdict(mine)) + "\n")
+        return True
 
 
 def release_lock(run_dir: Path, token: str) -> None:
-    """Give the run directory back (only the lock this token holds)."""
+    """Give the run directory back when this process is the last of the job (the same token) that runs;
+    while another (torchrun, a rank) still does, the lock stays theirs."""
     path = Path(run_dir) / LOCK_FILE
-    try:
-        if Holder(**json.loads(path.read_text())).token == token:
-            path.unlink()
-    except (OSError, ValueError, TypeError):
-        pass
+    with _lock_guard(run_dir):
+        try:
+            holder = Holder.parse(path.read_text())
+        except (OSError, ValueError, TypeError):
+            return
+        if holder.token == token and not holder.running(but=process_identity()):
+            path.unlink(missing_ok=True)
 
 
 class HeldLock:
-    """Holds a run directory's lock while a job runs: taken on entry (unless this token holds it
-    already), refreshed every LOCK_REFRESH_S, given back on exit."""
+    """Holds a run directory's lock while a job runs: taken or joined on entry, refreshed every
+    LOCK_REFRESH_S, given back on exit (`release_lock`)."""
 
     def __init__(self, run_dir: Path, token: str):
         self.run_dir, self.token = Path(run_dir), token
@@ -241,9 +305,12 @@ class HeldLock:
 
     def __enter__(self) -> "HeldLock":
         self.taken = acquire_lock(self.run_dir, self.token)
-        if self.taken:
-            threading.Thread(target=self._refresh, daemon=True, name="fsdpclip-lock").start()
+        threading.Thread(target=self._refresh, daemon=True, name="fsdpclip-lock").start()
         return self
+
+    def add(self, pid: int) -> None:
+        """Another process of the job (torchrun) holds the lock too: it stays live while that one runs."""
+        acquire_lock(self.run_dir, self.token, pid)
 
     def _refresh(self) -> None:
         path = self.run_dir / LOCK_FILE
@@ -255,8 +322,15 @@ class HeldLock:
 
     def __exit__(self, *exc) -> None:
         self.done.set()
-        if self.taken:
-            release_lock(self.run_dir, self.token)
+        release_lock(self.run_dir, self.token)
+
+
+def launcher_gone() -> bool:
+    """Whether the `fsdpclip launch` that started this rank has ended (killed, SIGKILL included) while the
+    rank runs (LAUNCHER_ENV; without it, as under Slurm, never)."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    pid, _, ticks = launcher.partition(":")
+    return pid.isdigit() and ticks.isdigit() and not process_alive(int(pid), int(ticks))
 
 
 # ------------------------------------------------------------- stop requests
@@ -271,6 +345,52 @@ def stop_requested(run_dir: Path, since: float) -> bool:
         return (Path(run_dir) / STOP_FILE).stat().st_mtime >= since
     except OSError:
         return False
+
+
+# ------------------------------------------------------- output that outlives its terminal
+HANGUP_ERRORS = (errno.EIO, errno.EPIPE)  # a terminal that hung up, a pipe whose reader is gone
+
+
+class DivertingStream:
+    """sys.stdout or sys.stderr, outliving the terminal or pipe it writes to: once a write or flush fails with
+    one of HANGUP_ERRORS, this process's stdout and stderr (file descriptors 1 and 2, so also what native code
+    and child processes write) go to `path`, appended, and the write is made there."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.path = stream, Path(path)
+
+    def write(self, text: str) -> int:
+        return self._diverted_on_hangup("write", text)
+
+    def flush(self) -> None:
+        return self._diverted_on_hangup("flush")
+
+    def _diverted_on_hangup(self, method: str, *args):
+        try:
+            return getattr(self.stream, method)(*args)
+        except OSError as exc:
+            if exc.errno not in HANGUP_ERRORS:
+                raise
+            divert_output(self.path)
+            return getattr(self.stream, method)(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def divert_output(path: Path) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2) to `path`, appended."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):
+        os.dup2(descriptor, target)
+    os.close(descriptor)
+
+
+def keep_output(path: Path) -> None:
+    """Make sys.stdout and sys.stderr DivertingStreams to `path` (replacing the path of any they are already)."""
+    sys.stdout, sys.stderr = (DivertingStream(stream.stream if isinstance(stream, DivertingStream) else stream, path)
+                              for stream in (sys.stdout, sys.stderr))
 
 
 # ------------------------------------------------------------ how a launch ended

@@ -11,11 +11,13 @@ Exit codes (also written to RUN_DIR/exit.json by rank 0):
         its checkpoints cannot be used with this spec
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
-    75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, or a stop request in RUN_DIR/stop):
+    75  preempted (SIGTERM, SIGUSR1 or SIGINT on any rank, a stop request in RUN_DIR/stop, or the
+        `fsdpclip launch` that started a rank gone):
         the ranks agree on it at their next stop check (after the first step, then every 10 steps;
         about every 10 s where steps take over a second), save a checkpoint and stop; start the job again
         in the same run directory to resume
-A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report.
+A rank that crashes leaves RUN_DIR/logs/crash-rank-N.json for the launcher's report. A rank whose terminal
+hung up or whose output pipe closed writes on to RUN_DIR/logs/rank-N.out.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from fsdpclip.distributed import init_distributed
 from fsdpclip.graphs import keep_nccl_capturable
 from fsdpclip.model import hf_text_tower, without_modules
-from fsdpclip.rundir import EXIT_SPEC, StartupClock, write_crash_report, write_exit_report
+from fsdpclip.rundir import EXIT_SPEC, LOG_DIR, StartupClock, keep_output, write_crash_report, write_exit_report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
@@ -89,6 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SpecError as exc:
         print(f"fsdpclip.train: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
         return EXIT_SPEC
+    keep_output(job.run_dir / LOG_DIR / f"rank-{int(os.environ.get('RANK', '0')):05d}.out")  # once a terminal is gone
     signals = StopSignals()
     keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)  # before any other thread reads the environment
     import_in_background([TRAINER_MODULE, "open_clip"], absent=() if hf_text_tower(job.model) else ("transformers",))

@@ -40,7 +40,7 @@ from fsdpclip.plan import auto_shard_degree, memory_model, shard_degree_problem
 from fsdpclip.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.rundir import (
     EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock, launch_time,
-    lock_token, record_launch, stop_requested, write_exit_report,
+    launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
 )
 from fsdpclip.spec import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.trainable import frozen_meta_model, trainable_decay_groups
@@ -49,6 +49,7 @@ from fsdpclip.weights import initial_model
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
 STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
+LAUNCHER_GONE = 1001  # ... the `fsdpclip launch` that started a rank has ended (killed) while it runs
 # Ranks agree on a stop signal after each launch's first step, then every STOP_CHECK_STEPS steps at most:
 # one small blocking collective, whose cost is negligible at this interval, and no extra process group (a
 # gloo group connects every pair of ranks, which does not scale). Where steps are slow, more often: about
@@ -364,12 +365,15 @@ class Trainer:
         return code
 
     def _stop_if_asked(self) -> None:
-        """Agree with the other ranks on a stop (a signal to any rank, or a request file seen by rank 0);
-        if there is one, checkpoint and stop with EXIT_PREEMPTED. Otherwise set the interval to the next
-        check from the slowest rank's step time since this one's last (the same on every rank)."""
+        """Agree with the other ranks on a stop (a signal to any rank, a request file seen by rank 0, or a
+        rank's launcher gone); if there is one, checkpoint and stop with EXIT_PREEMPTED. Otherwise set the
+        interval to the next check from the slowest rank's step time since this one's last (the same on
+        every rank)."""
         asked = self.signals.received if self.signals else 0
         if self.env.is_main and stop_requested(self.job.run_dir, launch_time()):
             asked = STOP_REQUEST
+        if launcher_gone():
+            asked = LAUNCHER_GONE
         now = time.perf_counter()
         step_ms = 1000 * (now - self.checked[1]) / max(1, self.step - self.checked[0])
         reason, slowest_ms = all_max([asked, math.ceil(step_ms)], self.env.device)
@@ -377,7 +381,8 @@ class Trainer:
         if not reason:
             return
         path = self.save()
-        cause = "a stop was requested" if reason == STOP_REQUEST else f"{signal.Signals(reason).name} received"
+        cause = {STOP_REQUEST: "a stop was requested", LAUNCHER_GONE: "the launcher (fsdpclip launch) has ended"}.get(
+            reason) or f"{signal.Signals(reason).name} received"
         raise Stop(EXIT_PREEMPTED, f"{cause}: stopped after step {self.step}; checkpoint saved at {path}; start the "
                                    f"job again in {self.job.run_dir} to resume")
 

@@ -71,7 +71,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, t
     model.load_state_dict(state, strict=False)
 
 
-def load_model_weights(model: nn.Module, path: str) -> None:
+def load_model_weights(model: nn.Module, path: str, label: str = "the model") -> None:
     """A whole-model OpenCLIP checkpoint, loaded strictly by OpenCLIP's own `load_checkpoint` (its key
     conversions, position-embedding resizes, 0-d/1-element logit scale and a missing logit bias)."""
     import pickle
@@ -82,12 +82,27 @@ def load_model_weights(model: nn.Module, path: str) -> None:
         open_clip.load_checkpoint(model, path, strict=True, weights_only=True)
     except (RuntimeError, AssertionError) as exc:  # missing, unexpected or mis-shaped keys; resizes that cannot be
         detail = " ".join(str(exc).split())
-        raise ModelError(f"{path} does not match the model: {detail[:400]}{'...' if len(detail) > 400 else ''}") \
+        raise ModelError(another_model(model, path, label) or
+                         f"{path} does not match the model: {detail[:400]}{'...' if len(detail) > 400 else ''}") \
             from None
     except (OSError, ValueError, KeyError, StopIteration, pickle.UnpicklingError) as exc:
         refused = refusal(exc, path)
         raise ModelError(f"{refused} ({NEEDS_CODE_HINT})" if refused else
                          f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
+
+
+def another_model(model: nn.Module, path: str, label: str) -> Optional[str]:
+    """The line saying that a weights file holds another model than `label` (the first tensor of another
+    shape, how many differ or are missing), or None where every tensor has the model's size."""
+    state, own = read_state_dict(path), model.state_dict()
+    resized = [k for k in state if k in own and state[k].numel() != own[k].numel()]
+    missing, unexpected = set(own) - set(state), set(state) - set(own)
+    if not resized and not (missing and unexpected):
+        return None
+    first = (f"{resized[0]} is {list(state[resized[0]].shape)} there, {list(own[resized[0]].shape)} in {label}; "
+             if resized else "")
+    return (f"{path} holds the weights of another model than {label}: {first}{len(resized)} tensors of another "
+            f"size, {len(missing)} missing, {len(unexpected)} unexpected; name the model it was trained with")
 
 
 # 'auto' init draws OpenCLIP's own weights (one serial random stream) up to this size, in parallel above.
@@ -115,7 +130,7 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
     finally:
         torch.set_num_threads(threads)
     if spec.pretrained:
-        load_model_weights(model, weights_file(spec))
+        load_model_weights(model, weights_file(spec), spec.label)
     if spec.image.pretrained:
         load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
     if spec.text.pretrained:

@@ -246,6 +246,22 @@ def test_export_rejects_what_is_not_a_checkpoint(tmp_path, cli):
     assert squeezed("neither a complete checkpoint") in squeezed(result.output)
 
 
+def test_export_of_a_pruned_checkpoint_lists_those_that_exist(tmp_path, cli):
+    """A checkpoint removed by checkpoint.keep (or mistyped): the error names the run's complete checkpoints."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for name in ("step-00000200", "step-00000300"):
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "meta.json").write_text("{}")
+    (checkpoints / "step-00000400.partial").mkdir()
+    result = cli("export", checkpoints / "step-00000100", tmp_path / "out.pt")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert squeezed(f"{checkpoints} holds step-00000200, step-00000300 (checkpoint.keep") in squeezed(result.output)
+    (checkpoints / "step-00000200" / "meta.json").unlink()
+    (checkpoints / "step-00000300" / "meta.json").unlink()
+    result = cli("export", tmp_path / "run", tmp_path / "out.pt")
+    assert squeezed(f"{checkpoints} holds no complete checkpoint") in squeezed(result.output)
+
+
 def test_export_to_an_impossible_destination(tmp_path, cli, trained_for_export):
     """A destination under a file, or in /proc: one line naming it, exit 2, before the model is read."""
     run_dir, _ = trained_for_export

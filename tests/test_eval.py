@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 
@@ -183,7 +184,7 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
         ((run_dir, "--zeroshot", "digits", "--data", digits_dir / "test" / "3"), "has no class folders"),
         ((weights, "--zeroshot", "digits", "--data", digits_dir / "test"), "give --model NAME or --model-config"),
         ((weights, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test"),
-         "does not match the model"),
+         "holds the weights of another model than ViT-B-32"),
         ((tmp_path, "--zeroshot", "digits", "--data", digits_dir / "test"), "is not a checkpoint"),
         ((run_dir, "--zeroshot", "digits", "--data", _empty_classes(tmp_path)), "Found no valid file"),
         ((run_dir, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test"),
@@ -194,6 +195,22 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
         assert result.exit_code == 2, (args, result.output)
         assert squeezed(message) in squeezed(result.output), (message, result.output)
         assert "Traceback" not in result.output
+
+
+def test_weights_of_another_model_are_named_as_such(tmp_path, digits_dir, cli):
+    """The tiny model's weights evaluated as ViT-B-32: one line naming both models and a tensor of another
+    size, instead of OpenCLIP's 'text pos_embed width changed!'."""
+    import open_clip
+
+    open_clip.add_model_config(TINY_CONFIG)
+    weights = tmp_path / "tiny.pt"
+    torch.save(open_clip.create_model(TINY_CONFIG.stem).state_dict(), weights)
+    result = cli("eval", weights, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    line = squeezed(result.output)
+    assert squeezed(f"{weights} holds the weights of another model than ViT-B-32:") in line, result.output
+    assert re.search(r"is\[[0-9,]+\]there,\[[0-9,]+\]inViT-B-32;[0-9]+tensorsofanothersize", line), result.output
+    assert "pos_embed width changed" not in result.output
 
 
 def _empty_classes(tmp_path):

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job
+from conftest import (
+    PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job,
+)
 from ranks import REPO, json_result, run_group
 
 
@@ -163,6 +165,133 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     assert _exit_report(run_dir)["code"] == 130
     steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert len(steps) == len(set(steps))  # one job wrote them
+
+
+# `fsdpclip launch` on a terminal of its own: a session leader whose controlling terminal is the pty on fds
+# 0-2 (as a login shell's job is), so that the pty hanging up sends it SIGHUP. argv: the launch's arguments.
+_ON_A_TERMINAL = """
+import fcntl, os, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+os.execv(sys.executable, [sys.executable, "-m", "fsdpclip", "launch", *sys.argv[1:]])
+"""
+
+
+class Terminal:
+    """A pseudo-terminal that `fsdpclip launch` runs on (`_ON_A_TERMINAL`); what it shows is kept in `log`
+    until it hangs up (`hang_up`: its master side closed, as sshd does when a connection drops)."""
+
+    def __init__(self, path: Path, log: Path):
+        import threading
+
+        master, slave = os.openpty()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen([sys.executable, "-c", _ON_A_TERMINAL, str(path)], cwd=REPO, env=env,
+                                        stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        self.master, self.log, self.open = master, log, threading.Event()
+        self.open.set()
+        self.reader = threading.Thread(target=self._show, daemon=True)
+        self.reader.start()
+
+    def _show(self) -> None:
+        import select
+
+        with open(self.log, "ab") as log:
+            while self.open.is_set():
+                if select.select([self.master], [], [], 0.1)[0]:
+                    try:
+                        log.write(os.read(self.master, 65536))
+                    except OSError:
+                        return
+
+    def hang_up(self) -> None:
+        self.open.clear()
+        self.reader.join()
+        os.close(self.master)
+
+
+def _pause(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+@pytest.mark.parametrize("fault", ["hangup", "sigkill"])
+def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, digits_dir, fault):
+    """The launcher's terminal hangs up (SIGHUP to it, EIO to every process writing to the terminal), or the
+    launcher is killed with SIGKILL, while 2 ranks with data workers train. The ranks checkpoint and exit 75
+    as on a stop request (after a hang-up, writing on to RUN_DIR/logs/; after SIGKILL, once they see their
+    launcher gone); while any process of the job runs (held stopped here, so that they still run when it
+    starts) a second launch into the run directory is refused, naming them; once they have ended, a
+    relaunch resumes from their checkpoint and finishes the run."""
+    run_dir = tmp_path / "runs" / fault
+    path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, fault))
+    log = tmp_path / "first.log"
+    if fault == "hangup":
+        terminal = Terminal(path, log)
+        launcher = terminal.process
+    else:
+        launcher = _start(path, log)
+    paused: list[int] = []
+    try:
+        _wait_for_step(run_dir, 2, launcher, log)
+        _all_running(run_dir, path)
+        _wait_just_past_a_stop_check(run_dir, launcher, log)
+        if fault == "hangup":
+            terminal.hang_up()
+        else:
+            launcher.kill()
+            launcher.wait()
+        paused = [pid for pid in _job_processes(run_dir, path) if pid != launcher.pid]
+        _pause(paused, signal.SIGSTOP)
+        second = _launch(path)
+        assert second.returncode == 2 and "Traceback" not in second.stdout, second.stdout[-3000:]
+        refusal = squeezed(second.stdout)
+        assert squeezed(f"is in use by pid {launcher.pid} on {socket.gethostname()}") in refusal
+        if fault == "sigkill":
+            assert squeezed("which has ended; its processes") in refusal
+        _pause(paused, signal.SIGCONT)
+        if fault == "hangup":
+            assert launcher.wait(timeout=180) == 75
+        _none_left(run_dir, path, grace=180)
+    finally:
+        _pause(paused, signal.SIGCONT)
+        _pause(_job_processes(run_dir, path), signal.SIGKILL)
+        launcher.wait()
+    report = _exit_report(run_dir)
+    cause = "a stop was requested" if fault == "hangup" else "the launcher (fsdpclip launch) has ended"
+    assert report["code"] == 75 and f"{cause}: stopped after step 20" in report["message"], report
+    if fault == "hangup":
+        assert "stopped after step 20" in (run_dir / "logs" / "rank-00000.out").read_text()
+        assert "SIGHUP" in (run_dir / "logs" / "launch.out").read_text()
+    relaunched = _launch(path)
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:]
+    assert "step-00000020 at step 20" in relaunched.stdout
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, PREEMPTIBLE_STEPS + 1))  # one job at a time wrote them
+
+
+def test_ranks_outlive_a_closed_output_pipe(tmp_path, digits_dir):
+    """`fsdpclip launch` piped into a reader that goes away while the ranks train: they do not die of EPIPE
+    but train to the end, their output going on in RUN_DIR/logs/rank-NNNNN.out and the launcher's in
+    RUN_DIR/logs/launch.out; the launch exits 0."""
+    run_dir = tmp_path / "runs" / "piped"
+    path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "piped"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "fsdpclip", "launch", str(path)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_step(run_dir, 3, launcher, tmp_path / "none.log")
+        launcher.stdout.close()
+        code = launcher.wait(timeout=180)
+    finally:
+        _pause(_job_processes(run_dir, path), signal.SIGKILL)
+        launcher.wait()
+    assert code == 0 and _exit_report(run_dir)["code"] == 0, _exit_report(run_dir)
+    outputs = {name: (run_dir / "logs" / name).read_text() for name in ("rank-00000.out", "launch.out")}
+    assert f"step {PREEMPTIBLE_STEPS}/{PREEMPTIBLE_STEPS}" in outputs["rank-00000.out"], outputs
+    assert f"finished {PREEMPTIBLE_STEPS} steps" in outputs["launch.out"]
+    assert not any("Traceback" in text for text in outputs.values()), outputs
 
 
 def _short_job(tmp_path, **extra) -> dict:
@@ -355,9 +484,7 @@ def test_lock_of_a_finished_process_is_taken_over(tmp_path):
     """A lock left by a process that is gone (same host) is taken over; a live holder's is not."""
     from fsdpclip.rundir import RunLocked, acquire_lock, lock_holder, release_lock
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    (tmp_path / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "token": "old",
+    (tmp_path / "lock").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "token": "old",
                                                "since": time.time()}))
     assert acquire_lock(tmp_path, "new") is True and lock_holder(tmp_path).token == "new"
     assert acquire_lock(tmp_path, "new") is False  # the same job again (a requeued Slurm job)
@@ -365,6 +492,103 @@ def test_lock_of_a_finished_process_is_taken_over(tmp_path):
         acquire_lock(tmp_path, "third")
     release_lock(tmp_path, "new")
     assert lock_holder(tmp_path) is None
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def _race_for_locks(run_dirs: list[Path], token: str, barrier, results) -> None:
+    """One of two processes taking each run directory's lock at the same instant as the other."""
+    from fsdpclip.rundir import RunLocked, acquire_lock
+
+    outcomes = []
+    for run_dir in run_dirs:
+        barrier.wait(timeout=60)
+        try:
+            outcomes.append("took" if acquire_lock(run_dir, token) else "joined")
+        except RunLocked:
+            outcomes.append("refused")
+    results.put((token, outcomes))
+
+
+def test_taking_over_a_stale_lock_is_atomic(tmp_path):
+    """200 times, two processes released by one barrier take over a stale lock (its pid is gone) at the
+    same instant: exactly one holds it and the other is refused (the take-over was an unlink and a link
+    apart, and the second start could unlink the first one's new lock: two holders)."""
+    import multiprocessing
+
+    dead = _dead_pid()
+    run_dirs = []
+    for trial in range(200):
+        run_dirs.append(tmp_path / f"{trial:03d}")
+        run_dirs[-1].mkdir()
+        (run_dirs[-1] / "lock").write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "token": "dead",
+                                                       "since": time.time()}))
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(2), context.Queue()
+    racers = [context.Process(target=_race_for_locks, args=(run_dirs, token, barrier, results)) for token in "ab"]
+    for racer in racers:
+        racer.start()
+    try:
+        outcomes = dict(results.get(timeout=120) for _ in racers)
+    finally:
+        for racer in racers:
+            racer.join(timeout=10)
+            if racer.is_alive():
+                racer.kill()
+                racer.join()
+    for trial, run_dir in enumerate(run_dirs):
+        both = sorted([outcomes["a"][trial], outcomes["b"][trial]])
+        assert both == ["refused", "took"], (trial, both)
+        winner = "a" if outcomes["a"][trial] == "took" else "b"
+        assert json.loads((run_dir / "lock").read_text())["token"] == winner
+
+
+def test_a_lock_is_held_by_processes_not_pids(tmp_path):
+    """The lock names processes by pid and start time: a lock whose pid now belongs to another process (a pid
+    reused after a restart) is stale and taken over; a lock whose first process is gone but another process
+    of the job (torchrun, a rank) runs is not, and the holder named says which still run; a job process that
+    gives the lock back while another runs keeps it theirs; an unreaped (zombie) holder holds nothing; a
+    requeued Slurm job on another node takes its own lock afresh."""
+    from fsdpclip.rundir import HeldLock, RunLocked, acquire_lock, lock_holder, process_identity, release_lock
+
+    pid, ticks = process_identity()
+    host = socket.gethostname()
+    (tmp_path / "lock").write_text(json.dumps({"pid": pid, "host": host, "token": "old", "since": time.time(),
+                                               "started": ticks - 1}))
+    assert lock_holder(tmp_path) is None and acquire_lock(tmp_path, "new") is True
+
+    member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ended_with_a_member = json.dumps({"pid": _dead_pid(), "host": host, "token": "old", "since": time.time(),
+                                      "members": [process_identity(member.pid)]})
+    try:
+        (tmp_path / "lock").write_text(ended_with_a_member)
+        with pytest.raises(RunLocked, match=f"which has ended; its processes {member.pid} still run"):
+            acquire_lock(tmp_path, "new")
+        (tmp_path / "lock").unlink()
+        with HeldLock(tmp_path, "job") as lock:
+            assert lock.taken and acquire_lock(tmp_path, "job") is False  # the same job's rank 0 joins
+            lock.add(member.pid)
+        assert json.loads((tmp_path / "lock").read_text())["token"] == "job"  # given back, still held by the member
+        with pytest.raises(RunLocked, match=f"pid {pid} on"):
+            acquire_lock(tmp_path, "other")
+    finally:
+        member.kill()
+    os.waitid(os.P_PID, member.pid, os.WEXITED | os.WNOWAIT)  # until it has ended, leaving it unreaped
+    (tmp_path / "lock").write_text(ended_with_a_member)
+    assert lock_holder(tmp_path) is None  # its member killed, not reaped yet: a zombie holds nothing
+    member.wait()
+    assert acquire_lock(tmp_path, "other") is True
+    release_lock(tmp_path, "other")
+    assert not (tmp_path / "lock").exists()
+    (tmp_path / "lock").write_text(json.dumps({"pid": 1, "host": "another-node", "token": "slurm-7",
+                                               "since": time.time()}))
+    assert acquire_lock(tmp_path, "slurm-7") is True  # the job requeued on another node takes its lock afresh
+    assert lock_holder(tmp_path).processes() == [(pid, ticks)] and lock_holder(tmp_path).host == host
 
 
 def test_every_fault_row_names_a_test():

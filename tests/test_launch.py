@@ -326,6 +326,16 @@ def test_slurm_dry_run_prints_the_script_and_writes_nothing(cli, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_cluster_spec_previews_off_the_cluster_with_no_check_paths(cli):
+    """The LAION example's shards and ImageNet exist only on its cluster: refused here, unless paths go unchecked."""
+    path = REPO / "examples" / "vit-b-32-laion400m.json"
+    refused = cli("launch", path, "--slurm", "--dry-run")
+    assert refused.exit_code == 2 and "data.urls" in refused.output and "directory not found" in refused.output
+    result = cli("launch", path, "--slurm", "--dry-run", "--no-check-paths")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == sbatch_script(resolve_paths(load_job(path), Path.cwd()))
+
+
 def test_flags_are_validated_with_the_real_world_size(cli, tmp_path):
     path = _tiny(tmp_path)  # global_batch 32 = 16 per rank × 2 ranks
     for flags in (["--slurm", "--nodes", "2"], ["--nodes", "2", "--node-rank", "0", "--master-addr", "h"]):

@@ -1,0 +1,43 @@
+"""docs/benchmarks.md and README.md's performance table are what benchmarks/render.py makes of the rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from conftest import REPO
+
+RESULTS = REPO / "benchmarks" / "results"
+OWN_FILES = {"index.json", "README.md", "plan_curves.json"}  # plan_curves.json: docs/plan-curves.png's
+
+
+def load_render():
+    spec = importlib.util.spec_from_file_location("render", REPO / "benchmarks" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_and_the_readme_table_are_rendered_from_the_rows():
+    render = load_render()
+    index = render.load_index()
+    assert (REPO / "docs" / "benchmarks.md").read_text() == render.render_page(index), \
+        "docs/benchmarks.md is not what benchmarks/results gives: run python benchmarks/render.py"
+    readme = (REPO / "README.md").read_text()
+    assert readme == render.render_readme(index, readme), \
+        "README.md's performance table is not what benchmarks/results gives: run python benchmarks/render.py"
+
+
+def test_every_table_names_its_command_machine_torch_and_date():
+    for table in json.loads((RESULTS / "index.json").read_text())["tables"]:
+        missing = [key for key in ("title", "command", "machine", "torch", "date", "rows") if not table.get(key)]
+        assert not missing, f"index.json's table {table.get('id')!r} lacks {', '.join(missing)}"
+
+
+def test_the_results_hold_only_the_rows_the_docs_cite():
+    cited = {name for table in json.loads((RESULTS / "index.json").read_text())["tables"] for name in table["rows"]}
+    present = {str(path.relative_to(RESULTS)) for path in RESULTS.rglob("*") if path.is_file()}
+    assert not cited - present, f"index.json names row files that are not there: {sorted(cited - present)}"
+    uncited = sorted(present - cited - OWN_FILES)
+    assert not uncited, f"benchmarks/results holds files no table cites: {uncited[:10]}"
+    assert len(present) <= 80
