@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from fsdpclip.graphs import uncapturable_modules
 from fsdpclip.model import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
 from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
+from fsdpclip.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
 from fsdpclip.rundir import read_text_file, special_file
 from fsdpclip.shard import wrap_classes
 from fsdpclip.spec import TOWERS, Job, WebDatasetSpec, world_size_problem
@@ -23,6 +24,9 @@ from fsdpclip.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
 from fsdpclip.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
+from fsdpclip.weights import usable_cores
+
+T = TypeVar("T")
 
 
 def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] = None,
@@ -41,55 +45,89 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
 
     The world defaults to the spec's launch section; `check_paths=False` skips the existence of data,
-    eval and weight files (paths of another machine).
+    eval and weight files (paths of another machine). Where the launch section did not parse and no world
+    is given, the checks that count ranks are skipped (the report's world size is 0).
     """
     if world_size is None:
-        world_size, gpus_per_node = layout_of(job)
+        world_size, gpus_per_node = if_parsed(layout_of, job) or (0, 0)
     report = Report(world_size, gpus_per_node or world_size)
     if world_size > MAX_WORLD_SIZE:  # nodes × GPUs of flags each within it; every check below counts through ranks
         report.error("launch", world_size_problem(world_size))
         return report
-    _check_precision(job, report)
-    _check_cuda_graph(job, report)
-    _check_compile_options(job, report)
-    _check_eval(job, report)
-    steps = _check_batch_and_schedule(job, report)
-    _check_learning_rate(job, report)
-    usable_run_dir = _check_output_dir(job, report)
-    _check_data(job, report, check_paths)
+    for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval):
+        if_parsed(check, job, report)
+    steps = None
+    if world_size:
+        if_parsed(_check_global_batch, job, report)
+        steps = if_parsed(_check_batch_and_schedule, job, report)
+    if_parsed(_check_learning_rate, job, report)
+    usable_run_dir = if_parsed(_check_output_dir, job, report)
+    if_parsed(_check_data, job, report, check_paths)
     if check_paths:
-        _check_files(job, report)
-        _check_eval_paths(job, report)
-        if usable_run_dir:
-            _check_resume(job, report)
+        if_parsed(_check_files, job, report)
+        if_parsed(_check_workers_against_cores, job, report)
+        if_parsed(_check_eval_paths, job, report)
+        if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
+            if_parsed(_check_resume, job, report)
+    if_parsed(_check_logging, job, report)
+    if_parsed(_check_model, job, report, steps, check_paths)
+    return report
+
+
+def if_parsed(check: Callable[..., T], job: Job, *args) -> Optional[T]:
+    """Run one check, or skip it (None) when it reads a section of the job that did not parse (a Job from
+    `jobfile.salvaged_job`): every check whose sections parsed still runs, so one round shows every mistake."""
+    try:
+        return check(job, *args)
+    except AttributeError as exc:
+        if isinstance(exc.obj, Job) and exc.name in Job.model_fields:
+            return None
+        raise
+
+
+def _check_logging(job: Job, report: Report) -> None:
     if job.logging.tensorboard:
         _check_importable("tensorboard", "logging.tensorboard", report)
     if job.logging.wandb is not None and job.logging.wandb.mode != "disabled":
         _check_importable("wandb", "logging.wandb", report, extra="wandb")
+
+
+def _check_model(job: Job, report: Report, steps: Optional[int], check_paths: bool) -> None:
+    """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary."""
     try:
         cfg = model_config(job.model)
         model = model_from_config(cfg, device="meta")
     except ModelError as exc:
         _model_problem(job, exc, report)
-        return report
+        return
+    _check_published(job, cfg, report, check_paths)
     text_ok = _check_text_input(job, cfg, model, report)
+    if_parsed(_check_uncapturable, job, model, report)
+    towers = find_towers(model, job.model.block_classes)
+    if_parsed(_check_compile_options_used, job, model, towers, report)
+    classes_ok = if_parsed(_check_classes, job, towers, report)
+    if_parsed(_check_freeze, job, towers, report)
+    frozen = if_parsed(lambda job: frozen_names(towers, job.freeze) if not report.errors else set(), job)
+    if frozen is None:
+        return
+    apply_freeze(model, frozen)
+    groups = if_parsed(_check_decay, job, model, report)
+    if_parsed(_check_loss_fits, job, model, report)
+    if classes_ok and text_ok and groups is not None and report.world_size:
+        if_parsed(summarise, job, model, towers, frozen, groups, steps, report)
+
+
+def _check_uncapturable(job: Job, model, report: Report) -> None:
     if job.fsdp.cuda_graph is True and (uncapturable := uncapturable_modules(model)):
         report.error("fsdp.cuda_graph", f"cannot capture the model's patch dropout ({uncapturable[0]}: its kept "
                                         f"patches are drawn on the host)", True,
                      hint="leave it 'auto', or set model.image.patch_dropout to 0")
-    towers = find_towers(model, job.model.block_classes)
-    _check_compile_options_used(job, model, towers, report)
-    classes_ok = _check_classes(job, towers, report)
-    _check_freeze(job, towers, report)
-    frozen = frozen_names(towers, job.freeze) if not report.errors else set()
-    apply_freeze(model, frozen)
-    groups = _check_decay(job, model, report)
+
+
+def _check_loss_fits(job: Job, model, report: Report) -> None:
     if job.loss.kind == "siglip" and getattr(model, "logit_bias", None) is None:
         report.error("loss.kind", "SigLIP needs a model with a learned logit bias (init_logit_bias in its config)",
                      value="siglip", hint="use a *-SigLIP model config, or kind 'clip'")
-    if classes_ok and text_ok:
-        summarise(job, model, towers, frozen, groups, steps, report)
-    return report
 
 
 # ----------------------------------------------------------------------- the model
@@ -105,6 +143,34 @@ def _model_problem(job: Job, exc: ModelError, report: Report) -> None:
     else:
         report.error("model.config" if job.model.config else "model.name" if job.model.name else "model",
                      exc.message, job.model.config or job.model.name)
+
+
+def _check_published(job: Job, cfg: dict, report: Report, check_paths: bool) -> None:
+    """A published tag in model.pretrained: OpenCLIP publishes it for model.name, with the model's activation,
+    and (`check_paths`) the Hugging Face cache holds it, or the hub may be asked for it at launch."""
+    name, tag = job.model.name, job.model.published_tag
+    if tag is None:
+        return
+    problem = tag_problem(name, tag)
+    if problem:
+        report.error("model.pretrained", problem[0], tag, problem[1])
+        return
+    model_quick_gelu = bool(cfg.get("quick_gelu", False))
+    mismatch = quick_gelu_mismatch(name, tag, model_quick_gelu)
+    if mismatch:
+        import open_clip
+
+        renamed = name.removesuffix("-quickgelu") if model_quick_gelu else f"{name}-quickgelu"
+        report.warn("model.pretrained", mismatch, tag,
+                    hint=f"use model.name '{renamed}'" if renamed in open_clip.list_models() and renamed != name else
+                    f"set model.quick_gelu {str(not model_quick_gelu).lower()}")
+    if check_paths and cached_weights(name, tag) is None:
+        if hub_offline():
+            report.error("model.pretrained", f"not in the Hugging Face cache ({hub_cache()}) and HF_HUB_OFFLINE is set",
+                         tag, FETCH_HINT.format(name=name, tag=tag))
+        else:
+            report.warn("model.pretrained", f"not in the Hugging Face cache ({hub_cache()}) yet: fsdpclip launch "
+                        "fetches it before training starts", tag, hint=f"or now: fsdpclip fetch {name} {tag}")
 
 
 def _check_text_input(job: Job, cfg: dict, model, report: Report) -> bool:
@@ -186,14 +252,20 @@ def _check_decay(job: Job, model, report: Report) -> list[DecayGroup]:
 
 
 # ------------------------------------------------------------- batch and schedule
-def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
-    """Batch arithmetic and the schedule's length; returns total optimizer steps when known."""
+def _check_global_batch(job: Job, report: Report) -> None:
+    """batch.global_batch, where given, is what per_gpu, grad_accum and the world size make."""
     batch, world = job.batch, report.world_size
     global_batch = job.samples_per_step(world)
     if batch.global_batch is not None and batch.global_batch != global_batch:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
                      hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+
+
+def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
+    """The schedule's length against the batches an epoch holds; returns total optimizer steps when known."""
+    batch, world = job.batch, report.world_size
+    global_batch = job.samples_per_step(world)
     if job.epoch_samples(world) == 0 and (isinstance(job.data, WebDatasetSpec) or job.schedule.steps is None):
         report.error("data.samples", f"fewer samples than one micro batch on every rank (batch.per_gpu "
                      f"{batch.per_gpu} × world size {world} = {batch.per_gpu * world}): an epoch holds no batch",
@@ -229,7 +301,7 @@ def _batch_hint(global_batch: int, per_gpu: int, world: int) -> str:
 # ------------------------------------------------------------------ files and data
 def _check_files(job: Job, report: Report) -> None:
     timm_weights = job.model.image.timm.pretrained if job.model.image.timm else None
-    paths = [("model.pretrained", job.model.pretrained),
+    paths = [("model.pretrained", None if job.model.published_tag else job.model.pretrained),
              ("model.image.pretrained", job.model.image.pretrained),
              ("model.text.pretrained", job.model.text.pretrained),
              ("model.image.timm.pretrained", timm_weights if isinstance(timm_weights, str) else None)]
@@ -250,6 +322,18 @@ def _check_files(job: Job, report: Report) -> None:
 
 
 CHECKED_SHARDS = 1000  # at most this many shard URLs are looked at (evenly spread over a larger set)
+
+
+def _check_workers_against_cores(job: Job, report: Report) -> None:
+    """The data workers of every rank of a node against the cores this machine lets fsdpclip use (said once
+    here instead of by each rank's DataLoader)."""
+    workers = getattr(job.data, "workers", 0)
+    cores, ranks = usable_cores(), report.gpus_per_node
+    if workers * ranks > cores:
+        report.warn("data.workers", f"{workers} workers × {ranks} ranks per node = {workers * ranks} data workers, "
+                    f"more than the {cores} cores here: they will share cores", workers,
+                    hint=(f"at most {cores // ranks} per rank fits" if cores >= ranks else "the ranks alone outnumber "
+                          "the cores") + ", unless the nodes that train have more cores")
 
 
 def _check_data(job: Job, report: Report, check_paths: bool) -> None:

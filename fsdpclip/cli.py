@@ -14,11 +14,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, SpecError
 
 if TYPE_CHECKING:
     from fsdpclip.launch import LaunchFlags
-    from fsdpclip.spec import Job
+    from fsdpclip.spec import Job, ModelSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
@@ -29,6 +29,23 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 USER_ERROR = 2
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        from fsdpclip import __version__
+
+        console.print(f"fsdpclip {__version__} (open_clip_torch {version('open_clip_torch')}, torch {version('torch')})",
+                      highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(_: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                    help="Print the versions of fsdpclip, OpenCLIP and torch, and exit.")) -> None:
+    pass
 
 
 def _fail(problems: list[Problem], as_json: bool = False) -> None:
@@ -74,7 +91,7 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
-    from fsdpclip.checks import check_job, layout_of
+    from fsdpclip.checks import check_job, if_parsed, layout_of
     from fsdpclip.jobfile import load_job
     from fsdpclip.tables import summary_tables
 
@@ -82,8 +99,11 @@ def validate(
         _fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
     try:
         job = load_job(job_file, overrides)
-    except SpecError as exc:
-        _fail(exc.problems, as_json)
+    except SpecError as exc:  # with what the sections that parsed mean: every mistake in one round
+        if exc.salvaged is None:
+            _fail(exc.problems, as_json)
+        layout = if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
+        _fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths).problems, as_json)
     report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
     if report.errors:
         _fail(report.problems, as_json)
@@ -193,11 +213,13 @@ def launch(
     except LaunchError as exc:
         _stop(str(exc))
     job = resolve_paths(job, Path.cwd())
+    if not (slurm or dry_run):
+        _preflight(job, flags)
+    if not dry_run:
+        _fetch_published(job.model)
     if slurm:
         _submit(job, dry_run)
         return
-    if not dry_run:
-        _preflight(job, flags)
     console.print(f"[bold]run directory[/bold] {escape(str(job.run_dir))}", highlight=False, soft_wrap=True)
     new_interpreters = new_interpreters or cuda_forbids_forked_ranks(job)
     fork_ranks = new_interpreters is None
@@ -250,6 +272,43 @@ def _ending(code: int, message: str, run_dir: Path) -> None:
     for line in [f"{mark} {escape(message)}", f"run directory: {escape(str(run_dir))}", *map(escape, follow)]:
         out.print(line, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _fetch_published(model: ModelSpec) -> None:
+    """Published weights into the Hugging Face cache of this node, once, before any rank starts."""
+    from fsdpclip.published import fetch
+
+    if model.published_tag is None:
+        return
+    try:
+        with console.status(f"fetching the '{model.published_tag}' weights of {model.name}"):
+            file, downloaded = fetch(model.name, model.published_tag)
+    except ModelError as exc:
+        _stop(f"{exc.location}: {_model_error_line(exc)}")
+    if downloaded:
+        console.print(f"[green]✓[/green] fetched the '{model.published_tag}' weights of {model.name}: {escape(file)}",
+                      highlight=False, soft_wrap=True)
+
+
+def _model_error_line(exc: ModelError) -> str:
+    return escape(exc.message + (f"; {exc.hint}" if exc.hint else ""))
+
+
+@app.command()
+def fetch(
+    name: str = typer.Argument(..., help="OpenCLIP architecture, e.g. ViT-B-32."),
+    tag: str = typer.Argument(..., help="Its published weights, e.g. laion2b_s34b_b79k (fsdpclip models --pretrained)."),
+) -> None:
+    """Download OpenCLIP's published weights into the Hugging Face cache (HF_HOME), for model.pretrained."""
+    from fsdpclip.published import fetch as fetch_weights
+
+    try:
+        with console.status(f"fetching the '{tag}' weights of {name}"):
+            file, downloaded = fetch_weights(name, tag)
+    except ModelError as exc:
+        _stop(_model_error_line(exc))
+    console.print(f"[green]✓[/green] {'fetched' if downloaded else 'already cached'}: {escape(file)}", highlight=False,
+                  soft_wrap=True)
 
 
 def _submit(job: Job, dry_run: bool) -> None:
@@ -506,6 +565,80 @@ def report(
         return
     for line in report_lines(info):
         console.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def models(
+    pretrained: bool = typer.Option(False, "--pretrained", help="Only architectures with published weights, and "
+                                                                "their tags (for model.pretrained)."),
+    contains: Optional[str] = typer.Argument(None, help="Only names holding this text (any case), e.g. ViT-B."),
+) -> None:
+    """The OpenCLIP architectures model.name takes, and the tags of their published weights."""
+    import open_clip
+
+    from fsdpclip.published import published_tags
+
+    tags = published_tags()
+    names = [n for n in open_clip.list_models() if (n in tags or not pretrained) and
+             (contains is None or contains.lower() in n.lower())]
+    table = Table(title=f"{len(names)} OpenCLIP architectures" + (" with published weights" if pretrained else ""))
+    table.add_column("model.name")
+    table.add_column("model.pretrained (published tags)", overflow="fold")
+    for name in names:
+        table.add_row(name, ", ".join(tags.get(name, [])))
+    console.print(table)
+
+
+@app.command()
+def init(
+    out: Path = typer.Argument(..., help="Where to write the job spec (JSON)."),
+    model: str = typer.Option("ViT-B-32", "--model", help="OpenCLIP architecture (fsdpclip models)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Webdataset shards, e.g. '/data/cc3m/{00000..00331}.tar' "
+                                                            "(default: synthetic batches)."),
+    samples: Optional[int] = typer.Option(None, "--samples", min=1, help="Image-text pairs in the shards of --data."),
+    pretrained: Optional[str] = typer.Option(None, "--pretrained", help="Fine-tune these published weights of the "
+                                                                        "model (fsdpclip models --pretrained)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, max=MAX_WORLD_SIZE,
+                                       help="GPUs to train on (default: those this machine sees; 0: the CPU)."),
+    per_gpu: Optional[int] = typer.Option(None, "--per-gpu", min=1, help="Batch per GPU (default 128; 8 on the CPU)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
+) -> None:
+    """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
+    from fsdpclip.checks import check_job
+    from fsdpclip.jobfile import parse_job
+    from fsdpclip.starter import described_fields, starter_spec
+    from fsdpclip.weights import usable_cores
+
+    if (data is None) != (samples is None):
+        _stop("--data and --samples go together: the shards and how many pairs they hold (without them: synthetic)")
+    if out.exists() and not force:
+        _stop(f"{escape(str(out))} exists: give another path, or --force to overwrite it")
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    spec = starter_spec(model, gpus, usable_cores(), data, samples, pretrained, per_gpu)
+    try:
+        report = check_job(parse_job(spec))
+    except SpecError as exc:
+        _fail(exc.problems)
+    if report.errors:
+        _fail(report.problems)
+    try:
+        out.write_text(json.dumps(spec, indent=2) + "\n")
+    except OSError as exc:
+        _stop(f"cannot write {escape(str(out))}: {exc.strerror or exc}")
+    table = Table(title=escape(str(out)), title_justify="left")
+    for column in ("field", "value", "what it means"):
+        table.add_column(column, overflow="fold")
+    for field, value, description in described_fields(spec):
+        table.add_row(field, escape(json.dumps(value)), escape(description))
+    console.print(table)
+    if report.warnings:
+        _problem_table(report.warnings, console)
+    console.print(f"[green]✓[/green] {escape(str(out))} is valid for {report.world_size} rank(s); next: fsdpclip "
+                  f"validate {escape(str(out))}, then fsdpclip launch {escape(str(out))}", highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()

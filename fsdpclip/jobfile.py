@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fsdpclip.problems import Problem, SpecError, closest
 from fsdpclip.rundir import read_text_file
@@ -96,11 +96,30 @@ def apply_overrides(raw: dict, assignments: list[str]) -> dict:
 
 
 def parse_job(raw: dict) -> Job:
-    """Validate a raw dict into a Job; every structural problem at once as a SpecError."""
+    """Validate a raw dict into a Job; every structural problem at once as a SpecError, which carries
+    the sections that did parse (`SpecError.salvaged`) for the checks that need only them."""
     try:
         return Job.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError([_problem(error) for error in exc.errors()]) from None
+        raise SpecError([_problem(error) for error in exc.errors()], salvaged=salvaged_job(raw)) from None
+
+
+def salvaged_job(raw: dict) -> Job:
+    """A Job holding only the top-level sections of `raw` that validate on their own (or their defaults
+    where `raw` leaves them out). A section that did not parse is absent: reading it raises AttributeError."""
+    sections, unparsed = {}, []
+    for name, field in Job.model_fields.items():
+        key = field.alias or name
+        if key not in raw:
+            continue
+        try:
+            sections[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(raw[key])
+        except ValidationError:
+            unparsed.append(name)
+    job = Job.model_construct(**sections)
+    for name in unparsed:  # model_construct gave them their defaults
+        job.__dict__.pop(name, None)
+    return job
 
 
 def load_job(path: Path, overrides: Optional[list[str]] = None) -> Job:

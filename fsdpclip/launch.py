@@ -110,7 +110,8 @@ def resolve_paths(job: Job, base: Path) -> Job:
     data = job.model_copy(deep=True)
     data.run.output_dir = absolute(job.run.output_dir)
     model = data.model
-    model.config, model.pretrained = absolute(model.config), absolute(model.pretrained)
+    model.config = absolute(model.config)
+    model.pretrained = model.pretrained if model.published_tag else absolute(model.pretrained)
     model.image.pretrained, model.text.pretrained = absolute(model.image.pretrained), absolute(model.text.pretrained)
     if model.text.hf is not None:
         model.text.hf.path = absolute(model.text.hf.path)

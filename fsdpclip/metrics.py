@@ -74,6 +74,21 @@ class Window:
         return out
 
 
+def live_progress(console, environ) -> bool:
+    """A live progress bar only where someone watches a terminal: not in a pipe or a file, and never under Slurm
+    (whose output goes to files that a redrawn bar would fill); plain log lines otherwise."""
+    return console.is_terminal and "SLURM_JOB_ID" not in environ
+
+
+def time_left(record: dict, total_steps: int) -> Optional[str]:
+    """The time the run's remaining steps take at this record's pace, as H:MM:SS."""
+    step_time, step = record.get("step_time_s"), record.get("step")
+    if not step_time or step is None or step >= total_steps:
+        return None
+    seconds = round(step_time * (total_steps - step))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class MetricsLog:
     """metrics.jsonl (and TensorBoard, and a W&B run with `config` as its config) in the run directory, and
     a progress display; rank 0 only."""
@@ -94,13 +109,19 @@ class MetricsLog:
         from rich.console import Console
 
         self.console = Console(file=sys.stdout)
-        if self.console.is_terminal:
+        if live_progress(self.console, os.environ):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"), console=self.console)
-            self.task = self.progress.add_task("", total=total_steps)
+                                     TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                                     TextColumn("{task.description}"), console=self.console)
+            self.task = self.progress.add_task("", total=total_steps, rate="")
             self.progress.start()
+
+    def advance(self, step: int) -> None:
+        """Move the progress bar to `step` (every step: its rate and time left follow the steps)."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -113,10 +134,14 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(record)
         line = " ".join(f"{k} {_short(v)}" for k, v in record.items() if k in SHOWN and v is not None)
+        rate = f"{record['samples_per_s']:,.0f} samples/s" if record.get("samples_per_s") else ""
         if self.progress is not None:
-            self.progress.update(self.task, completed=record.get("step", 0), description=line)
+            self.progress.update(self.task, completed=record.get("step", 0), description=line,
+                                 **({"rate": rate} if rate else {}))
         elif line:
-            self.console.print(f"step {record.get('step')}/{self.total_steps} {line}", highlight=False, soft_wrap=True)
+            left = time_left(record, self.total_steps)
+            self.console.print(f"step {record.get('step')}/{self.total_steps} {line}" + (f" {rate}" if rate else "") +
+                               (f" eta {left}" if left else ""), highlight=False, soft_wrap=True)
 
     def announce(self, text: str, style: str = "") -> None:
         """A line for the reader (above the progress bar when there is one), as it is (no markup)."""

@@ -63,10 +63,11 @@ class Report:
 
 
 class SpecError(Exception):
-    """A job spec that cannot be used; carries every problem found."""
+    """A job spec that cannot be used; carries every problem found and, where the spec parsed in part, a
+    Job of the sections that did (`jobfile.salvaged_job`)."""
 
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
+    def __init__(self, problems: list[Problem], salvaged: Any = None):
+        self.problems, self.salvaged = problems, salvaged
         super().__init__("\n".join(str(p) for p in problems))
 
 

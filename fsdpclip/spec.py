@@ -216,6 +216,9 @@ class TextTowerSpec(Section):
                           "default: the known block classes found in the tower.")
 
 
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")  # a model.pretrained value with one is a file
+
+
 class ModelSpec(Section):
     name: Optional[str] = Field(
         None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()); towers given in "
@@ -227,7 +230,11 @@ class ModelSpec(Section):
         None, gt=0, description="Width of the joint embedding; overrides the config's (needed when `image.timm` "
                                 "and `text.hf` replace both towers and neither `name` nor `config` is given).")
     pretrained: Optional[str] = Field(
-        None, description="Local OpenCLIP checkpoint (.pt, .bin or .safetensors) for the whole model. No hub downloads.")
+        None, description="Whole-model weights: a local OpenCLIP checkpoint (a path with a directory or a .pt, .pth, "
+                          ".bin or .safetensors suffix), or a tag OpenCLIP publishes for `name` (e.g. "
+                          "'laion2b_s34b_b79k'; `fsdpclip models --pretrained`), fetched into the Hugging Face cache "
+                          "by `fsdpclip launch` (or `fsdpclip fetch NAME TAG`) before training; HF_HUB_OFFLINE "
+                          "is respected.")
     quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
     init: Literal["auto", "openclip", "parallel"] = Field(
         "auto", description="Initial weights for the run's seed (before any pretrained weights load). 'openclip': "
@@ -248,6 +255,14 @@ class ModelSpec(Section):
         if self.composed and self.embed_dim is None:
             raise ValueError("`embed_dim` is needed when `image.timm` and `text.hf` make the whole model")
         return self
+
+    @property
+    def published_tag(self) -> Optional[str]:
+        """`pretrained` when it names published weights rather than a file: no directory part, no weights suffix."""
+        value = self.pretrained
+        if value is None or "/" in value or "\\" in value or value.lower().endswith(WEIGHT_SUFFIXES):
+            return None
+        return value
 
     @property
     def composed(self) -> bool:

@@ -16,6 +16,7 @@ their exit code, without the traceback of torchrun's own wait for them.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def main() -> int:
     torchrun_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     torchrun_log.addFilter(ExitCodeWithoutTraceback())
     torchrun_log.addFilter(DeliberateExitsUnlogged())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner about it
     try:
         torchrun()
     except ChildFailedError as exc:

@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -58,6 +59,13 @@ PEER_GONE_GRACE_S = 5
 # and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
 # forked from the launcher, OpenCLIP, DTensor and checkpointing are imported already).
 TRAINER_MODULE = "fsdpclip.trainer"
+# Other libraries' warnings a user cannot act on: torch's deprecation of the all_gather that OpenCLIP's losses
+# call (once per rank and tower), and the DataLoader's count of one rank's workers against the cores (`validate`
+# weighs the workers of every rank of a node against the node's cores instead).
+UNACTIONABLE_WARNINGS = (
+    (FutureWarning, r"torch\.distributed\.nn\.functional\.all_gather is deprecated"),
+    (UserWarning, r"This DataLoader will create \d+ worker processes in total"),
+)
 
 
 class StopSignals:
@@ -85,6 +93,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     startup = StartupClock()
     startup.mark("imports")
     adopt_rank_environment()
+    for category, message in UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     import argparse
 
     from fsdpclip.problems import SpecError
@@ -112,6 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint's.
         from fsdpclip.trainer import Stop, Trainer, run_lock
         from fsdpclip.checkpoint import CheckpointError
+        from fsdpclip.problems import ModelError
 
         startup.mark("trainer_imported")
         try:
@@ -121,7 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return trainer.fit()
                 finally:
                     trainer.close()
-        except (Stop, CheckpointError) as exc:  # the job cannot start as it is: one line, no traceback
+        except (Stop, CheckpointError, ModelError) as exc:  # the job cannot start as it is: one line, no traceback
             message = getattr(exc, "message", str(exc))
             if env.is_main:
                 print(f"fsdpclip.train: {message}", file=sys.stderr)

@@ -321,6 +321,7 @@ class Trainer:
             while self.step < self.total_steps:
                 loss, grad_norm = self.train_step(window)
                 window_loss += loss
+                metrics.advance(self.step)
                 if not first_step_done:
                     loss.item()  # wait for the device
                     first_step_s, first_step_done = time.time() - launch_time(), True

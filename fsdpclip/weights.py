@@ -14,6 +14,7 @@ from torch import nn
 from fsdpclip.model import build_model, tower_of
 from fsdpclip.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
 from fsdpclip.problems import ModelError
+from fsdpclip.published import weights_file
 from fsdpclip.spec import ModelSpec
 from fsdpclip.towers import hf_encoder_state, timm_trunk_state
 
@@ -129,7 +130,7 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
     finally:
         torch.set_num_threads(threads)
     if spec.pretrained:
-        load_model_weights(model, spec.pretrained, spec.label)
+        load_model_weights(model, weights_file(spec), spec.label)
     if spec.image.pretrained:
         load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
     if spec.text.pretrained:

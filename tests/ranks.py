@@ -19,9 +19,12 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path = 
     return run_group(command, timeout, cwd, env)
 
 
-def run_group(command: list[str], timeout: float, cwd: Path = REPO, env: dict | None = None):
-    """Run a command in its own process group; on timeout stop that group (and only it)."""
+def run_group(command: list[str], timeout: float, cwd: Path = REPO, env: dict | None = None, unset: tuple = ()):
+    """Run a command in its own process group (without the variables in `unset`); on timeout stop that group
+    (and only it)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in unset:
+        full_env.pop(key, None)
     process = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:

@@ -474,3 +474,21 @@ def test_a_job_file_that_is_no_text_file(tiny_job, tmp_path, content):
     error = __import__("json").loads(proc.stdout)["errors"][0]
     assert error["location"] == "(file)"
     assert ("FIFO" if content is None else "not UTF-8 text (byte 0xe9 on line 1)") in error["message"]
+
+
+def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp_path):
+    """A typo in one section (schema) and mistakes of meaning in the sections that parsed: one round shows all,
+    and no check that reads the broken section runs on a default in its place."""
+    job = _set(_set(_set(tiny_job, "schedule", {"step": 10}), "batch.global_batch", 7), "model", {"name": "ViT-B-32x"})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 2
+    assert {e["location"] for e in out["errors"]} == {"schedule.step", "batch.global_batch", "model.name"}
+    job = _set(_set(tiny_job, "batch", {"per_gpu": 0}), "model", {"name": "ViT-B-32x"})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert {e["location"] for e in out["errors"]} == {"batch.per_gpu", "model.name"}
+    # the launch section lays out the world: without it nothing that counts ranks is checked, unless a flag gives it
+    job = _set(_set(_set(tiny_job, "launch.device", "gpu"), "batch.global_batch", 7), "model", {"name": "ViT-B-32x"})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name"}
+    code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
+    assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name", "batch.global_batch"}

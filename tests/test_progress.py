@@ -1,0 +1,60 @@
+"""Training's progress on rank 0 (a live bar on a terminal, plain lines with rate and time left elsewhere), and
+a launch whose output holds only what a user can act on."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+from rich.console import Console
+
+from conftest import REPO, write_job
+from fsdpclip.metrics import MetricsLog, live_progress
+from fsdpclip.weights import usable_cores
+
+
+def test_a_live_bar_only_on_a_terminal_outside_slurm():
+    terminal, pipe = Console(file=io.StringIO(), force_terminal=True), Console(file=io.StringIO())
+    assert live_progress(terminal, {})
+    assert not live_progress(terminal, {"SLURM_JOB_ID": "42"})
+    assert not live_progress(pipe, {})
+
+
+def test_plain_lines_carry_the_rate_and_the_time_left(tmp_path, capsys):
+    log = MetricsLog(tmp_path, total_steps=100, tensorboard=False, enabled=True)
+    log.advance(40)
+    log.write({"step": 40, "loss": 2.5, "samples_per_s": 1234.0, "step_time_s": 2.0})
+    log.close()
+    line = capsys.readouterr().out.strip()
+    assert line == "step 40/100 loss 2.5 1,234 samples/s eta 0:02:00"
+
+
+def test_validate_weighs_every_ranks_workers_against_the_cores(cli, tiny_job, tmp_path, monkeypatch):
+    monkeypatch.setattr("fsdpclip.checks.usable_cores", lambda: 4)
+    job = {**tiny_job, "data": {**tiny_job["data"], "workers": 3}}
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert code == 0, out["errors"]
+    [warning] = [w for w in out["warnings"] if w["location"] == "data.workers"]
+    assert "3 workers × 2 ranks per node = 6" in warning["message"] and "at most 2 per rank" in warning["hint"]
+    code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")  # another machine's cores
+    assert not [w for w in out["warnings"] if w["location"] == "data.workers"]
+
+
+def test_the_launch_output_holds_no_banner_or_warning_a_user_cannot_act_on(digits_dir, tmp_path):
+    """The tiny CPU job, without OMP_NUM_THREADS, with more data workers per rank than the machine has cores:
+    no torchrun banner, no FutureWarning from OpenCLIP's losses, no DataLoader warning from the ranks."""
+    from ranks import run_group
+
+    overrides = {"run.output_dir": str(tmp_path / "runs"), "schedule": json.dumps({"warmup_steps": 1, "steps": 4}),
+                 "data.urls": str(digits_dir / "train-{000000..000007}.tar"), "data.workers": str(usable_cores() + 1),
+                 "data.shuffle_buffer": "10", "eval": "{}", "logging.every_steps": "2", "checkpoint.every_steps": "null",
+                 "launch.collective_timeout_s": "60"}
+    command = [sys.executable, "-m", "fsdpclip", "launch", str(REPO / "examples" / "tiny-cpu.json")]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={value}"]
+    proc = run_group(command, timeout=300, unset=("OMP_NUM_THREADS",))
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    for noise in ("OMP_NUM_THREADS", "Warning", "warnings.warn", "worker processes in total"):
+        assert noise not in proc.stdout, proc.stdout
+    assert "step 4/4 loss" in proc.stdout  # plain lines in a pipe
