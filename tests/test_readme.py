@@ -4,7 +4,7 @@ Every line of the README's `sh` blocks is an `fsdpclip` command that runs here, 
 laid out as the repository after `make demo` (examples/, data/digits, then runs/tiny-cpu from the README's
 own launch, shortened to 20 steps), or a line that ends with a marker this machine cannot honour:
 `# [setup]` (make, shell), `# [gpu]`, `# [slurm]`, `# [yours]` (files of your own: ImageNet, an
-open_clip_train checkpoint). JSON blocks are specs that `validate` accepts.
+open_clip_train checkpoint), `# [hub]` (downloads). JSON blocks are specs that `validate` accepts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from conftest import REPO, Cli
 from ranks import run_group
 
 README = REPO / "README.md"
-MARKERS = {"setup", "gpu", "slurm", "yours"}
+MARKERS = {"setup", "gpu", "slurm", "yours", "hub"}
 MARKER = re.compile(r"#\s*\[(\w+)\]")
 DEMO_STEPS = 20
 
