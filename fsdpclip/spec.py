@@ -480,8 +480,9 @@ class WebDatasetSpec(Section):
                             "256-px JPEGs ~7× the shared memory of 'gpu' and 1.3× that of 'cpu', growing with "
                             "the images: for images near the model's size). "
                             "'auto' (the default): the path measured fastest where the run trains, 'mixed' on CUDA "
-                            "(0.95× the synthetic rate on JPEG shards, against 0.78× for 'gpu' and 0.42× for "
-                            "'cpu': docs/benchmarks.md), 'cpu' on the CPU.")
+                            "(ViT-B-32 on 256-px JPEG shards, 1×H200: 0.96× the synthetic rate, against 0.73× for "
+                            "'gpu' and 0.39× for 'cpu': benchmarks/results/2026-12-03-jpeg-default-1xh200.jsonl), "
+                            "'cpu' on the CPU.")
 
 
 class SyntheticSpec(Section):
