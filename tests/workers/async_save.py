@@ -20,12 +20,13 @@ from fsdpclip.distributed import init_distributed
 from fsdpclip.spec import CheckpointSpec
 
 
-def sharded_model(device: torch.device) -> torch.nn.Module:
+def sharded_model(env) -> torch.nn.Module:
+    """On the run's mesh (left to itself, fully_shard takes a CUDA mesh wherever CUDA is visible)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(env.device)
     for layer in model:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, mesh=env.mesh)
+    return fully_shard(model, mesh=env.mesh)
 
 
 def full_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,7 +44,7 @@ def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
     if headroom:
         checkpoint.DEVICE_HEADROOM = float(headroom)
     env = init_distributed(device_kind, timeout_s=60, cpu_collectives=device_kind == "cuda")
-    model = sharded_model(env.device)
+    model = sharded_model(env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     saver = checkpoint.Checkpointer(Path(run_dir), CheckpointSpec(keep=3), env.rank, env.world_size)
     saved = {}
@@ -55,7 +56,7 @@ def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
     saver.finish_pending(wait=True)
     held = {}
     for number in (1, 2):
-        fresh = sharded_model(env.device)
+        fresh = sharded_model(env)
         saver.load(saver.root / checkpoint.checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()))
         held[number] = all(torch.equal(full_values(fresh)[k], v) for k, v in saved[number].items())
     if env.is_main:
