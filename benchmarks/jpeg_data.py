@@ -1,14 +1,16 @@
-"""Real JPEG shards: fsdpclip (synthetic data, data.decode "cpu", "gpu", "mixed") beside open_clip_train.
+"""Real JPEG shards: fsdpclip (synthetic data, the default spec, data.decode "cpu", "gpu", "mixed") beside
+open_clip_train 3.3.0 and open_clip's main branch (`--torchcompile`, on the shards and on its synthetic data).
 
     python benchmarks/jpeg_data.py --out results/jpeg --shards 100 --per-shard 1000 --gpus 2 --model ViT-B-32 \\
-        --batch 256 --workers 8 --steps 100 --openclip-site /opt/openclip-site
+        --batch 256 --workers 8 --steps 100 --openclip-site /opt/openclip-site --openclip-main-site /opt/main-site
 
 Writes --shards webdataset shards of --per-shard JPEGs (256×256, quality 90, ~28 KB of 1/f colour noise,
 which compresses like a photo) with captions into OUT/shards (kept for the next run; written in parallel),
 then runs each side in turn on --gpus GPUs: fsdpclip through `fsdpclip launch` of a generated spec (samples/s
 per GPU, data_wait_fraction and launch → first step from its metrics.jsonl), and, with --openclip-site (a
 directory holding the webdataset<=0.2.86 that open_clip_train pins, put first on its PYTHONPATH only),
-`python -m open_clip_train.main` on the same shards, read from its log. Rates are the mean of the second
+`python -m open_clip_train.main` on the same shards, read from its log; likewise with --openclip-main-site (open_clip
+main built from its source, with that webdataset) under `--torchcompile`, as its own compiled trainer runs. Rates are the mean of the second
 half of the steps; fsdpclip's sides also give the step's own rate: the mean of the logged windows (the first
 left out) whose data wait is at most 2%, where the step and not the supply set the rate. Prints a table and
 writes OUT/jpeg_data.json. --device cpu with tiny sizes (a model config file for --model) checks that it
@@ -28,6 +30,7 @@ import time
 from datetime import datetime
 from multiprocessing import Pool
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -122,29 +125,32 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
 TRAIN_LINE = re.compile(r"^(\S+) \|.*Train Epoch: .*Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), .*?([\d.]+)/s/gpu")
 
 
-def openclip_side(urls: str, args) -> dict:
-    """open_clip_train (DDP) on the same shards, workers and batch; its log gives the rates."""
+def openclip_side(name: str, site: Optional[Path], data: list[str], args, *extra: str) -> dict:
+    """open_clip_train (DDP at more than one GPU) from `site` on `data` (its arguments) with the same workers
+    and batch; its log, NAME.log, gives the rates."""
+    if site is None:
+        return {"error": "no site for it given"}
     shutil.rmtree(args.out / "logs", ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
-               "-m", "open_clip_train.main", "--train-data", urls, "--dataset-type", "webdataset",
-               "--train-num-samples", str(args.steps * args.batch * args.gpus), "--batch-size", str(args.batch),
+               "-m", "open_clip_train.main", *data, *extra, "--train-num-samples",
+               str(args.steps * args.batch * args.gpus), "--batch-size", str(args.batch),
                "--workers", str(args.workers), "--precision", "amp_bf16", "--model", args.model, "--epochs", "1",
                "--warmup", "0", "--lr", "5e-4", "--local-loss", "--gather-with-grad", "--log-every-n-steps", "1",
                "--save-frequency", "0", "--name", "run", "--report-to", ""]
     kept, directory = os.environ.get("PYTHONPATH"), os.getcwd()
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.openclip_site.resolve()), kept]))  # this run's
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.resolve()), kept]))  # this run's
     os.chdir(args.out)  # its logs go to ./logs: torchrun takes a --logs argument for its own --logs-specs
     launched = time.time()
     try:
-        code = run(command, args.out / "openclip.log", args.timeout)
+        code = run(command, args.out / f"{name}.log", args.timeout)
     finally:
         os.chdir(directory)
         os.environ.pop("PYTHONPATH")
         if kept is not None:
             os.environ["PYTHONPATH"] = kept
-    steps = [m.groups() for m in map(TRAIN_LINE.match, (args.out / "openclip.log").read_text().splitlines()) if m]
+    steps = [m.groups() for m in map(TRAIN_LINE.match, (args.out / f"{name}.log").read_text().splitlines()) if m]
     if code != 0 or not steps:
-        return {"error": f"exit {code}; see openclip.log"}
+        return {"error": f"exit {code}; see {name}.log"}
     first = datetime.strptime(steps[0][0], "%Y-%m-%d,%H:%M:%S").timestamp()
     return {"samples_per_s_per_gpu": second_half([float(s[3]) for s in steps]),
             "data_wait_fraction": second_half([float(s[1]) for s in steps]) / second_half([float(s[2]) for s in steps]),
@@ -163,9 +169,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--sides", default="synthetic,cpu,gpu,open_clip_train")
+    parser.add_argument("--sides", default="synthetic,default,cpu,gpu,mixed,open_clip_train,open_clip_main,"
+                                           "open_clip_main_synthetic")
     parser.add_argument("--openclip-site", type=Path, default=None,
                         help="where webdataset<=0.2.86 is installed for open_clip_train (without: no such side)")
+    parser.add_argument("--openclip-main-site", type=Path, default=None,
+                        help="where open_clip's main branch (built from its source) and webdataset<=0.2.86 are "
+                             "installed (without: no such sides)")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
     args.out = args.out.resolve()
@@ -173,18 +183,23 @@ def main() -> None:
     urls = write_shards(args.out / "shards", args.shards, args.per_shard, args.image_size)
     print(f"{args.shards} shards of {args.per_shard} in {args.out / 'shards'}: {time.time() - began:.0f} s", flush=True)
     shards = {"urls": urls, "samples": args.shards * args.per_shard, "workers": args.workers}
+    shard_data = ["--train-data", urls, "--dataset-type", "webdataset"]
     sides = {"synthetic": lambda: fsdpclip_side("synthetic", {"source": "synthetic"}, args),
+             "default": lambda: fsdpclip_side("default", shards, args),
              "cpu": lambda: fsdpclip_side("decode-cpu", {**shards, "decode": "cpu"}, args),
              "gpu": lambda: fsdpclip_side("decode-gpu", {**shards, "decode": "gpu"}, args),
              "mixed": lambda: fsdpclip_side("decode-mixed", {**shards, "decode": "mixed"}, args),
-             "open_clip_train": lambda: openclip_side(urls, args) if args.openclip_site
-             else {"error": "no --openclip-site"}}
+             "open_clip_train": lambda: openclip_side("open_clip_train", args.openclip_site, shard_data, args),
+             "open_clip_main": lambda: openclip_side("open_clip_main", args.openclip_main_site, shard_data, args,
+                                                     "--torchcompile"),
+             "open_clip_main_synthetic": lambda: openclip_side("open_clip_main_synthetic", args.openclip_main_site,
+                                                               ["--dataset-type", "synthetic"], args, "--torchcompile")}
     rows = []
     for side in args.sides.split(","):
         rows.append({"side": side, "model": args.model, "batch_per_gpu": args.batch, "gpus": args.gpus,
-                     "workers": None if side == "synthetic" else args.workers, **sides[side]()})
+                     "workers": args.workers if side != "synthetic" else None, **sides[side]()})
         print(json.dumps(rows[-1]), flush=True)
-    (args.out / "jpeg_data.json").write_text(json.dumps(rows, indent=2))
+        (args.out / "jpeg_data.json").write_text(json.dumps(rows, indent=2))  # each side kept as it ends
     print("\n| side | samples/s/GPU | data wait | where the step decides | launch → first step | exit |\n"
           "|---|---|---|---|---|---|")
     for row in rows:

@@ -1,4 +1,4 @@
-"""Side by side in one torchrun process: the DDP reference and fsdpclip's trainer (under variants
+"""Side by side in one torchrun process: the plain OpenCLIP reference (benchmarks/reference_step.py) and fsdpclip's trainer (under variants
 of its fsdp block) on device-resident synthetic data.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/sidebyside.py --model ViT-B-32 --batch 256 \\
@@ -24,7 +24,7 @@ import torch._dynamo
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step import ddp_rate  # noqa: E402
+from reference_step import reference_rate  # noqa: E402
 from throughput import matmul_peak_tflops  # noqa: E402
 
 from fsdpclip.distributed import init_distributed  # noqa: E402
@@ -104,7 +104,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--variants", required=True, help="JSON: name -> fsdp block")
-    parser.add_argument("--ddp", default="eager", help="comma list of DDP references: eager, compile, none")
+    parser.add_argument("--reference", default="compile",
+                        help="comma list of plain OpenCLIP steps beside it: eager, compile (DDP-wrapped only at "
+                             "more than one GPU), none")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", default="", help="variant name to profile")
@@ -135,9 +137,9 @@ def main() -> None:
               f"{row.get('peak_memory_gib', 0):6.1f} GiB build {row.get('build_s', 0):5.1f} s {ratio} "
               f"{row.get('error', '')}", flush=True)
 
-    for kind in [k for k in args.ddp.split(",") if k != "none"]:
-        report({"variant": f"DDP {kind}", **ddp_rate(args.model, args.batch, args.warmup, args.steps,
-                                                     compile_model=kind == "compile")})
+    for kind in [k for k in args.reference.split(",") if k != "none"]:
+        report({"variant": f"reference {kind}", **reference_rate(args.model, args.batch, args.warmup, args.steps,
+                                                                 compile_model=kind == "compile")})
         gc.collect()
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as run_root:

@@ -1,13 +1,13 @@
-"""The throughput benchmark: fsdpclip beside a plain DDP step, per model and GPU count.
+"""The throughput benchmark: fsdpclip beside a plain OpenCLIP step, per model and GPU count.
 
     python benchmarks/throughput.py --gpus 1 2 --cases ViT-B-32:256 ViT-B-32:512 ViT-L-14:128 ViT-L-14:256 \\
-        ViT-H-14:64 ViT-bigG-14:32 --ddp eager,compile --startup ViT-bigG-14:32 --out results/
+        ViT-H-14:64 ViT-bigG-14:32 --reference eager,compile --startup ViT-bigG-14:32 --out results/
 
-For every GPU count and model (per-GPU batch): one torchrun process runs the DDP reference
-(benchmarks/ddp_step.py: autocast bf16, fused AdamW; eager and whole-model compiled) and fsdpclip's trainer side by side on
+For every GPU count and model (per-GPU batch): one torchrun process runs the reference (benchmarks/reference_step.py:
+autocast bf16, fused AdamW; eager and whole-model compiled; DDP only at > 1 GPU) and fsdpclip's trainer side by side on
 device-resident synthetic data (benchmarks/sidebyside.py). --startup cases also go through
 `fsdpclip launch` to time launch → first step (eager; the default spec with a cold, then a warm compile cache). MFU is against the bf16 matmul rate measured
-here first. Writes throughput.jsonl, throughput.json, throughput.md, throughput.png (÷ DDP bars)
+here first. Writes throughput.jsonl, throughput.json, throughput.md, throughput.png (÷ reference bars)
 and scaling.png (samples/s per GPU against GPUs) under --out; --plot-only redraws the plots
 from a saved throughput.json without a GPU.
 """
@@ -67,7 +67,7 @@ def side_by_side(model: str, batch: int, gpus: int, peak: float, args, rows: Pat
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                str(HERE / "sidebyside.py"), "--model", model, "--batch", str(batch), "--variants", args.variants,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--peak-tflops", str(peak),
-               "--ddp", args.ddp, "--out", str(rows)]
+               "--reference", args.reference, "--out", str(rows)]
     code = run(command, args.out / f"sidebyside-{model}-{gpus}gpu.log", args.timeout)
     if code != 0:
         print(f"{model} on {gpus} GPUs failed ({code}); see the log", flush=True)
@@ -108,25 +108,31 @@ def startup(model: str, batch: int, gpus: int, args) -> list[dict]:
 def markdown(rows: list[dict], starts: list[dict], peak: float) -> str:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 matmul peak {peak:.0f} TFLOP/s; "
              "samples/s per GPU, MFU, peak memory per GPU (`torch.cuda.max_memory_allocated`)", "",
-             "| model | batch/GPU | GPUs | side | samples/s/GPU | MFU | peak GiB | ÷ DDP | ÷ DDP compile | memory ÷ DDP |",
+             "| model | batch/GPU | GPUs | side | samples/s/GPU | MFU | peak GiB | ÷ reference eager | ÷ reference compile "
+             "| memory ÷ reference eager |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
                          f"{row['error']} | | | | | |")
             continue
-        ddp, compiled = (next((r for r in rows if _case(r) == _case(row) and r["gpus"] == row["gpus"]
-                               and r["variant"] == side and "error" not in r), None)
-                         for side in ("DDP eager", "DDP compile"))
+        eager, compiled = (_reference(rows, row, kind) for kind in ("eager", "compile"))
         lines.append(f"| {row['model']} | {row['batch_per_gpu']} | {row['gpus']} | {row['variant']} | "
                      f"{row['samples_per_s_per_gpu']:.1f} | {row['mfu']:.1%} | {row['peak_memory_gib']:.1f} | "
-                     f"{_ratio(row, ddp, 'samples_per_s_per_gpu')} | {_ratio(row, compiled, 'samples_per_s_per_gpu')} | "
-                     f"{_ratio(row, ddp, 'peak_memory_gib')} |")
+                     f"{_ratio(row, eager, 'samples_per_s_per_gpu')} | {_ratio(row, compiled, 'samples_per_s_per_gpu')} | "
+                     f"{_ratio(row, eager, 'peak_memory_gib')} |")
     if starts:
         lines += ["", "| model | GPUs | launch | launch → first step (fsdpclip launch) |", "|---|---|---|---|"]
         lines += [f"| {s['model']} | {s['gpus']} | {s['side']} | "
                   + (f"{s['time_to_first_step_s']:.1f} s |" if "error" not in s else f"{s['error']} |") for s in starts]
     return "\n".join(lines) + "\n"
+
+
+def _reference(rows: list[dict], row: dict, kind: str) -> Optional[dict]:
+    """The reference row ('eager' or 'compile') of `row`'s model, batch and GPUs (rows saved before the
+    rename call it 'DDP KIND')."""
+    return next((r for r in rows if _case(r) == _case(row) and r["gpus"] == row["gpus"] and "error" not in r
+                 and r["variant"] in (f"reference {kind}", f"DDP {kind}")), None)
 
 
 def _ratio(row: dict, reference: Optional[dict], key: str) -> str:
@@ -145,8 +151,8 @@ def plot(rows: list[dict], path: Path) -> None:
     figure, axes = plt.subplots(2, len(gpu_counts), figsize=(max(6, 1.5 * len(cases)) * len(gpu_counts), 8),
                                 squeeze=False)
     for column, gpus in enumerate(gpu_counts):
-        for line, (key, label) in enumerate([("samples_per_s_per_gpu", "samples/s per GPU ÷ DDP"),
-                                             ("peak_memory_gib", "peak memory ÷ DDP")]):
+        for line, (key, label) in enumerate([("samples_per_s_per_gpu", "samples/s per GPU ÷ reference"),
+                                             ("peak_memory_gib", "peak memory ÷ reference")]):
             axis = axes[line][column]
             width = 0.8 / len(sides)
             for i, side in enumerate(sides):
@@ -154,13 +160,13 @@ def plot(rows: list[dict], path: Path) -> None:
                 for case in cases:
                     mine = [r for r in rows if _case(r) == case and r["gpus"] == gpus and r["variant"] == side
                             and key in r]
-                    ddp = [r for r in rows if _case(r) == case and r["gpus"] == gpus
-                           and r["variant"] == "DDP eager" and key in r]
-                    values.append(mine[0][key] / ddp[0][key] if mine and ddp else 0)
+                    reference = _reference(rows, mine[0], "compile") or _reference(rows, mine[0], "eager") \
+                        if mine else None
+                    values.append(mine[0][key] / reference[key] if mine and reference and key in reference else 0)
                 axis.bar([m + i * width for m in range(len(cases))], values, width, label=side)
             axis.axhline(1.0, color="black", linewidth=0.8)
             axis.set_xticks([m + width * (len(sides) - 1) / 2 for m in range(len(cases))], cases, fontsize=8)
-            axis.set_title(f"{label}, {gpus} GPU{'s' * (gpus > 1)}")
+            axis.set_title(f"{label} (compile, else eager), {gpus} GPU{'s' * (gpus > 1)}")
             axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -172,7 +178,7 @@ def _case(row: dict) -> str:
 
 
 def scaling_plot(rows: list[dict], path: Path) -> None:
-    """samples/s per GPU against the number of GPUs, per model, fsdpclip beside DDP."""
+    """samples/s per GPU against the number of GPUs, per model, fsdpclip beside the compiled reference."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,9 +187,10 @@ def scaling_plot(rows: list[dict], path: Path) -> None:
     cases = list(dict.fromkeys(_case(r) for r in rows))
     figure, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.6), squeeze=False)
     for axis, case in zip(axes[0], cases):
-        for side, style in (("DDP eager", "o--"), ("fsdpclip", "s-")):
+        for sides, style in ((("reference compile", "DDP compile"), "o--"), (("fsdpclip",), "s-")):
             points = sorted((r["gpus"], r["samples_per_s_per_gpu"]) for r in rows
-                            if _case(r) == case and r["variant"] == side and "samples_per_s_per_gpu" in r)
+                            if _case(r) == case and r["variant"] in sides and "samples_per_s_per_gpu" in r)
+            side = sides[0]
             if points:
                 axis.plot(*zip(*points), style, label=side)
         axis.set_title(case.replace("\n", ", "))
@@ -204,7 +211,8 @@ def main() -> None:
                         help="MODEL:BATCH_PER_GPU; rows append to --out's throughput.jsonl, so cases can be run "
                              "in several calls and tabled together")
     parser.add_argument("--variants", default='{"fsdpclip": {}}', help="JSON: name -> the spec's fsdp block")
-    parser.add_argument("--ddp", default="eager,compile", help="DDP references beside it: eager, compile (whole model)")
+    parser.add_argument("--reference", default="eager,compile",
+                        help="plain OpenCLIP steps beside it: eager, compile (whole model; DDP only at > 1 GPU)")
     parser.add_argument("--startup", nargs="*", default=[], help="cases also timed launch → first step")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=15)

@@ -6,7 +6,10 @@ rank-local state per rank (RNG, data position) and `meta.json` (step, schedule, 
 written last. Every checkpoint is written under a hidden `.partial` name and renamed into
 place only when complete; `checkpoints/latest` names the newest complete one. A crash while
 saving leaves at most a `.partial` directory, which is never loaded and is cleared on the
-next start. Nothing is read in a way that can run code (`fsdpclip.pickles`): a checkpoint with a file
+next start. An asynchronous save copies the state into spare device memory when the device has it (a
+device-to-device copy: training waits milliseconds) and leaves the copy to the host and the writes to a
+background thread; without that memory it copies to the host first (training waits for the copy).
+Nothing is read in a way that can run code (`fsdpclip.pickles`): a checkpoint with a file
 that cannot be read, or whose pickle names anything but plain data, is passed over for the one before it.
 """
 
@@ -18,6 +21,7 @@ import random
 import shutil
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdpclip.pickles import PickleRefused, SafeLoadPlanner, SafeReader, load_weights_only, read_dcp_metadata
 from fsdpclip.rundir import JOB_FILE, disk_free, no_space_message, write_atomically
@@ -217,18 +223,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _local_tensors(state):
-    """The tensors of a (nested) state dict as this rank holds them: a DTensor's local shard."""
-    if isinstance(state, dict):
-        for value in state.values():
-            yield from _local_tensors(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from _local_tensors(value)
-    elif isinstance(state, torch.Tensor):
-        yield state.to_local() if hasattr(state, "to_local") else state
-
-
 def publish(partial: Path, final: Path, meta: dict) -> None:
     """Complete a written checkpoint: meta.json last, rename into place, point `latest` at it."""
     write_atomically(partial / META, json.dumps(meta, indent=2))
@@ -258,6 +252,61 @@ def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.opti
     return final
 
 
+# ------------------------------------------------------------------ staging
+DEVICE_HEADROOM = 0.05  # of the device's memory, left free when an asynchronous save's copy is kept there
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_tensors(state: dict) -> list[torch.Tensor]:
+    """The tensors of a (nested) state dict as this rank holds them: a DTensor's local shard."""
+    return [_local(t) for t in tree_flatten(state)[0] if isinstance(t, torch.Tensor)]
+
+
+def device_bytes(state: dict) -> int:
+    """Bytes of this rank's CUDA tensors in a state dict (a DTensor counts its local shard)."""
+    return sum(t.nbytes for t in _local_tensors(state) if t.is_cuda)
+
+
+def spare_device_memory(device: torch.device) -> int:
+    """Bytes the caching allocator can still take on `device` without cutting into what training has used:
+    the driver's free memory plus what the allocator holds beyond the run's peak, less DEVICE_HEADROOM."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached = max(0, torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device))
+    return free + cached - int(DEVICE_HEADROOM * total)
+
+
+@torch.no_grad()
+def copy_state(state: dict, into: Optional[dict] = None) -> dict:
+    """A copy of a state dict whose tensors stay on their devices: copied in place into `into`'s tensors
+    when it holds the same layout (no new memory), else new ones."""
+    leaves, layout = tree_flatten(state)
+    if into is not None:
+        kept, kept_layout = tree_flatten(into)
+        pairs = [(_local(k), _local(t)) for k, t in zip(kept, leaves) if isinstance(t, torch.Tensor)]
+        if kept_layout == layout and all(isinstance(k, torch.Tensor) and k.shape == t.shape and k.dtype == t.dtype
+                                         and k.device == t.device for k, t in pairs):
+            for kept_tensor, tensor in pairs:
+                kept_tensor.copy_(tensor)
+            return tree_unflatten([k if isinstance(t, torch.Tensor) else t for k, t in zip(kept, leaves)], layout)
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+
+
+def write_staged(state: dict, copied: Optional[torch.cuda.Event], device: torch.device, checkpoint_id: str,
+                 group) -> None:
+    """The background half of an asynchronous save: a state staged on the device goes to the host on a
+    stream of its own once `copied` (recorded after the staging copy) is done, then DCP writes it."""
+    if copied is not None:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream()
+            stream.wait_event(copied)
+            with torch.cuda.stream(stream):
+                state = tree_map_only(torch.Tensor, lambda t: t.to("cpu"), state)
+    dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
+
+
 class Checkpointer:
     """Saves and loads one run's checkpoints on every rank (rank 0 does the renaming)."""
 
@@ -265,7 +314,9 @@ class Checkpointer:
         self.root = Path(run_dir) / CHECKPOINTS
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self.pending: Optional[tuple] = None  # (future, partial dir, final dir, meta)
-        self.async_group = None
+        self.async_group, self.writer = None, None  # made at the first asynchronous save
+        self.staging: Optional[str] = None  # where asynchronous saves copy the state: "device" or "host"
+        self.snapshot: Optional[dict] = None  # the device copy, reused by every asynchronous save
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("*" + PARTIAL_SUFFIX):  # left by a crash while saving
@@ -290,10 +341,7 @@ class Checkpointer:
         try:
             self._write_rank_state(partial, rank_state)
             if asynchronous:
-                if self.async_group is None:
-                    self.async_group = dist.new_group(backend="gloo")
-                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
-                self.pending = (future, partial, final, meta)
+                self.pending = (self._save_in_background(state, str(partial)), partial, final, meta)
             else:
                 dcp.save(state, checkpoint_id=str(partial))
                 self._finalize(partial, final, meta)
@@ -316,6 +364,38 @@ class Checkpointer:
         if needed > free:
             raise DiskFull(no_space_message(final, free, needed))
         return needed
+
+    def _save_in_background(self, state: dict, checkpoint_id: str) -> Future:
+        """Copy `state` where training no longer changes it (`self.staging`, settled at the first
+        asynchronous save), then write it from a background thread; returns the write's future."""
+        if self.async_group is None:
+            self.async_group = dist.new_group(backend="gloo")
+            self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        device = next((_local(t).device for t in tree_flatten(state)[0]
+                       if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if self.staging is None:
+            self.staging = self._staging_place(state, device)
+        copied = None
+        if self.staging == "device":
+            self.snapshot = state = copy_state(state, self.snapshot)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            state = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
+        return self.writer.submit(write_staged, state, copied, device, checkpoint_id, self.async_group)
+
+    def _staging_place(self, state: dict, device: Optional[torch.device]) -> str:
+        """"device" when the state's device tensors fit in the device's spare memory, else "host" (said once)."""
+        if device is None:
+            return "host"
+        needed, spare = device_bytes(state), spare_device_memory(device)
+        if needed <= spare:
+            log.info("asynchronous checkpoints are copied in device memory (%.1f GiB of %.1f GiB spare); the copy "
+                     "to the host and the writes go on in the background", needed / 2 ** 30, spare / 2 ** 30)
+            return "device"
+        log.warning("asynchronous checkpoints are copied to the host before training goes on: the copy needs "
+                    "%.1f GiB of device memory, %.1f GiB are spare", needed / 2 ** 30, max(0, spare) / 2 ** 30)
+        return "host"
 
     def _write_rank_state(self, partial: Path, rank_state: dict) -> None:
         torch.save(rank_state, rank_file(partial, self.rank))

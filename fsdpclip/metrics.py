@@ -190,7 +190,7 @@ class WandbRun:
         self.run.finish(exit_code=exit_code)
 
 
-SHOWN = ("loss", "lr", "samples_per_s_per_gpu", "mfu", "peak_memory_gib")
+SHOWN = ("loss", "lr", "samples_per_s_per_gpu", "mfu", "peak_memory_gib", "checkpoint_blocked_s")
 
 
 def _flat(record: dict, prefix: str = "") -> dict:

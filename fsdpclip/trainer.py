@@ -114,6 +114,7 @@ class Trainer:
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
         self.last_saved: Optional[int] = None
+        self.metrics: Optional[MetricsLog] = None  # fit's, while it runs: saves write their time there
         self.resumed_from, self.changes = None, []
         self.shards = self._shard_fingerprint()
         if candidates:
@@ -306,6 +307,7 @@ class Trainer:
         job, env = self.job, self.env
         metrics = MetricsLog(job.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main,
                              wandb=job.logging.wandb, config=json.loads(job.to_json()))
+        self.metrics = metrics
         window, window_loss = Window(), torch.zeros((), device=env.device)
         first_step_s, first_step_done = None, False
         if self.step >= self.total_steps:
@@ -429,14 +431,19 @@ class Trainer:
                 "model": {"label": self.job.model.label, "open_clip_config": self.model_config},
                 "job": json.loads(self.job.to_json()), "shards": self.shards}
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
+        began = time.perf_counter()
         try:
-            saved = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
         except DiskFull as exc:
             latest = latest_checkpoint(self.job.run_dir)
             raise Stop(EXIT_NO_SPACE, f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, "
                                       "is kept: make room and launch again to resume from it") from None
         self.last_saved = self.step
-        return saved
+        if self.metrics is not None:  # what this rank's training waited for, a wait for the save before included
+            self.metrics.write({"step": self.step, "checkpoint": path.name,
+                                "checkpoint_blocked_s": round(time.perf_counter() - began, 3),
+                                "checkpoint_staging": self.checkpointer.staging if asynchronous else "synchronous"})
+        return path
 
     def _resume(self, candidates: list[Path]) -> None:
         """Continue from the newest candidate that loads, with this spec's settings from its step on."""

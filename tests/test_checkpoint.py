@@ -167,8 +167,9 @@ def test_non_finite_step_is_skipped(tmp_path):
     proc = _with_fault(path, "nan:3")
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "skip" / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["skipped_steps"] == 1 and records[-1]["step"] == 6
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if r["step"] != 3)
+    train = [r for r in records if "loss" in r]  # not the checkpoints' records
+    assert train[-1]["skipped_steps"] == 1 and train[-1]["step"] == 6
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train if r["step"] != 3)
 
 
 def test_non_finite_step_stops_with_last_checkpoint(tmp_path):
@@ -313,3 +314,54 @@ def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
         with pytest.raises(ModelError, match=f"{weights} holds a pickle that names {system}: refusing to load it"):
             load(str(weights))
     assert not marker.exists()
+
+
+def test_every_save_records_how_long_training_waited(tmp_path):
+    """Each checkpoint, in the background or not, writes one metrics.jsonl record of how long the step
+    waited for it and where its state was copied."""
+    run_dir = tmp_path / "runs" / "plain"
+    path = write_job(tmp_path, _plain_job(tmp_path, checkpoint={"async_save": True}))
+    result = _launch(path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saves = {r["step"]: r for r in records if "checkpoint_blocked_s" in r}
+    assert sorted(saves) == [4, 8, 12], records
+    assert all(r["checkpoint"] == f"step-{step:08d}" and r["checkpoint_blocked_s"] >= 0 for step, r in saves.items())
+    assert [saves[s]["checkpoint_staging"] for s in (4, 8, 12)] == ["host", "host", "synchronous"]  # at_end waits
+
+
+@pytest.mark.parametrize("device, nproc, headroom, staging", [
+    ("cpu", 2, "", "host"),
+    pytest.param("cuda", 1, "", "device", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("cuda", 1, "1.0", "host", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_asynchronous_saves_hold_their_own_step(tmp_path, device, nproc, headroom, staging):
+    """Two asynchronous saves, each followed at once by a step that changes every parameter in place: each
+    checkpoint holds its own step's values, staged in spare device memory when there is some (the copy
+    reused by the second save), else on the host."""
+    result = torchrun(["tests/workers/async_save.py", str(tmp_path / "run"), device, headroom], nproc=nproc)
+    assert result.returncode == 0, result.stdout[-3000:]
+    out = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert out == {"staging": staging, "holds_its_step": {"1": True, "2": True}}, out
+
+
+def test_a_state_copy_reuses_its_tensors_when_the_layout_holds():
+    """copy_state copies into the tensors of an earlier copy of the same layout (no new memory), and makes
+    new ones when the layout changed; either way later in-place changes to the state do not reach it."""
+    from fsdpclip.checkpoint import copy_state
+
+    state = {"model": {"w": torch.randn(4, 3)},
+             "optim": {"state": {"w": {"exp_avg": torch.randn(4, 3), "step": torch.tensor(3.0)}},
+                       "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    first = copy_state(state)
+    kept = first["model"]["w"].clone()
+    state["model"]["w"].add_(1.0)
+    assert torch.equal(first["model"]["w"], kept)
+    state["optim"]["param_groups"][0]["lr"] = 0.2
+    second = copy_state(state, into=first)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
+    assert torch.equal(second["model"]["w"], state["model"]["w"]) and second["optim"]["param_groups"][0]["lr"] == 0.2
+    state["model"]["w"] = torch.randn(5, 3)  # another layout
+    third = copy_state(state, into=second)
+    assert third["model"]["w"].data_ptr() != second["model"]["w"].data_ptr()
+    assert torch.equal(third["model"]["w"], state["model"]["w"])

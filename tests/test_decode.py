@@ -18,7 +18,7 @@ from PIL import Image
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import ShardStream, WebDatasetBatches
 from fsdpclip import decode
-from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode, device_jpeg_decoder,
+from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode,
                              pooled_batch, read_header, resample_weights, rgb_pixels)
 from fsdpclip.spec import WebDatasetSpec
 
@@ -467,14 +467,17 @@ def test_a_batch_of_mixed_images(tmp_path):
 
 
 def test_decode_mode_is_settled_in_one_place(cli, tiny_job, tmp_path):
-    """'auto' is 'gpu' on CUDA where torchvision decodes JPEGs there, else 'cpu'; validate reports what
-    the trainer will do."""
+    """'auto', the default, is the path measured fastest where the run trains: 'mixed' on CUDA, 'cpu' on
+    the CPU; validate reports what the trainer will do."""
     assert decode_mode("auto", "cpu") == "cpu" and decode_mode("gpu", "cpu") == "gpu"
-    assert decode_mode("auto", "cuda") == ("gpu" if device_jpeg_decoder() else "cpu")
-    for asked, settled in (("auto", "cpu"), ("gpu", "gpu"), ("mixed", "mixed"), ("cpu", "cpu")):
-        job = dict(tiny_job, data={**tiny_job["data"], "decode": asked})
+    assert decode_mode("auto", "cuda") == "mixed"
+    unset = {k: v for k, v in tiny_job["data"].items() if k != "decode"}
+    for device, asked, settled in (("cpu", None, "cpu"), ("cuda", None, "mixed"), ("cpu", "gpu", "gpu"),
+                                   ("cpu", "mixed", "mixed"), ("cuda", "cpu", "cpu")):
+        job = dict(tiny_job, data=unset if asked is None else {**unset, "decode": asked},
+                   launch={**tiny_job["launch"], "device": device})
         code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
-        assert code == 0 and out["summary"]["batch"]["decode"] == settled, out
+        assert code == 0 and out["summary"]["batch"]["decode"] == settled, (device, asked, out)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -1,8 +1,11 @@
-"""The reference: a plain OpenCLIP training step under DDP (autocast bf16, fused AdamW).
+"""The reference: a plain OpenCLIP training step as a user would run it (autocast bf16, fused AdamW),
+eager or with `torch.compile(model)`; wrapped in DDP (around the compiled model) only at more than one
+GPU, as open_clip_train does.
 
 Run by torchrun, one process per GPU, on a GPU-resident random batch; rank 0 writes JSON:
 
-    torchrun --standalone --nproc-per-node=2 benchmarks/ddp_step.py --model ViT-B-32 --batch 256 --out ddp.json
+    torchrun --standalone --nproc-per-node=2 benchmarks/reference_step.py --model ViT-B-32 --batch 256 \
+        --compile --out reference.json
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 
-def ddp_rate(model_name: str, batch: int, warmup: int, steps: int, compile_model: bool = False) -> dict:
-    """samples/s/GPU and peak memory of the plain DDP step (the process group is already up)."""
+def reference_rate(model_name: str, batch: int, warmup: int, steps: int, compile_model: bool = False) -> dict:
+    """samples/s/GPU and peak memory of the plain step (the process group is already up)."""
     import open_clip
     from open_clip.loss import ClipLoss
 
@@ -29,7 +32,8 @@ def ddp_rate(model_name: str, batch: int, warmup: int, steps: int, compile_model
     size = model.visual.image_size
     if compile_model:
         model = torch.compile(model)
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     loss_fn = ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True, rank=rank, world_size=world)
     images = torch.randn(batch, 3, *size, device=device)
@@ -71,7 +75,7 @@ def main() -> None:
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    result = ddp_rate(args.model, args.batch, args.warmup, args.steps, args.compile)
+    result = reference_rate(args.model, args.batch, args.warmup, args.steps, args.compile)
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

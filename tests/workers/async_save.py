@@ -1,0 +1,68 @@
+"""Two asynchronous saves of a sharded model and AdamW (torchrun, every rank); each followed at once by an
+optimizer step that changes every parameter in place while the write goes on. Rank 0 prints JSON: where
+the saves were staged and whether each checkpoint holds the values of its own step.
+
+    async_save.py RUN_DIR DEVICE [HEADROOM]     (HEADROOM: the share of device memory kept free)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from fsdpclip import checkpoint
+from fsdpclip.distributed import init_distributed
+from fsdpclip.spec import CheckpointSpec
+
+
+def sharded_model(env) -> torch.nn.Module:
+    """On the run's mesh (left to itself, fully_shard takes a CUDA mesh wherever CUDA is visible)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(env.device)
+    for layer in model:
+        fully_shard(layer, mesh=env.mesh)
+    return fully_shard(model, mesh=env.mesh)
+
+
+def full_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in get_model_state_dict(model).items()}
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 64, device=next(model.parameters()).device)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
+    if headroom:
+        checkpoint.DEVICE_HEADROOM = float(headroom)
+    env = init_distributed(device_kind, timeout_s=60, cpu_collectives=device_kind == "cuda")
+    model = sharded_model(env)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = checkpoint.Checkpointer(Path(run_dir), CheckpointSpec(keep=3), env.rank, env.world_size)
+    saved = {}
+    for number in (1, 2):
+        step(model, optimizer)
+        saved[number] = full_values(model)
+        saver.save(number, model, optimizer, {"samples_seen": 0}, {}, asynchronous=True)
+        step(model, optimizer)  # in place, while the write goes on
+    saver.finish_pending(wait=True)
+    held = {}
+    for number in (1, 2):
+        fresh = sharded_model(env)
+        saver.load(saver.root / checkpoint.checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()))
+        held[number] = all(torch.equal(full_values(fresh)[k], v) for k, v in saved[number].items())
+    if env.is_main:
+        print(json.dumps({"staging": saver.staging, "holds_its_step": held}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
