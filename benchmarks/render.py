@@ -8,8 +8,9 @@ machine, the torch version and the date; and which rows README.md's table takes.
 table are only ever written from here, so a number changes in one place: its row file.
 
 Row kinds: "sidebyside" (benchmarks/sidebyside.py's and throughput.py's JSON lines: one per side, the
-ratio taken against the table's `reference` side of the same model and batch), "run" (a run's
-metrics.jsonl: rates averaged over the log steps after the first) and "loss_curves"
+ratio taken against the table's `reference` side of the same model and batch; `labels` shortens a
+row's `variant` on the page), "run" (a run's metrics.jsonl: rates averaged over the log steps after the
+first), "columns" (the fields `columns` names, one line per row) and "loss_curves"
 (benchmarks/loss_curve.py's JSON).
 """
 
@@ -44,18 +45,42 @@ def share(value) -> str:
     return "—" if value is None else f"{value:.1%}"
 
 
+def label(table: dict, variant: str) -> str:
+    """A row's side as the page names it (the table's `labels`, else the row's own `variant`)."""
+    return table.get("labels", {}).get(variant, variant)
+
+
+def table_rows(table: dict) -> list[dict]:
+    return [row for name in table["rows"] for row in read_rows(name)]
+
+
 def sidebyside(table: dict) -> tuple[list[str], list[list[str]]]:
     """One line per side, with its rate over the reference side's for the same model and batch."""
-    rows = [row for name in table["rows"] for row in read_rows(name)]
+    rows = table_rows(table)
     reference = {(r["model"], r["batch_per_gpu"]): r["samples_per_s_per_gpu"]
                  for r in rows if r["variant"] == table["reference"]}
     lines = []
     for r in rows:
         base = reference.get((r["model"], r["batch_per_gpu"]))
         ratio = f"{r['samples_per_s_per_gpu'] / base:.2f}×" if base else "—"
-        lines.append([r["model"], str(r["batch_per_gpu"]), r["variant"], number(r["samples_per_s_per_gpu"]),
-                      share(r.get("mfu")), number(r.get("peak_memory_gib")), ratio])
-    return ["model", "batch/GPU", "side", "samples/s/GPU", "MFU", "peak GiB", f"÷ {table['reference']}"], lines
+        lines.append([r["model"], str(r["batch_per_gpu"]), label(table, r["variant"]),
+                      number(r["samples_per_s_per_gpu"]), share(r.get("mfu")), number(r.get("peak_memory_gib")),
+                      ratio])
+    return ["model", "batch/GPU", "side", "samples/s/GPU", "MFU", "peak GiB",
+            f"÷ {label(table, table['reference'])}"], lines
+
+
+def columns(table: dict) -> tuple[list[str], list[list[str]]]:
+    """The fields the table's `columns` names (field: heading), one line per row."""
+    def cell(value) -> str:
+        if isinstance(value, str):
+            return label(table, value)
+        if isinstance(value, int):
+            return str(value)
+        return number(value, 2) if isinstance(value, float) else "—"
+
+    return list(table["columns"].values()), [[cell(row.get(field)) for field in table["columns"]]
+                                             for row in table_rows(table)]
 
 
 def run_summary(name: str) -> dict:
@@ -93,7 +118,7 @@ def loss_curves(table: dict) -> tuple[list[str], list[list[str]]]:
             f"largest |Δ| to {next(iter(curves))}, steps 1–12"], lines
 
 
-KINDS = {"sidebyside": sidebyside, "run": run, "loss_curves": loss_curves}
+KINDS = {"sidebyside": sidebyside, "run": run, "columns": columns, "loss_curves": loss_curves}
 
 
 def markdown_table(header: list[str], lines: list[list[str]]) -> str:
@@ -127,13 +152,13 @@ def readme_table(index: dict) -> str:
             lines.append([table["model"], f"{table['gpus']}×H200", number(s["samples_per_s_per_gpu"]), share(s["mfu"]),
                           number(s["peak_memory_gib"]), pick["versus"]])
             continue
-        rows = [row for name in table["rows"] for row in read_rows(name) if row["model"] == pick["model"]]
+        rows = [row for row in table_rows(table) if row["model"] == pick["model"]]
         ours = next(r for r in rows if r["variant"] == pick["side"])
         base = next(r for r in rows if r["variant"] == table["reference"])
         ratio = ours["samples_per_s_per_gpu"] / base["samples_per_s_per_gpu"]
         lines.append([f"{pick['model']}{pick.get('label', '')}, {ours['batch_per_gpu']}/GPU", f"{ours['gpus']}×H200",
                       number(ours["samples_per_s_per_gpu"]), share(ours.get("mfu")),
-                      number(ours.get("peak_memory_gib")), f"{ratio:.2f}× {table['reference']}"])
+                      number(ours.get("peak_memory_gib")), f"{ratio:.2f}× {label(table, table['reference'])}"])
     header = ["model", "GPUs", "samples/s/GPU", "MFU", "peak GiB", "× reference (same machine)"]
     return f"{README_BEGIN}\n{markdown_table(header, lines)}\n{README_END}"
 
