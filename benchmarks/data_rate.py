@@ -5,7 +5,7 @@ stage limits it.
         --model ViT-B-32 --batch 256 --workers 4 8 12 --decode gpu cpu --batches 80 --skip 40 --out rates.jsonl
 
 For each data.decode and worker count, the webdataset batches are built as the trainer builds them
-(fsdpclip.data.webdataset_batches) and measured twice: "workers" takes the batches as the workers hand
+(fsdpclip.data.batches.webdataset_batches) and measured twice: "workers" takes the batches as the workers hand
 them over (no pinning thread, nothing sent to the device: for decode 'gpu' they are still JPEGs), "device"
 also turns each into the model's input on the device, as a training step's data does (on CUDA with the
 pinning thread's decode for 'gpu'), synchronised at the end. Rates count the batches after the first
@@ -44,10 +44,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from fsdpclip.data import PREFETCH, webdataset_batches
-from fsdpclip.decode import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
-from fsdpclip.model import build_tokenizer, image_transform, model_config, model_from_config
-from fsdpclip.spec import ModelSpec, WebDatasetSpec
+from fsdpclip.data.batches import PREFETCH, webdataset_batches
+from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
+from fsdpclip.model.build import build_tokenizer, image_transform, model_config, model_from_config
+from fsdpclip.spec.job import ModelSpec, WebDatasetSpec
 
 
 class EmulatedStep:

@@ -2,7 +2,7 @@
 
     python benchmarks/initial_weights.py --model ViT-bigG-14 [--spec examples/mt5-xxl-eva02-e-14.json]
 
-Times `fsdpclip.weights.initial_model` for each init on this machine's cores (what rank 0 does
+Times `fsdpclip.model.weights.initial_model` for each init on this machine's cores (what rank 0 does
 before the first step) and prints parameters, seconds and values drawn per second.
 """
 
@@ -13,8 +13,8 @@ import gc
 import json
 import time
 
-from fsdpclip.spec import ModelSpec
-from fsdpclip.weights import initial_model, usable_cores
+from fsdpclip.spec.job import ModelSpec
+from fsdpclip.model.weights import initial_model, usable_cores
 
 
 def main() -> None:

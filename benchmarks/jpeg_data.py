@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from throughput import run  # noqa: E402
 
-from fsdpclip.report import read_run  # noqa: E402
+from fsdpclip.cli.report import read_run  # noqa: E402
 
 WORDS = ("red", "small", "old", "bright", "dog", "house", "river", "car", "tree", "city", "beach", "bird", "street",
          "mountain", "cat", "boat", "at night", "in the snow", "on a table", "near the sea")

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fsdpclip.distributed import init_distributed  # noqa: E402
-from fsdpclip.jobfile import parse_job  # noqa: E402
-from fsdpclip.metrics import Window  # noqa: E402
-from fsdpclip.spec import ModelSpec  # noqa: E402
-from fsdpclip.trainer import Trainer  # noqa: E402
-from fsdpclip.weights import initial_model  # noqa: E402
+from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
+from fsdpclip.spec.jobfile import parse_job  # noqa: E402
+from fsdpclip.train.metrics import Window  # noqa: E402
+from fsdpclip.spec.job import ModelSpec  # noqa: E402
+from fsdpclip.train.trainer import Trainer  # noqa: E402
+from fsdpclip.model.weights import initial_model  # noqa: E402
 
 WD, BETAS, EPS = 0.2, (0.9, 0.98), 1e-6
 
@@ -47,8 +47,8 @@ def fixed_batches(model, name: str, batch: int, seed: int, rank: int, count: int
 
     from PIL import Image
 
-    from fsdpclip.digits import CAPTIONS, CLASSNAMES, load_sklearn_digits, to_jpeg
-    from fsdpclip.model import build_tokenizer, image_transform, model_config
+    from fsdpclip.data.digits import CAPTIONS, CLASSNAMES, load_sklearn_digits, to_jpeg
+    from fsdpclip.model.build import build_tokenizer, image_transform, model_config
 
     images, labels = load_sklearn_digits()
     pick = random.Random(f"{seed}/{rank}")

@@ -13,8 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from fsdpclip.jobfile import load_job
-from fsdpclip.plan import plan_job
+from fsdpclip.spec.jobfile import load_job
+from fsdpclip.plan.mesh import plan_job
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = {"ViT-B-32": REPO / "examples" / "vit-b-32-laion400m.json", "ViT-bigG-14": REPO / "examples" / "vit-bigg-14.json"}
@@ -80,7 +80,7 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(args.plot_only.read_text()), args.png)
         return
-    from fsdpclip.plan import INTER_GBPS, INTRA_GBPS
+    from fsdpclip.plan.mesh import INTER_GBPS, INTRA_GBPS
 
     result = {"gpu_memory_gib": args.gpu_memory_gib, "intra_gbps": INTRA_GBPS, "inter_gbps": INTER_GBPS, "models": {
         model: {"example": curves(path, None, args.gpus_per_node, args.gpu_memory_gib),

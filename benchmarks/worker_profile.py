@@ -1,5 +1,5 @@
 """Per-sample host cost of the data workers' steps on one core: tar reading, JPEG decode, each step of
-OpenCLIP's ViT-B-32 train transform, tokenising, and seeding each sample's augmentation (fsdpclip.data
+OpenCLIP's ViT-B-32 train transform, tokenising, and seeding each sample's augmentation (fsdpclip.data.batches
 forks the CPU generator per sample; `torch.manual_seed` beside the CPU generator's own seeding).
 Writes one shard of 400 benchmark JPEGs (benchmarks/jpeg_data.py) under --dir first.
 

@@ -1,3 +1,3 @@
-from fsdpclip.cli import app
+from fsdpclip.cli.commands import app
 
 app()

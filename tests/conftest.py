@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fsdpclip.cli import app
+from fsdpclip.cli.commands import app
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "examples" / "models" / "tiny-clip.json"
@@ -32,7 +32,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
     """The digits demo data, built once per test session."""
-    from fsdpclip.digits import write_digits
+    from fsdpclip.data.digits import write_digits
 
     out = tmp_path_factory.mktemp("digits")
     write_digits(out, shards=8)

@@ -89,7 +89,7 @@ def rank_losses(loss_spec, features: list[tuple[torch.Tensor, torch.Tensor]], ex
 
 def rank_copy(master: torch.nn.Module, dtype: torch.dtype, direct_patches: bool) -> torch.nn.Module:
     """One rank's working copy in the compute dtype; temperature and bias stay the master's fp32 ones."""
-    from fsdpclip.direct import use_direct_patch_embedding
+    from fsdpclip.model.fast_modules import use_direct_patch_embedding
 
     replica = copy.deepcopy(master).to(dtype)
     if direct_patches:

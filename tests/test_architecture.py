@@ -14,34 +14,43 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
 def layer_table() -> list[tuple[str, list[str]]]:
-    """(layer, module names) per row of the table under '## The layers', top row first."""
+    """(layer, module paths under fsdpclip/ such as 'train/trainer') per row of the table under '## The layers'."""
     section = ARCHITECTURE.read_text().split("## The layers", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) < 2 or cells[0] in ("layer", "") or set(cells[0]) <= set("-: "):
             continue
-        rows.append((cells[0], re.findall(r"`([\w]+)\.py`", cells[1])))
+        rows.append((cells[0], re.findall(r"`([\w/]+)\.py`", cells[1])))
     return rows
 
 
+def package_modules() -> set[str]:
+    """Every module of the package as its path under fsdpclip/ without '.py'; packages' __init__ files aside."""
+    return {path.relative_to(PACKAGE).with_suffix("").as_posix() for path in PACKAGE.rglob("*.py")
+            if path.name != "__init__.py"}
+
+
 def package_imports(path) -> set[str]:
-    """The package's modules that a module imports, at its top or inside functions."""
+    """The package's modules (paths under fsdpclip/) that a module imports, at its top or inside functions."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fsdpclip")):
-            parts = (node.module or "").split(".")
-            inner = parts[0] if node.level else (parts[1] if len(parts) > 1 else "")
-            names |= {inner} if inner else {alias.name for alias in node.names}
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fsdpclip":
+            inner = "/".join(node.module.split(".")[1:])
+            if not inner or (PACKAGE / inner).is_dir():  # `from fsdpclip.train import trainer`: a module
+                names |= {f"{inner}/{alias.name}".lstrip("/") for alias in node.names}
+            else:
+                names.add(inner)
         elif isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("fsdpclip.")}
+            names |= {"/".join(alias.name.split(".")[1:]) for alias in node.names
+                      if alias.name.startswith("fsdpclip.")}
     return names
 
 
 def test_every_module_is_in_one_row_and_imports_only_downwards():
     rows = layer_table()
     assert rows, "docs/architecture.md has no layer table under '## The layers'"
-    modules = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+    modules = package_modules()
     layer_of: dict[str, int] = {}
     wrong = []
     for index, (layer, names) in enumerate(rows):
@@ -62,11 +71,18 @@ def test_every_module_is_in_one_row_and_imports_only_downwards():
     assert not wrong, "docs/architecture.md's layer table is not the code's:\n" + "\n".join(wrong)
 
 
+def test_subpackages_load_nothing_when_imported():
+    """A subpackage's __init__.py holds its docstring only, so that importing one module loads no other."""
+    heavy = [path.relative_to(REPO).as_posix() for path in PACKAGE.rglob("__init__.py")
+             if path.parent != PACKAGE and any(not isinstance(node, ast.Expr) for node in ast.parse(path.read_text()).body)]
+    assert not heavy, f"these __init__.py files hold more than a docstring: {', '.join(heavy)}"
+
+
 def test_the_launcher_and_the_spec_load_without_torch():
     """What the architecture page says: the spec, the run directory, the launcher and the URLs import no torch."""
     light = [name for layer, names in layer_table() if layer == "foundations" for name in names
-             if name != "distributed"] + ["launch", "torchrun"]
-    code = "import sys; " + "; ".join(f"import fsdpclip.{name}" for name in light) + \
+             if name != "parallel/distributed"] + ["launch/launcher", "launch/torchrun"]
+    code = "import sys; " + "; ".join(f"import fsdpclip.{name.replace('/', '.')}" for name in light) + \
         "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", f"importing {', '.join(light)} loads torch: {loaded.strip()[:300]}"

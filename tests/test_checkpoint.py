@@ -13,7 +13,7 @@ import torch
 
 from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
-from fsdpclip.checkpoint import complete_checkpoints, latest_checkpoint
+from fsdpclip.checkpoint.sharded import complete_checkpoints, latest_checkpoint
 
 STEPS = 12
 
@@ -70,7 +70,7 @@ def test_slow_steps_are_checked_for_a_stop_more_often(tmp_path, digits_dir):
 
 def test_stop_check_interval():
     """Divisors of 10 steps, as many as fit in 10 s; every step once a step takes longer than 5 s."""
-    from fsdpclip.trainer import stop_check_interval
+    from fsdpclip.train.trainer import stop_check_interval
 
     assert [stop_check_interval(s) for s in (0.01, 1.0, 1.5, 2.0, 3.0, 5.0, 6.0, 60.0)] == [10, 10, 5, 5, 2, 2, 1, 1]
 
@@ -221,8 +221,8 @@ def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export):
 def _starts_from(exported, weights: dict, tmp_path) -> None:
     """A new run's initial model from `model.pretrained` (the whole exported file) is those weights; from
     `model.image.pretrained` / `model.text.pretrained` (keys relative to the tower) only that tower's."""
-    from fsdpclip.spec import ModelSpec
-    from fsdpclip.weights import initial_model
+    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.model.weights import initial_model
 
     def state(**spec) -> dict:
         return {k: v.reshape(weights[k].shape) for k, v in
@@ -292,10 +292,10 @@ def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from conftest import RunsCode
-    from fsdpclip.model import model_from_config
-    from fsdpclip.pickles import SafeLoadPlanner, SafeReader
+    from fsdpclip.model.build import model_from_config
+    from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
     from fsdpclip.problems import ModelError
-    from fsdpclip.weights import load_model_weights, read_state_dict
+    from fsdpclip.model.weights import load_model_weights, read_state_dict
 
     marker, system = tmp_path / "code-ran", f"{os.system.__module__}.system"
     saved = {"lr": 0.25, "betas": (0.9, 0.98), "step": torch.ones(2)}
@@ -348,7 +348,7 @@ def test_asynchronous_saves_hold_their_own_step(tmp_path, device, nproc, headroo
 def test_a_state_copy_reuses_its_tensors_when_the_layout_holds():
     """copy_state copies into the tensors of an earlier copy of the same layout (no new memory), and makes
     new ones when the layout changed; either way later in-place changes to the state do not reach it."""
-    from fsdpclip.checkpoint import copy_state
+    from fsdpclip.checkpoint.sharded import copy_state
 
     state = {"model": {"w": torch.randn(4, 3)},
              "optim": {"state": {"w": {"exp_avg": torch.randn(4, 3), "step": torch.tensor(3.0)}},

@@ -16,9 +16,9 @@ def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
     several GPUs (no captured collective measured yet), with CPU offload, fp16 loss scaling, activation
     checkpointing or patch dropout, and for other libraries' blocks; what the spec sets stays. A graphed
     step compiles the blocks of towers too large to compile whole, whatever their work."""
-    from fsdpclip.model import build_model, find_towers
-    from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, resolve_auto
-    from fsdpclip.spec import FsdpSpec, ModelSpec
+    from fsdpclip.model.build import build_model, find_towers
+    from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, resolve_auto
+    from fsdpclip.spec.job import FsdpSpec, ModelSpec
 
     b32 = build_model(ModelSpec(name="ViT-B-32"))
     towers = find_towers(b32)
@@ -71,12 +71,12 @@ def test_a_trainer_without_cuda_refuses_cuda_graph_true(tiny_job, tmp_path):
     with the spec's exit code and one line, not a failure inside CUDA."""
     import json
 
-    from fsdpclip.rundir import EXIT_SPEC
+    from fsdpclip.run.directory import EXIT_SPEC
 
     job = {**tiny_job, "fsdp": {**tiny_job.get("fsdp", {}), "cuda_graph": True}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
-    result = run_group([sys.executable, "-m", "fsdpclip.train", str(path)], timeout=120)
+    result = run_group([sys.executable, "-m", "fsdpclip.train.entry", str(path)], timeout=120)
     assert result.returncode == EXIT_SPEC, result.stdout[-2000:]
     assert "fsdp.cuda_graph true needs CUDA devices" in result.stdout
     assert "Traceback" not in result.stdout
@@ -93,7 +93,7 @@ def test_a_trainer_without_cuda_refuses_cuda_graph_true(tiny_job, tmp_path):
     ("auto", {}, None, None),
 ])
 def test_nccl_registration_is_off_for_graphs_on_expandable_segments(cuda_graph, conf, given, expected):
-    from fsdpclip.graphs import keep_nccl_capturable
+    from fsdpclip.parallel.cuda_graphs import keep_nccl_capturable
 
     environ = {**conf, **({"NCCL_GRAPH_REGISTER": given} if given else {})}
     keep_nccl_capturable(cuda_graph, environ)

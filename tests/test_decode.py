@@ -16,11 +16,11 @@ import webdataset as wds
 from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
-from fsdpclip.data import ShardStream, WebDatasetBatches
-from fsdpclip import decode
-from fsdpclip.decode import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode,
+from fsdpclip.data.batches import ShardStream, WebDatasetBatches
+from fsdpclip.data import transform as decode
+from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode,
                              pooled_batch, read_header, resample_weights, rgb_pixels)
-from fsdpclip.spec import WebDatasetSpec
+from fsdpclip.spec.job import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
 
@@ -38,7 +38,7 @@ def encoded(image: Image.Image, fmt: str = "JPEG", **options) -> bytes:
 
 
 def train_transform(size: int = SIZE):
-    """OpenCLIP's train transform, as fsdpclip.model.image_transform builds it for a model of this size."""
+    """OpenCLIP's train transform, as fsdpclip.model.build.image_transform builds it for a model of this size."""
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
     return image_transform_v2(PreprocessCfg(size=size), is_train=True)
@@ -69,8 +69,8 @@ def test_the_split_transform_is_open_clips_bit_for_bit():
     """Workers run OpenCLIP's train transform up to ToTensor and give uint8; the device's /255 and
     Normalize then give exactly what the whole transform gives, for the same seed (crops of several
     sizes, grayscale, upscaled)."""
-    from fsdpclip.model import build_model, image_transform
-    from fsdpclip.spec import ModelSpec
+    from fsdpclip.model.build import build_model, image_transform
+    from fsdpclip.spec.job import ModelSpec
 
     transform = image_transform(build_model(ModelSpec(config=str(TINY_CONFIG))), train=True)
     split = TrainImages(transform, "cpu", torch.device("cpu"))
@@ -369,7 +369,7 @@ def test_jpeg_headers_are_read_as_pil_reads_them():
     comment, optimised Huffman tables, Adobe RGB) as PIL would, and leaves CMYK, EXIF, MPO, PNG, segments PIL
     reads otherwise or refuses, and sizes past PIL's decompression-bomb limit to PIL, which reads them, warns
     or raises. Cut at every byte or damaged at random, a JPEG it reads itself is read as PIL reads it."""
-    from fsdpclip.decode import _plain_jpeg_header
+    from fsdpclip.data.transform import _plain_jpeg_header
 
     rng = np.random.default_rng(4)
     image = picture(rng, 37, 53)
@@ -489,9 +489,9 @@ def test_data_wait_is_what_the_step_waits_for(device):
     from collections import deque
     from types import SimpleNamespace
 
-    from fsdpclip.metrics import Window
-    from fsdpclip.rundir import StartupClock
-    from fsdpclip.trainer import Trainer
+    from fsdpclip.train.metrics import Window
+    from fsdpclip.run.directory import StartupClock
+    from fsdpclip.train.trainer import Trainer
 
     def slow_batches():
         while True:
@@ -528,8 +528,8 @@ def test_changing_where_images_are_decoded_keeps_the_data_position(tiny_job):
     crops); another shuffle buffer restarts the epoch."""
     import json
 
-    from fsdpclip.jobfile import parse_job
-    from fsdpclip.resume import keeps_data_position, spec_changes
+    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.spec.resume import keeps_data_position, spec_changes
 
     saved = json.loads(parse_job(dict(tiny_job, data={**tiny_job["data"], "decode": "cpu"})).to_json())
     for changed, keeps in (({"decode": "gpu"}, True), ({"shuffle_buffer": 7}, False)):

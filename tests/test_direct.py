@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from fsdpclip.direct import (DirectAttention, DirectPatchEmbedding, is_patch_embedding, use_direct_attention,
+from fsdpclip.model.fast_modules import (DirectAttention, DirectPatchEmbedding, is_patch_embedding, use_direct_attention,
                              use_direct_patch_embedding)
-from fsdpclip.spec import ModelSpec
-from fsdpclip.weights import initial_model
+from fsdpclip.spec.job import ModelSpec
+from fsdpclip.model.weights import initial_model
 from conftest import TINY_CONFIG
 
 
@@ -196,10 +196,10 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     small ones of an eager step; off for other unit plans, on CPU and for other libraries' blocks; what the
     spec sets stays.
     Then a compiled unit module trains compiled and evaluates eager."""
-    from fsdpclip.model import build_model, find_towers
-    from fsdpclip.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_auto
-    from fsdpclip.shard import Unit, plan_units
-    from fsdpclip.spec import FsdpSpec, ModelSpec
+    from fsdpclip.model.build import build_model, find_towers
+    from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_auto
+    from fsdpclip.parallel.units import Unit, plan_units
+    from fsdpclip.spec.job import FsdpSpec, ModelSpec
 
     large, small = 2 * COMPILE_MIN_BLOCK_TFLOP * 1e12, COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
     b32 = build_model(ModelSpec(name="ViT-B-32"))

@@ -65,7 +65,7 @@ def _assert_same(record: dict, reference: dict):
 def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
     from torchvision.datasets import ImageFolder
 
-    from fsdpclip.digits import CLASSNAMES
+    from fsdpclip.data.digits import CLASSNAMES
 
     run_dir, weights = trained
     record = _ours(cli, tmp_path, run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
@@ -114,7 +114,7 @@ def wds_digits(digits_dir, tmp_path_factory):
     from PIL import Image
     from torchvision.datasets import ImageFolder
 
-    from fsdpclip.digits import CLASSNAMES
+    from fsdpclip.data.digits import CLASSNAMES
 
     root = tmp_path_factory.mktemp("wds")
     (root / "test").mkdir(parents=True)
@@ -133,7 +133,7 @@ def wds_digits(digits_dir, tmp_path_factory):
 
 def test_clip_benchmark_webdataset_layout(trained, wds_digits, tmp_path, cli):
     """CLIP_benchmark's wds layout (test/nshards.txt, .cls labels, classnames.txt, templates.txt)."""
-    from fsdpclip.digits import CLASSNAMES
+    from fsdpclip.data.digits import CLASSNAMES
 
     run_dir, weights = trained
     root, shards = wds_digits
@@ -372,9 +372,9 @@ def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
     exit (multiprocessing waits for them at exit)."""
     import multiprocessing
 
-    from fsdpclip.evaluate import evaluate_set, load_eval_set
-    from fsdpclip.model import build_model, build_tokenizer, image_transform, model_config
-    from fsdpclip.spec import ModelSpec, RetrievalSpec, ZeroShotSpec
+    from fsdpclip.eval.evaluate import evaluate_set, load_eval_set
+    from fsdpclip.model.build import build_model, build_tokenizer, image_transform, model_config
+    from fsdpclip.spec.job import ModelSpec, RetrievalSpec, ZeroShotSpec
 
     spec = ModelSpec(config=str(TINY_CONFIG))
     model = build_model(spec, device="cpu")

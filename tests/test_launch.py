@@ -16,9 +16,9 @@ import pytest
 
 from conftest import REPO, TINY_CONFIG, squeezed, write_job
 from ranks import run_group
-from fsdpclip.checkpoint import latest_checkpoint
-from fsdpclip.launch import render, resolve_paths, sbatch_script, torchrun_command
-from fsdpclip.jobfile import load_job
+from fsdpclip.checkpoint.sharded import latest_checkpoint
+from fsdpclip.launch.launcher import render, resolve_paths, sbatch_script, torchrun_command
+from fsdpclip.spec.jobfile import load_job
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("FSDPCLIP_UPDATE_GOLDEN") == "1"
@@ -59,7 +59,7 @@ def test_sbatch_matches_golden(name):
 def test_cluster_example_is_the_rendered_example():
     script = _render("examples/vit-b-32-laion400m.json", [], None)
     _check_golden(CLUSTER_EXAMPLE, script)
-    assert "source /opt/fsdpclip/.venv/bin/activate" in script and "\n    python -m fsdpclip.torchrun" in script
+    assert "source /opt/fsdpclip/.venv/bin/activate" in script and "\n    python -m fsdpclip.launch.torchrun" in script
 
 
 SCRIPTS = [*sorted(GOLDEN.glob("*.sbatch")), CLUSTER_EXAMPLE, REPO / "cluster" / "local-slurm.sh"]
@@ -82,19 +82,19 @@ def test_sbatch_content():
     assert "export NCCL_SOCKET_IFNAME='^lo,docker0'" in lines and "export GLOO_SOCKET_IFNAME=eth0" in lines
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60" in lines
     assert '--rdzv-backend=c10d --rdzv-endpoint="$head_addr:29511" --rdzv-id="$SLURM_JOB_ID"' in script
-    assert "-m fsdpclip.train /project/runs/tiny-cpu/job.json &" in script
+    assert "-m fsdpclip.train.entry /project/runs/tiny-cpu/job.json &" in script
 
     quiet = _render(*CASES["no-requeue-quoted-paths"])
     assert "--requeue" not in quiet and "trap '" not in quiet and "scontrol requeue" not in quiet
     assert "#SBATCH '--output=/scratch/$USER/my runs/tiny-cpu/logs/slurm-%j.out'" in quiet
     assert "run_dir='/scratch/$USER/my runs/tiny-cpu'" in quiet
-    assert "\n    python -m fsdpclip.torchrun" in quiet  # setup lines choose the interpreter
+    assert "\n    python -m fsdpclip.launch.torchrun" in quiet  # setup lines choose the interpreter
 
 
 def test_the_batch_script_refuses_what_would_break_its_lines():
     """The rendering itself (not only the spec) refuses control characters in every value it writes: a job
     built in code, never validated, cannot add lines to the script either."""
-    from fsdpclip.launch import LaunchError
+    from fsdpclip.launch.launcher import LaunchError
 
     job = resolve_paths(load_job(REPO / CASES["tiny-cpu-two-nodes"][0], CASES["tiny-cpu-two-nodes"][1]),
                         Path("/project"))
@@ -114,10 +114,10 @@ def test_the_batch_script_refuses_what_would_break_its_lines():
 def test_torchrun_commands():
     job = Path("/runs/x/job.json")
     assert render(torchrun_command(job, 2, python="py")) == (
-        "py -m fsdpclip.torchrun --nproc-per-node=2 --standalone -m fsdpclip.train /runs/x/job.json")
+        "py -m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone -m fsdpclip.train.entry /runs/x/job.json")
     assert render(torchrun_command(job, 8, 4, 3, "10.0.0.1", 29400, python="py")) == (
-        "py -m fsdpclip.torchrun --nproc-per-node=8 --nnodes=4 --node-rank=3 --master-addr=10.0.0.1 "
-        "--master-port=29400 -m fsdpclip.train /runs/x/job.json")
+        "py -m fsdpclip.launch.torchrun --nproc-per-node=8 --nnodes=4 --node-rank=3 --master-addr=10.0.0.1 "
+        "--master-port=29400 -m fsdpclip.train.entry /runs/x/job.json")
 
 
 # A rank of the forked-torchrun tests: writes what it sees, then exits 75 (a deliberate ending) or waits to be killed.
@@ -137,7 +137,7 @@ def _wait(torchrun, limit: float = 60) -> int:
     """torchrun's exit status; past `limit` seconds it and everything under it are killed (the test fails)."""
     import threading
 
-    from fsdpclip.launch import kill_tree
+    from fsdpclip.launch.launcher import kill_tree
 
     watchdog = threading.Timer(limit, kill_tree, [torchrun.pid])
     watchdog.start()
@@ -150,7 +150,7 @@ def _wait(torchrun, limit: float = 60) -> int:
 def _probe_ranks(tmp_path, mode: str, forked_ranks: bool):
     """Two probe ranks under `launch.ForkedTorchrun` with the launcher's own torchrun command and one more variable;
     the ranks are new interpreters or forks of torchrun (--run-path --start-method=fork)."""
-    from fsdpclip.launch import TORCHRUN, ForkedTorchrun
+    from fsdpclip.launch.launcher import TORCHRUN, ForkedTorchrun
 
     script = tmp_path / "probe.py"
     script.write_text(_PROBE_RANK)
@@ -182,7 +182,7 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
     everything under it."""
     import time
 
-    from fsdpclip.launch import kill_tree
+    from fsdpclip.launch.launcher import kill_tree
 
     torchrun = _probe_ranks(tmp_path, "wait", forked_ranks)
     ranks = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
@@ -211,7 +211,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
 
     def dry_run(path: Path) -> str:
         """The printed command, and whether the launcher imported transformers (`fsdpclip launch` in-process)."""
-        code = ("import sys\nfrom fsdpclip.cli import app\n"
+        code = ("import sys\nfrom fsdpclip.cli.commands import app\n"
                 f"sys.argv = ['fsdpclip', 'launch', {str(path)!r}, '--dry-run']\n"
                 "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
                 "print('transformers imported:', 'transformers' in sys.modules)\n")
@@ -221,20 +221,20 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
 
     # The tiny model has no Hugging Face tower: a launcher the ranks fork from imports OpenCLIP as they do
     forked = dry_run(plain)
-    assert squeezed(f"run directory {tmp_path / 'runs' / 't'} {sys.executable} -m fsdpclip.torchrun") in forked
-    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train.py'} ") in forked
+    assert squeezed(f"run directory {tmp_path / 'runs' / 't'} {sys.executable} -m fsdpclip.launch.torchrun") in forked
+    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train' / 'entry.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
     for path, why in ((pythonpath, "launch.env sets PYTHONPATH, read when a process loads"),
                       (_tiny(tmp_path / "asked", fork_ranks=False), "launch.fork_ranks is false")):
         new_interpreters = dry_run(path)
         assert squeezed(f"the ranks start as new interpreters: {why}") in new_interpreters
-        assert squeezed("-m fsdpclip.train ") in new_interpreters
+        assert squeezed("-m fsdpclip.train.entry ") in new_interpreters
         assert squeezed("transformers imported: True") in new_interpreters
     assert squeezed("new interpreters") not in forked
     code = (
         "import os, sys\n"
-        "from fsdpclip.jobfile import load_job\n"
-        "from fsdpclip.launch import prepare_forked_ranks\n"
+        "from fsdpclip.spec.jobfile import load_job\n"
+        "from fsdpclip.launch.launcher import prepare_forked_ranks\n"
         f"job = load_job({str(_tiny(tmp_path / 'env', env={'FSDPCLIP_PROBE': 'x'}))!r})\n"
         "print(prepare_forked_ranks(job), os.environ.get('FSDPCLIP_PROBE'))\n"
         "import torch\n"
@@ -249,8 +249,8 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     """torchrun's agent asks whether there is a GPU; only NVML's answer leaves its forks able to use CUDA."""
     import torch
 
-    from fsdpclip.jobfile import load_job
-    from fsdpclip.launch import cuda_forbids_forked_ranks, forking_environment, shown_command
+    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.launch.launcher import cuda_forbids_forked_ranks, forking_environment, shown_command
 
     (tmp_path / "gpu").mkdir()
     gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
@@ -266,13 +266,13 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     # forked GPU ranks' torchrun runs (and is printed) behind the NVML check; CPU ranks' needs nothing
     command = torchrun_command(Path("/r/job.json"), 2, python="py", fork_ranks=True)
     assert shown_command(command, forking_environment(gpu, True)).startswith(
-        "PYTORCH_NVML_BASED_CUDA_CHECK=1 py -m fsdpclip.torchrun --nproc-per-node=2 --standalone --run-path ")
+        "PYTORCH_NVML_BASED_CUDA_CHECK=1 py -m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone --run-path ")
     assert forking_environment(cpu, True) == forking_environment(gpu, False) == {}
 
 
 _FORKED_RANK = """
 import os, signal, sys, torch
-from fsdpclip.train import adopt_rank_environment
+from fsdpclip.train.entry import adopt_rank_environment
 signal.signal(signal.SIGHUP, lambda *args: None)  # as torchrun's agent catches it
 torch.set_num_threads(2)
 os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank

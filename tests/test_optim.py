@@ -10,8 +10,8 @@ import torch
 
 from conftest import TINY_CONFIG
 from ranks import json_result
-from fsdpclip.optim import ShardedAdamW
-from fsdpclip.spec import ModelSpec
+from fsdpclip.train.optim import ShardedAdamW
+from fsdpclip.spec.job import ModelSpec
 
 
 def _adam_state(optimizer, param) -> list[torch.Tensor]:
@@ -50,7 +50,7 @@ def test_initial_weights_do_not_depend_on_threads(monkeypatch):
 
     import open_clip
 
-    from fsdpclip.weights import initial_model
+    from fsdpclip.model.weights import initial_model
 
     spec = ModelSpec(config=str(TINY_CONFIG))
     many = initial_model(spec, seed=5).state_dict()
@@ -71,8 +71,8 @@ def test_initial_weights_do_not_depend_on_threads(monkeypatch):
 _CLIP = """
 import json, torch
 from torch.distributed.tensor import Shard, _api, distribute_tensor
-from fsdpclip.distributed import init_distributed
-from fsdpclip.optim import clip_gradients
+from fsdpclip.parallel.distributed import init_distributed
+from fsdpclip.train.optim import clip_gradients
 
 env = init_distributed("cpu", 60)
 torch.manual_seed(0)

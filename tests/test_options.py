@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG
-from fsdpclip.jobfile import model_in
-from fsdpclip.spec import DATA_SOURCES, LOSS_KINDS, Job, ModelSpec
+from fsdpclip.spec.jobfile import model_in
+from fsdpclip.spec.job import DATA_SOURCES, LOSS_KINDS, Job, ModelSpec
 
 OPTIONS = REPO / "docs" / "options.md"
 
@@ -61,7 +61,7 @@ def _meta_pair(spec: ModelSpec, **forced):
     """fsdpclip's model for `spec` and OpenCLIP's create_model with the same options, both on meta."""
     import open_clip
 
-    from fsdpclip.model import build_model
+    from fsdpclip.model.build import build_model
 
     ours = build_model(spec, "meta")
     with torch.device("meta"):
@@ -95,7 +95,7 @@ def test_timm_options_build_open_clips_timm_tower(proj):
     """image.timm pool, proj, proj_bias and drop_path give OpenCLIP's own TimmModel with those arguments."""
     from open_clip.timm_model import TimmModel
 
-    from fsdpclip.model import build_model
+    from fsdpclip.model.build import build_model
 
     spec = ModelSpec(embed_dim=64 if proj != "none" else 192,
                      image={"timm": {"name": "vit_tiny_patch16_224", "pool": "token", "proj": proj, "proj_bias": True,
@@ -116,8 +116,8 @@ def test_hf_options_build_open_clips_text_tower(pooler, proj):
     """model.text.hf pooler and proj give OpenCLIP's own HFTextEncoder with those arguments."""
     from open_clip.hf_model import HFTextEncoder
 
-    from fsdpclip.model import build_model
-    from fsdpclip.towers import register_hf_families
+    from fsdpclip.model.build import build_model
+    from fsdpclip.model.towers import register_hf_families
 
     hf = str(REPO / "tests" / "assets" / "t5-tiny")
     spec = ModelSpec(config=str(TINY_CONFIG), text={"hf": {"path": hf, "pooler": pooler, "proj": proj},
@@ -135,7 +135,7 @@ def test_tensorboard_and_peak_tflops(tmp_path):
     the peak MFU is taken against."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fsdpclip.metrics import MetricsLog, Window, peak_tflops
+    from fsdpclip.train.metrics import MetricsLog, Window, peak_tflops
 
     assert peak_tflops(torch.device("cpu"), 123.0) == 123.0 and peak_tflops(torch.device("cpu"), None) is None
     window = Window()
@@ -158,8 +158,8 @@ def test_parallel_init_is_deterministic_and_draws_the_same_distributions(monkeyp
     so the tiny model's tensors are split), other weights for another seed, OpenCLIP's distributions
     tensor by tensor (constant inits equal, random ones of the same spread), and torch's methods back
     afterwards. 'auto' keeps OpenCLIP's own init below its size threshold."""
-    from fsdpclip import weights
-    from fsdpclip.weights import ParallelDraws, init_kind, initial_model
+    from fsdpclip.model import weights
+    from fsdpclip.model.weights import ParallelDraws, init_kind, initial_model
 
     monkeypatch.setattr(ParallelDraws, "CHUNK", 100)
     spec = ModelSpec(config=str(TINY_CONFIG), init="parallel")

@@ -170,7 +170,7 @@ def trained(tmp_path_factory, digits_dir):
 
 def batch_source(job, rank_count: int):
     """The micro batches each rank's data source gives, read in this process: (rank, index) -> batch."""
-    from fsdpclip.data import ShardStream, SyntheticBatches, WebDatasetBatches
+    from fsdpclip.data.batches import ShardStream, SyntheticBatches, WebDatasetBatches
 
     if job.data.source == "synthetic":
         sources = [SyntheticBatches((3, 32, 32), 16, 49408, job.batch.per_gpu, torch.device("cpu"), job.run.seed,
@@ -196,7 +196,7 @@ def batch_source(job, rank_count: int):
 
 def reference_for(name: str, job_dict: dict, steps: int = STEPS, **changes):
     """The reference run of a case (`changes` alter the spec, to show what a mistake would cost)."""
-    from fsdpclip.jobfile import parse_job
+    from fsdpclip.spec.jobfile import parse_job
 
     job = parse_job(_merge(job_dict, changes))
     _, _, decay, frozen, poison = CASES[name]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO, write_job
-from fsdpclip.plan import EXPOSED_FRACTION, choose_shard_degree, shard_degree_problem, valid_shard_degrees
+from fsdpclip.plan.mesh import EXPOSED_FRACTION, choose_shard_degree, shard_degree_problem, valid_shard_degrees
 
 B32 = REPO / "examples" / "vit-b-32-laion400m.json"
 BIGG = REPO / "examples" / "vit-bigg-14.json"
@@ -58,7 +58,7 @@ def test_plan_of_the_vit_b_32_example(cli):
 
 
 def plan_batch(path) -> int:
-    from fsdpclip.jobfile import load_job
+    from fsdpclip.spec.jobfile import load_job
 
     job = load_job(path)
     return job.batch.per_gpu * job.batch.grad_accum

@@ -34,13 +34,13 @@ def test_a_gpu_job_on_a_machine_without_one_stops_before_torchrun(tmp_path):
     assert result.returncode == 2, result.stdout[-3000:]
     text = squeezed(result.stdout)
     assert "launch.device" in text and "thismachinehasnonevisible" in text, result.stdout
-    assert "Traceback" not in result.stdout and "fsdpclip.torchrun" not in result.stdout
+    assert "Traceback" not in result.stdout and "fsdpclip.launch.torchrun" not in result.stdout
     assert not (tmp_path / "runs" / "pre").exists()
 
 
 def test_fewer_gpus_than_ranks_is_a_located_error(tmp_path, cli, monkeypatch):
     """Two ranks per node where one GPU is visible: the row names launch.gpus_per_node and how many there are."""
-    from fsdpclip import preflight
+    from fsdpclip.validate import preflight
 
     monkeypatch.setattr(preflight, "visible_gpus", lambda: (1, "NVML sees 1"))
     result = cli("launch", write_job(tmp_path, _job(tmp_path, device="cuda", gpus_per_node=2)))
@@ -82,7 +82,7 @@ def test_relaunching_a_finished_run_starts_nothing(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:]
     assert "✓ already finished: step 3 of 3, nothing to train" in again.stdout, again.stdout
     assert f"next: fsdpclip report {run_dir}" in again.stdout
-    assert "fsdpclip.torchrun" not in again.stdout
+    assert "fsdpclip.launch.torchrun" not in again.stdout
     assert sorted((run_dir / "launches").iterdir()) == launches and (run_dir / "metrics.jsonl").read_bytes() == metrics
     more = _launch(path, "--set", "schedule.steps=4")  # a longer schedule still trains
     assert more.returncode == 0 and json.loads((run_dir / "exit.json").read_text())["step"] == 4, more.stdout[-3000:]

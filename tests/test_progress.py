@@ -10,8 +10,8 @@ import sys
 from rich.console import Console
 
 from conftest import REPO, write_job
-from fsdpclip.metrics import MetricsLog, live_progress
-from fsdpclip.weights import usable_cores
+from fsdpclip.train.metrics import MetricsLog, live_progress
+from fsdpclip.model.weights import usable_cores
 
 
 def test_a_live_bar_only_on_a_terminal_outside_slurm():
@@ -31,7 +31,7 @@ def test_plain_lines_carry_the_rate_and_the_time_left(tmp_path, capsys):
 
 
 def test_validate_weighs_every_ranks_workers_against_the_cores(cli, tiny_job, tmp_path, monkeypatch):
-    monkeypatch.setattr("fsdpclip.checks.usable_cores", lambda: 4)
+    monkeypatch.setattr("fsdpclip.validate.checks.usable_cores", lambda: 4)
     job = {**tiny_job, "data": {**tiny_job["data"], "workers": 3}}
     code, out = cli.validate_json(write_job(tmp_path, job))
     assert code == 0, out["errors"]

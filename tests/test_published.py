@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import write_job
-from fsdpclip.launch import resolve_paths
-from fsdpclip.spec import Job, ModelSpec
+from fsdpclip.launch.launcher import resolve_paths
+from fsdpclip.spec.job import Job, ModelSpec
 
 
 @pytest.fixture
@@ -116,9 +116,9 @@ def test_published_weights_load_into_the_initial_model(hf_home):
     import torch
     from safetensors.torch import save
 
-    from fsdpclip.model import build_model
-    from fsdpclip.published import published_config
-    from fsdpclip.weights import initial_model
+    from fsdpclip.model.build import build_model
+    from fsdpclip.model.published import published_config
+    from fsdpclip.model.weights import initial_model
 
     spec = ModelSpec(name="ViTamin-S", pretrained="datacomp1b")
     torch.manual_seed(1)
@@ -136,7 +136,7 @@ def test_fetch_asks_the_hub_only_for_what_the_cache_lacks(hf_home, monkeypatch):
     fetched once into the cache; a cached one is taken from there."""
     import open_clip.pretrained
 
-    from fsdpclip.published import fetch
+    from fsdpclip.model.published import fetch
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     asked = []
@@ -157,7 +157,7 @@ def test_a_rank_whose_cache_lacks_the_weights_stops_in_one_line(hf_home, tmp_pat
     weights says which weights and how to fetch them, and the job ends with the spec's exit code, no traceback."""
     import sys
 
-    from fsdpclip.rundir import EXIT_SPEC
+    from fsdpclip.run.directory import EXIT_SPEC
     from ranks import run_group
 
     job = Job.model_validate({"run": {"name": "p", "output_dir": str(tmp_path / "runs")},
@@ -166,8 +166,8 @@ def test_a_rank_whose_cache_lacks_the_weights_stops_in_one_line(hf_home, tmp_pat
                               "schedule": {"steps": 2}, "batch": {"per_gpu": 2},
                               "launch": {"device": "cpu", "collective_timeout_s": 60}})
     job.save(tmp_path / "job.json")
-    proc = run_group([sys.executable, "-m", "fsdpclip.torchrun", "--nproc-per-node=1", "--standalone", "-m",
-                      "fsdpclip.train", str(tmp_path / "job.json")], timeout=300,
+    proc = run_group([sys.executable, "-m", "fsdpclip.launch.torchrun", "--nproc-per-node=1", "--standalone", "-m",
+                      "fsdpclip.train.entry", str(tmp_path / "job.json")], timeout=300,
                      env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == EXIT_SPEC, proc.stdout[-3000:]
     assert "the 'datacomp1b' weights of ViTamin-S are not in the Hugging Face cache" in proc.stdout

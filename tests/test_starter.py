@@ -7,7 +7,7 @@ import json
 
 import open_clip
 
-from fsdpclip.published import published_tags
+from fsdpclip.model.published import published_tags
 
 
 def test_version_names_fsdpclip_openclip_and_torch(cli):

@@ -39,7 +39,7 @@ import json, sys
 from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
-from fsdpclip.parallelize import load_compile_cache, save_compile_cache
+from fsdpclip.parallel.parallelize import load_compile_cache, save_compile_cache
 mode, path = sys.argv[1], Path(sys.argv[2])
 loaded = load_compile_cache(path) if mode == "load" else 0
 model = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)))
@@ -51,7 +51,7 @@ print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]
 
 
 def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
-    from fsdpclip.parallelize import COMPILE_CACHE, load_compile_cache
+    from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache
 
     if shutil.which("c++") is None:  # inductor compiles CPU kernels with it
         pytest.skip("needs a C++ compiler for torch.compile on the CPU")
@@ -71,7 +71,7 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
     # torch 2.7's CacheInfo lists each kind in its own field (2.8 on: one dict, as above)
     from types import SimpleNamespace
 
-    from fsdpclip.parallelize import _artifacts
+    from fsdpclip.parallel.parallelize import _artifacts
 
     assert _artifacts(SimpleNamespace(inductor_artifacts=["a", "b"], autotune_artifacts=[],
                                       aot_autograd_artifacts=["c"], pgo_artifacts=[])) == 3
@@ -82,7 +82,7 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
     once each, in order, on their own thread, and the main thread's import of one meanwhile waits for the
     whole module; a module that fails to import says nothing there (the next one is still imported) and
     fails at the main thread's import, with its own error."""
-    from fsdpclip.train import import_in_background
+    from fsdpclip.train.entry import import_in_background
 
     (tmp_path / "slow_module.py").write_text(
         "import threading, time\nimported_on = threading.current_thread().name\ntime.sleep(0.5)\nfinished = True\n")
@@ -118,11 +118,11 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
 
 
 def test_rank_entry_imports_only_what_the_process_group_needs():
-    """`python -m fsdpclip.train` imports torch and the spec, not the trainer's libraries (DTensor and
+    """`python -m fsdpclip.train.entry` imports torch and the spec, not the trainer's libraries (DTensor and
     sympy, webdataset, OpenCLIP, dynamo): those are imported on a thread while the process group forms."""
-    heavy = ["fsdpclip.trainer", "fsdpclip.checkpoint", "torch.distributed.tensor", "sympy", "webdataset",
+    heavy = ["fsdpclip.train.trainer", "fsdpclip.checkpoint.sharded", "torch.distributed.tensor", "sympy", "webdataset",
              "open_clip", "torch._dynamo"]
-    code = f"import json, sys, fsdpclip.train\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
+    code = f"import json, sys, fsdpclip.train.entry\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout) == []
@@ -133,9 +133,9 @@ def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face
     import), builds, and transformers still imports afterwards; in a fresh interpreter, as on a rank."""
     code = (
         "import sys\n"
-        "from fsdpclip.model import build_model, hf_text_tower\n"
-        "from fsdpclip.spec import ModelSpec\n"
-        "from fsdpclip.train import import_in_background\n"
+        "from fsdpclip.model.build import build_model, hf_text_tower\n"
+        "from fsdpclip.spec.job import ModelSpec\n"
+        "from fsdpclip.train.entry import import_in_background\n"
         "spec = ModelSpec(name='ViT-B-32')\n"
         "assert 'transformers' not in sys.modules, 'imported before OpenCLIP'\n"
         "import_in_background(['open_clip'], absent=() if hf_text_tower(spec) else ('transformers',)).join()\n"
@@ -151,8 +151,8 @@ def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face
 def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
     """Read from the spec and the config files without OpenCLIP: OpenCLIP's bundled configs by name, a
     config file of the spec's, a text tower put in by the spec; a config that cannot be read keeps transformers."""
-    from fsdpclip.model import hf_text_tower
-    from fsdpclip.spec import ModelSpec
+    from fsdpclip.model.build import hf_text_tower
+    from fsdpclip.spec.job import ModelSpec
 
     plain, hf = tmp_path / "plain.json", tmp_path / "hf.json"
     plain.write_text(json.dumps({"model_cfg": {"embed_dim": 8, "vision_cfg": {}, "text_cfg": {"width": 8}}}))
@@ -171,19 +171,19 @@ def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
 def test_flops_are_counted_on_plain_meta_tensors_the_same_as_on_fake_ones(monkeypatch):
     """A model without Hugging Face parts skips the FakeTensorMode (2.5x faster on ViT-B-32) and counts the
     same FLOPs, frozen parameters included."""
-    import fsdpclip.model
+    import fsdpclip.model.build
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from fsdpclip.metrics import training_flops_per_sample
-    from fsdpclip.model import build_model, fake_batch
-    from fsdpclip.spec import ModelSpec
+    from fsdpclip.train.metrics import training_flops_per_sample
+    from fsdpclip.model.build import build_model, fake_batch
+    from fsdpclip.spec.job import ModelSpec
 
     model = build_model(ModelSpec(name="ViT-B-32"))
     model.visual.transformer.resblocks[:6].requires_grad_(False)
     with fake_batch(model) as (images, texts):
         assert not isinstance(images, FakeTensor) and images.is_meta and texts.is_meta
     plain = training_flops_per_sample(model)
-    monkeypatch.setattr(fsdpclip.model, "holds_hugging_face_modules", lambda model: True)
+    monkeypatch.setattr(fsdpclip.model.build, "holds_hugging_face_modules", lambda model: True)
     with fake_batch(model) as (images, texts):
         assert isinstance(images, FakeTensor)
     assert training_flops_per_sample(model) == plain > 0
@@ -195,9 +195,9 @@ def test_flops_are_counted_on_plain_meta_tensors_the_same_as_on_fake_ones(monkey
 _WORKERS_DURING_BUILD = """
 import json, multiprocessing, sys
 from pathlib import Path
-from fsdpclip import trainer
-from fsdpclip.distributed import init_distributed
-from fsdpclip.jobfile import load_job
+from fsdpclip.train import trainer
+from fsdpclip.parallel.distributed import init_distributed
+from fsdpclip.spec.jobfile import load_job
 
 job, case = load_job(Path(sys.argv[1])), sys.argv[2]
 job.run_dir.mkdir(parents=True)

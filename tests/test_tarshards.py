@@ -1,4 +1,4 @@
-"""fsdpclip.tarshards reads shards into the samples webdataset's own reader gives, for the tar layouts
+"""fsdpclip.data.tarshards reads shards into the samples webdataset's own reader gives, for the tar layouts
 tools write (webdataset's TarWriter, GNU, ustar, pax, compressed) and for broken shards."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
-from fsdpclip.tarshards import TarError, shard_samples
+from fsdpclip.data.tarshards import TarError, shard_samples
 
 
 def webdataset_samples(url: str) -> tuple[list[dict], list[str]]:

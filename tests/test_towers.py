@@ -72,8 +72,8 @@ def test_t5_and_timm_towers_train_only_their_last_blocks(tmp_path):
     in bf16, activation-checkpointed; all but the last block of each tower and their embeddings frozen."""
     from safetensors.torch import load_file
 
-    from fsdpclip.weights import initial_model
-    from fsdpclip.jobfile import parse_job
+    from fsdpclip.model.weights import initial_model
+    from fsdpclip.spec.jobfile import parse_job
 
     hf, timm_dir = _hf_dir(tmp_path), _timm_dir(tmp_path)
     model = {"embed_dim": 48, "text": {"hf": {"path": hf, "pretrained": True}, "context_length": 12},
@@ -171,15 +171,15 @@ def test_t5_freeze_and_decay_counts(cli, tmp_path):
 def test_flops_of_a_hugging_face_tower_are_counted_on_fake_tensors(tmp_path, monkeypatch):
     """A T5 tower reads its attention mask: plain meta tensors cannot run it, so the FLOP count (and
     validate's activation trace) takes a FakeTensorMode for any model that holds a transformers module."""
-    import fsdpclip.model
-    from fsdpclip.metrics import training_flops_per_sample
-    from fsdpclip.model import build_model, holds_hugging_face_modules
-    from fsdpclip.spec import ModelSpec
+    import fsdpclip.model.build
+    from fsdpclip.train.metrics import training_flops_per_sample
+    from fsdpclip.model.build import build_model, holds_hugging_face_modules
+    from fsdpclip.spec.job import ModelSpec
 
     model = build_model(ModelSpec(config=str(TINY_CONFIG), text={"hf": {"path": _hf_dir(tmp_path, weights=False)}}))
     assert holds_hugging_face_modules(model)
     assert training_flops_per_sample(model) > 0
-    monkeypatch.setattr(fsdpclip.model, "holds_hugging_face_modules", lambda model: False)
+    monkeypatch.setattr(fsdpclip.model.build, "holds_hugging_face_modules", lambda model: False)
     with pytest.raises(RuntimeError, match="meta"):
         training_flops_per_sample(model)
 

@@ -355,7 +355,7 @@ def test_compile_options_refused_wherever_torch_compile_refuses_them():
     import torch
     from torch._inductor import config
 
-    from fsdpclip.checks import compile_option_problem
+    from fsdpclip.validate.checks import compile_option_problem
 
     disagree = []
     for name in config.get_config_copy():
@@ -375,7 +375,7 @@ def test_declared_types_torch_leaves_unchecked():
     """Literals and unions (torch.compile checks plain types only)."""
     import typing
 
-    from fsdpclip.checks import _fits
+    from fsdpclip.validate.checks import _fits
 
     assert [_fits(v, typing.Literal["DEFAULT", "EXHAUSTIVE"]) for v in ("DEFAULT", "default")] == [True, False]
     for optional_int in (typing.Optional[int], int | None):

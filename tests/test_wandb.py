@@ -16,7 +16,7 @@ import time
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
 
-from fsdpclip.trainer import STOP_CHECK_STEPS
+from fsdpclip.train.trainer import STOP_CHECK_STEPS
 
 STEPS = 3 * STOP_CHECK_STEPS  # two stop checks: the signal, sent after the first step, lands before the last
 
@@ -78,7 +78,7 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
     run (the id kept in RUN_DIR/wandb-id): every scalar of metrics.jsonl, training and evaluation, in order;
     the resolved spec as config; the preemption marked and each exit code recorded. Files go to RUN_DIR/wandb
     by default and to WANDB_DIR when set. No connection reaches the W&B server or any HTTP(S) proxy."""
-    from fsdpclip.rundir import WANDB_ID_FILE
+    from fsdpclip.run.directory import WANDB_ID_FILE
 
     for name in [name for name in os.environ if name.startswith("WANDB_")]:  # W&B settings: this test's own only
         monkeypatch.delenv(name)
@@ -103,7 +103,7 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
         url = f"http://127.0.0.1:{port}"
         env = {"WANDB_BASE_URL": url, "HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
                "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
-        train = [sys.executable, "-m", "fsdpclip.train", str(path)]
+        train = [sys.executable, "-m", "fsdpclip.train.entry", str(path)]
         first = _preempted(train, run_dir, env | {"FSDPCLIP_LAUNCH_TIME": str(time.time())})
         assert first.returncode == 75, first.stdout[-3000:]
         second = run_group(train, timeout=240, env=env | {"FSDPCLIP_LAUNCH_TIME": str(time.time()),

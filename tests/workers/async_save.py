@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from fsdpclip import checkpoint
-from fsdpclip.distributed import init_distributed
-from fsdpclip.spec import CheckpointSpec
+from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.parallel.distributed import init_distributed
+from fsdpclip.spec.job import CheckpointSpec
 
 
 def sharded_model(env) -> torch.nn.Module:

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdpclip.distributed import all_mean, init_distributed
-from fsdpclip.jobfile import parse_job
-from fsdpclip.metrics import Window
-from fsdpclip.trainer import Trainer
+from fsdpclip.parallel.distributed import all_mean, init_distributed
+from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.train.metrics import Window
+from fsdpclip.train.trainer import Trainer
 
 STEPS = 8
 TINY = "examples/models/tiny-clip.json"

@@ -1,4 +1,4 @@
-"""Runs `fsdpclip.train` under torchrun with one fault injected, then exits with its code.
+"""Runs `fsdpclip.train.entry` under torchrun with one fault injected, then exits with its code.
 
     faults.py JOB signal:RANK:STEP       RANK sends itself SIGUSR1 after STEP
     faults.py JOB slow:SECONDS           every step of every rank takes SECONDS longer
@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from fsdpclip import checkpoint, train, trainer
+from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.train import entry as train, trainer
 
 
 def main(job: str, faults: str) -> int:

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdpclip.distributed import all_mean, init_distributed
-from fsdpclip.jobfile import parse_job
-from fsdpclip.metrics import Window
-from fsdpclip.optim import local
-from fsdpclip.parallelize import reshard
-from fsdpclip.trainer import Trainer
+from fsdpclip.parallel.distributed import all_mean, init_distributed
+from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.train.metrics import Window
+from fsdpclip.train.optim import local
+from fsdpclip.parallel.parallelize import reshard
+from fsdpclip.train.trainer import Trainer
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

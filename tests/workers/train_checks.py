@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdpclip.distributed import all_mean, init_distributed
-from fsdpclip.metrics import Window
-from fsdpclip.jobfile import load_job
-from fsdpclip.trainer import Trainer
+from fsdpclip.parallel.distributed import all_mean, init_distributed
+from fsdpclip.train.metrics import Window
+from fsdpclip.spec.jobfile import load_job
+from fsdpclip.train.trainer import Trainer
 
 
 def main(mode: str, out: str, job_file: str) -> None:

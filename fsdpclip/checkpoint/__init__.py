@@ -1,0 +1,1 @@
+"""Sharded checkpoints (save, find, resume, export) and pickles read without running code."""

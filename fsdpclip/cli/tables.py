@@ -1,0 +1,130 @@
+"""Rich renderings of what `validate`, `plan` and `report` found: tables and lines, no printing of their
+own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from fsdpclip.data.transform import DECODED_WHERE
+from fsdpclip.plan.memory import GIB
+
+if TYPE_CHECKING:
+    from fsdpclip.plan.mesh import Plan
+    from fsdpclip.spec.job import Job
+
+
+def summary_tables(summary: dict) -> list:
+    """validate's summary: parameters per tower, FSDP units, decay groups, memory, then the mesh and
+    batch lines."""
+    params = Table(title=escape(f"{summary['model']} ({summary['class']})"))
+    for column in ("tower", "parameters", "trainable", "frozen", "blocks", "block class"):
+        params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
+    for tower, row in summary["towers"].items():
+        params.add_row(tower, f"{row['parameters']:,}", f"{row['trainable']:,}", f"{row['frozen']:,}",
+                       str(row["blocks"] or ""), escape(", ".join(row["block_classes"])))
+    total = summary["parameters"]
+    params.add_row("total", f"{total['parameters']:,}", f"{total['trainable']:,}", f"{total['frozen']:,}", "", "",
+                   style="bold")
+
+    mesh = summary["mesh"]
+    units = Table(title=f"FSDP units (sharded over {mesh['shard_degree']} of {summary['world_size']} ranks)")
+    for column in ("tower", "class", "units", "blocks each", "parameters each", "fp32 shard each", "first"):
+        units.add_column(column, justify="left" if column in ("tower", "class", "first") else "right")
+    for row in summary["fsdp_units"]:
+        units.add_row(row["tower"], escape(row["class"]), str(row["count"]), str(row["modules_each"]),
+                      f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", escape(row["first"]))
+
+    decay = Table(title="Weight decay groups (original parameter names)")
+    for column in ("rule", "weight decay", "tensors", "parameters"):
+        decay.add_column(column, justify="left" if column == "rule" else "right")
+    for row in summary["decay_groups"]:
+        decay.add_row(escape(row["rule"]), f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
+
+    memory = summary["memory_gib"]
+    mem = Table(title="Estimated memory per GPU (GiB)")
+    columns = ("parameters", "gradients", "optimizer", "unsharded", "activations", "inputs", "total", "host")
+    for key in columns:
+        mem.add_column(key, justify="right")
+    mem.add_row(*(f"{memory[k]:.2f}" for k in columns))
+
+    batch = summary["batch"]
+    steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
+    batch_line = (f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
+                  f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+    if batch["decode"]:
+        batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
+    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line]
+
+
+def mesh_line(world: int, mesh: dict) -> str:
+    """The mesh in one line, with the bytes one GPU moves per step inside its group and across replicas."""
+    degree, replicas, moved = mesh["shard_degree"], mesh["replicas"], mesh["traffic_gib_per_step"]
+    kind = "full sharding" if replicas == 1 else "replication" if degree == 1 else "HSDP"
+    how = " ('auto': decided at start from the GPUs' memory; full sharding shown)" if mesh["decided_at_start"] \
+        else " ('auto')" if mesh["auto"] else ""
+    return (f"mesh: {replicas} replica(s) × shard groups of {degree} = {world} ranks, {kind}{how}; per GPU and "
+            f"step: {moved['all_gather']:.3f} GiB all-gathered and {moved['reduce_scatter']:.3f} GiB "
+            f"reduce-scattered inside the shard group, {moved['all_reduce']:.3f} GiB all-reduced across replicas")
+
+
+def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
+    """One row per strategy, marking the degree 'auto' takes, the spec's, the fastest that fits and
+    what does not fit."""
+    table = Table(title=f"{escape(job.model.name or job.model.config)}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
+                        f"{job.batch.per_gpu * job.batch.grad_accum} samples per GPU and step")
+    for column in ("strategy", "shard group", "replicas", "memory GiB/GPU", "in group GiB", "across replicas GiB",
+                   "compute ms", "comm ms", "step ms", "samples/s/GPU", ""):
+        table.add_column(column, justify="left" if column in ("strategy", "") else "right")
+    fitting = [r.samples_per_s_per_gpu for r in plan.rows if r.memory_gib <= capacity_gib]
+    best = max(fitting) if fitting else None
+    for row in plan.rows:
+        marks = [m for m, on in (("auto", row.degree == plan.auto_degree), ("spec", row.degree == job.fsdp.shard_degree),
+                                 ("fastest", row.samples_per_s_per_gpu == best),
+                                 ("does not fit", row.memory_gib > capacity_gib)) if on]
+        memory = f"{row.memory_gib:.1f}"
+        table.add_row(row.name, str(row.degree), str(row.replicas),
+                      f"[red]{memory}[/red]" if row.memory_gib > capacity_gib else memory,
+                      f"{row.traffic.shard_group / GIB:.3f}", f"{row.traffic.all_reduce / GIB:.3f}",
+                      f"{row.compute_s * 1e3:.1f}", f"{row.communication_s * 1e3:.1f}", f"{row.step_s * 1e3:.1f}",
+                      f"{row.samples_per_s_per_gpu:,.0f}", ", ".join(marks))
+    return table
+
+
+def plan_model_line(plan: "Plan", intra_gbps: float, inter_gbps: float) -> str:
+    """The inputs and assumptions behind plan's numbers."""
+    from fsdpclip.plan.mesh import EXPOSED_FRACTION, MEMORY_MARGIN
+
+    return (f"model: {plan.parameters:,} parameters, {plan.flops_per_sample / 1e9:,.3g} GFLOP per sample (forward + "
+            f"backward) at {plan.tflops:g} TFLOP/s sustained; ring collectives at {intra_gbps:g} Gb/s per GPU inside "
+            f"a node and {inter_gbps:g} across nodes; a step is max(compute, communication) + {EXPOSED_FRACTION:g} × "
+            f"communication (docs/architecture.md, 'The mesh and the plan model'). 'auto' takes the smallest shard "
+            f"group of at least a node that fits {plan.gpu_memory_gib:g} GiB with a {MEMORY_MARGIN:.0%} margin.")
+
+
+def report_lines(info: dict) -> list[str]:
+    """`report`'s summary: state, progress and ETA, checkpoint, launches and restarts, last results (rich markup,
+    the run's own text escaped)."""
+    total = f"/{info['total_steps']:,}" if info["total_steps"] else ""
+    lines = [f"[bold]{escape(info['run_dir'])}[/bold]: {info['state']}"
+             + (f" ({escape(info['holder'])})" if info["holder"] else "")]
+    progress = f"step {info['step']:,}{total}"
+    if info["eta_s"] is not None:
+        hours, rest = divmod(int(info["eta_s"]), 3600)
+        progress += f", about {hours}:{rest // 60:02d}:{rest % 60:02d} to go"
+    if info["loss"] is not None:
+        progress += f", loss {info['loss']:.4g}"
+    lines.append(progress)
+    lines.append(f"last complete checkpoint: {info['last_checkpoint'] or 'none'}")
+    restarts = f", resumed at step {', '.join(map(str, info['restarts_at']))}" if info["restarts_at"] else ""
+    lines.append(f"launches: {info['launches']}{restarts}")
+    if info["exit"] and not info["holder"]:
+        lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
+    from fsdpclip.eval.evaluate import result_line
+
+    lines += [escape(result_line(f"{kind}/{name}", values)) for kind in ("zeroshot", "retrieval")
+              for name, values in info[kind].items()]
+    lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")
+    return lines

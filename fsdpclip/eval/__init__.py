@@ -1,0 +1,1 @@
+"""Zero-shot classification and image-text retrieval."""

@@ -1,0 +1,1 @@
+"""Other trainers' checkpoints: an open_clip_train checkpoint written as one of ours."""

@@ -1,0 +1,1 @@
+"""Building OpenCLIP models: towers, freeze and decay groups, weights, published tags, faster modules."""

@@ -1,0 +1,176 @@
+"""Towers from outside OpenCLIP's model configs: timm image towers and Hugging Face text towers.
+
+Everything is local: a timm architecture (random weights, or a local weights file), a local timm
+directory, and a local Hugging Face directory (config.json, tokenizer files, weights). A hub id
+is the user's mistake, reported with its JSON location; nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdpclip.problems import ModelError, closest
+from fsdpclip.run.directory import read_text_file, special_file
+from fsdpclip.spec.job import HfTowerSpec, ModelSpec, TimmTowerSpec
+
+HF_INSTALL = "pip install 'fsdpclip[hf]'"
+TIMM_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+# The files transformers' tokenizers read from a local directory, where present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+LOCAL_HINT = "fsdpclip never downloads: save the model (save_pretrained) or copy its files into a local directory"
+
+
+# ------------------------------------------------------------------------- configs
+def compose(cfg: dict, spec: ModelSpec) -> dict:
+    """The OpenCLIP config `cfg` with the spec's embed_dim and timm / Hugging Face towers put in;
+    every tower checked to be local."""
+    if spec.embed_dim is not None:
+        cfg["embed_dim"] = spec.embed_dim
+    if spec.image.timm is not None:
+        cfg["vision_cfg"] = timm_vision_cfg(spec.image.timm)
+    if spec.text.hf is not None:
+        cfg["text_cfg"] = hf_text_cfg(spec.text.hf)
+    base = "model.name" if spec.name else "model.config"
+    if "hf_model_name" in cfg["text_cfg"]:
+        check_hf_dir(cfg["text_cfg"]["hf_model_name"], "model.text.hf.path" if spec.text.hf else base,
+                     from_spec=spec.text.hf is not None)
+    if "timm_model_name" in cfg["vision_cfg"] and spec.image.timm is None:
+        check_timm_name(cfg["vision_cfg"]["timm_model_name"], base)
+    return cfg
+
+
+def timm_vision_cfg(timm_spec: TimmTowerSpec) -> dict:
+    """OpenCLIP's vision_cfg for a timm trunk, at the image size the trunk was built for."""
+    location = "model.image.timm.path" if timm_spec.path else "model.image.timm.name"
+    name = check_timm_name(f"local-dir:{timm_spec.path}" if timm_spec.path else timm_spec.name, location)
+    with torch.device("meta"):
+        trunk = create_timm(name, location)
+    cfg = {"timm_model_name": name, "timm_model_pretrained": False, "timm_pool": timm_spec.pool,
+           "timm_proj": None if timm_spec.proj == "head" else timm_spec.proj, "timm_proj_bias": timm_spec.proj_bias, "image_size": timm_image_size(trunk)}
+    if timm_spec.drop_path is not None:
+        cfg["timm_drop_path"] = timm_spec.drop_path
+    return cfg
+
+
+def check_timm_name(name: str, location: str) -> str:
+    """A timm registry name or a local timm directory ('local-dir:PATH'); never a hub id."""
+    import timm
+
+    source, colon, rest = name.partition(":")
+    if colon and source == "local-dir":
+        if not (Path(rest) / "config.json").is_file():
+            raise ModelError("not a local timm directory with a config.json", location, rest, hint=LOCAL_HINT)
+        return name
+    if colon or "/" in name:
+        raise ModelError(f"the timm tower '{name}' is a hub id", location, name, hint=LOCAL_HINT)
+    if not timm.is_model(name):
+        near = closest(name, timm.list_models(), n=3)
+        raise ModelError(f"unknown timm architecture '{name}'", location, name,
+                         hint=f"closest: {near}" if near else "see timm.list_models()")
+    return name
+
+
+def create_timm(name: str, location: str) -> nn.Module:
+    """A timm model with random weights (no download), or a ModelError at `location`."""
+    import timm
+
+    try:
+        return timm.create_model(name, pretrained=False)
+    except (RuntimeError, ValueError, TypeError, KeyError, OSError) as exc:
+        raise ModelError(f"timm cannot build it: {exc}", location, name) from None
+
+
+def timm_image_size(trunk: nn.Module) -> int | list[int]:
+    """The input size a timm trunk was built for (a ViT's patch grid fixes it)."""
+    size = getattr(getattr(trunk, "patch_embed", None), "img_size", None) or trunk.pretrained_cfg["input_size"][1:]
+    size = [int(s) for s in size]
+    return size[0] if size[0] == size[1] else size
+
+
+def hf_text_cfg(hf: HfTowerSpec) -> dict:
+    """OpenCLIP's text_cfg for a Hugging Face encoder in a local directory (model and tokenizer)."""
+    return {"hf_model_name": hf.path, "hf_tokenizer_name": hf.path, "hf_model_pretrained": False,
+            "hf_proj_type": hf.proj, "hf_pooler_type": hf.pooler}
+
+
+def check_hf_dir(path: str, location: str, from_spec: bool) -> None:
+    """A local Hugging Face directory of a family HFTextEncoder builds, and transformers to build it."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        if from_spec:
+            raise ModelError("not a local directory with a config.json", location, path, hint=LOCAL_HINT)
+        raise ModelError(f"its text tower '{path}' is a Hugging Face hub id", location, path,
+                         hint="set model.text.hf.path to a local directory with that model's files")
+    try:
+        import transformers  # noqa: F401  (only whether it is there)
+    except ImportError:
+        raise ModelError("a Hugging Face text tower needs the 'transformers' package", location, path,
+                         hint=HF_INSTALL) from None
+    from open_clip.hf_model import arch_dict
+
+    register_hf_families()
+    try:
+        model_type = json.loads(read_text_file(config)).get("model_type")
+    except OSError as exc:
+        raise ModelError(f"cannot read {config}: {exc.strerror}", location, path) from None
+    except (json.JSONDecodeError, AttributeError):
+        raise ModelError(f"{config} is not a JSON object", location, path) from None
+    special = [(name, kind) for name in TOKENIZER_FILES if (kind := special_file(Path(path) / name))]
+    if special:  # the tokenizer would read it and block (a FIFO) or never end (a device)
+        raise ModelError(f"its {special[0][0]} is not a regular file but {special[0][1]}", location, path)
+    if model_type not in arch_dict:
+        raise ModelError(f"model_type '{model_type}' is not a text tower OpenCLIP's HFTextEncoder builds", location,
+                         path, hint=f"supported: {', '.join(sorted(arch_dict))}")
+
+
+def register_hf_families() -> None:
+    """Let OpenCLIP's HFTextEncoder build T5 as it builds mT5 (same layout; OpenCLIP lists only mT5).
+    Called before a Hugging Face tower is checked or built; doing it again changes nothing."""
+    from open_clip.hf_model import arch_dict
+
+    arch_dict.setdefault("t5", arch_dict["mt5"])
+
+
+def hf_max_tokens(model: nn.Module) -> Optional[int]:
+    """The most tokens a Hugging Face text tower takes (None: no HF tower, or no limit as with T5)."""
+    config = getattr(getattr(getattr(model, "text", None), "transformer", None), "config", None)
+    if config is None or config.model_type in ("t5", "mt5"):
+        return None
+    offset = config.pad_token_id + 1 if config.model_type in ("roberta", "xlm-roberta") else 0  # positions after pad
+    return config.max_position_embeddings - offset
+
+
+# ------------------------------------------------------------------------- weights
+def timm_trunk_state(timm_spec: TimmTowerSpec, trunk: nn.Module, read) -> tuple[dict, str]:
+    """(state, file) of a timm tower's local weights, without the classifier OpenCLIP's head replaces.
+    `read` reads a weights file into a state dict."""
+    if isinstance(timm_spec.pretrained, str):
+        file = timm_spec.pretrained
+    else:
+        file = next((str(Path(timm_spec.path) / f) for f in TIMM_WEIGHT_FILES
+                     if (Path(timm_spec.path) / f).is_file()), None)
+        if file is None:
+            raise ModelError(f"{timm_spec.path} holds none of {', '.join(TIMM_WEIGHT_FILES)}",
+                             "model.image.timm.pretrained", True)
+    classifier = trunk.pretrained_cfg.get("classifier") or ()
+    prefixes = tuple(f"{c}." for c in ((classifier,) if isinstance(classifier, str) else classifier))
+    own = trunk.state_dict()
+    return {k: v for k, v in read(file).items() if k in own or not k.startswith(prefixes)}, file
+
+
+def hf_encoder_state(hf: HfTowerSpec) -> dict[str, torch.Tensor]:
+    """The encoder weights in a local Hugging Face directory, laid out as OpenCLIP's HFTextEncoder
+    holds them (the encoder of an encoder-decoder; a pooling layer only for 'cls_pooler')."""
+    from transformers import AutoConfig, AutoModel
+
+    if getattr(AutoConfig.from_pretrained(hf.path), "is_encoder_decoder", False):
+        return AutoModel.from_pretrained(hf.path).encoder.state_dict()
+    return AutoModel.from_pretrained(hf.path, add_pooling_layer=hf.pooler == "cls_pooler").state_dict()

@@ -1,0 +1,233 @@
+"""Weights: the initial model of a run (OpenCLIP's init for a seed, then local weights) and loading
+OpenCLIP-style checkpoints into a model or into one of its towers."""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdpclip.model.build import build_model, tower_of
+from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
+from fsdpclip.problems import ModelError
+from fsdpclip.model.published import weights_file
+from fsdpclip.spec.job import ModelSpec
+from fsdpclip.model.towers import hf_encoder_state, timm_trunk_state
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        try:
+            state = load_weights_only(path, str(path), map_location="cpu", mmap=True)
+        except PickleRefused as exc:
+            raise ModelError(f"{exc} ({NEEDS_CODE_HINT})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelError(f"{path} holds no state dict of tensors")
+    return unwrapped(state)
+
+
+def unwrapped(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict without the prefixes that wrappers put on every key: `module.` (DDP) and `_orig_mod.`
+    (torch.compile), in any nesting."""
+    while state and (prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)):
+        state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, tower: Optional[str] = None,
+                 module: Optional[str] = None) -> None:
+    """Load a state dict strictly (every key, no other, the same shapes): one tower's (keys relative to
+    the tower), one submodule's (keys relative to `module`, e.g. 'visual.trunk') or, given neither, the
+    whole model's. OpenCLIP has no loader for parts of a model, and its whole-model loader resizes."""
+    prefix = f"{module}." if module is not None else {"image": "visual.", "text": "text."}.get(tower, "")
+    if tower == "text" and not hasattr(model, "text"):  # OpenCLIP's own text tower sits on the root
+        prefix = ""
+    state = {prefix + k: v for k, v in state.items()}
+    own = model.state_dict()
+    expected = {k for k in own if k.startswith(prefix)} if module is not None else \
+        {k for k in own if tower_of(k) == tower} if tower is not None else set(own)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelError(f"{where} does not match the model: {len(missing)} missing keys "
+                         f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
+                         f"({', '.join(unexpected[:3])}{'...' if len(unexpected) > 3 else ''})")
+    wrong = [k for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        raise ModelError(f"{where} does not match the model: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                         f"the model {tuple(own[wrong[0]].shape)}")
+    model.load_state_dict(state, strict=False)
+
+
+def load_model_weights(model: nn.Module, path: str, label: str = "the model") -> None:
+    """A whole-model OpenCLIP checkpoint, loaded strictly by OpenCLIP's own `load_checkpoint` (its key
+    conversions, position-embedding resizes, 0-d/1-element logit scale and a missing logit bias)."""
+    import pickle
+
+    import open_clip
+
+    try:
+        open_clip.load_checkpoint(model, path, strict=True, weights_only=True)
+    except (RuntimeError, AssertionError) as exc:  # missing, unexpected or mis-shaped keys; resizes that cannot be
+        detail = " ".join(str(exc).split())
+        raise ModelError(another_model(model, path, label) or
+                         f"{path} does not match the model: {detail[:400]}{'...' if len(detail) > 400 else ''}") \
+            from None
+    except (OSError, ValueError, KeyError, StopIteration, pickle.UnpicklingError) as exc:
+        refused = refusal(exc, path)
+        raise ModelError(f"{refused} ({NEEDS_CODE_HINT})" if refused else
+                         f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
+
+
+def another_model(model: nn.Module, path: str, label: str) -> Optional[str]:
+    """The line saying that a weights file holds another model than `label` (the first tensor of another
+    shape, how many differ or are missing), or None where every tensor has the model's size."""
+    state, own = read_state_dict(path), model.state_dict()
+    resized = [k for k in state if k in own and state[k].numel() != own[k].numel()]
+    missing, unexpected = set(own) - set(state), set(state) - set(own)
+    if not resized and not (missing and unexpected):
+        return None
+    first = (f"{resized[0]} is {list(state[resized[0]].shape)} there, {list(own[resized[0]].shape)} in {label}; "
+             if resized else "")
+    return (f"{path} holds the weights of another model than {label}: {first}{len(resized)} tensors of another "
+            f"size, {len(missing)} missing, {len(unexpected)} unexpected; name the model it was trained with")
+
+
+# 'auto' init draws OpenCLIP's own weights (one serial random stream) up to this size, in parallel above.
+OPENCLIP_INIT_MAX_PARAMETERS = 1_000_000_000
+
+
+def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The full model with its starting weights, on the CPU: the init `spec.init` asks for with `seed`,
+    then local weights.
+
+    Always the CPU's generators, so a seed gives the same weights on every machine (a GPU's
+    generator draws other numbers, and whether a model fits a GPU must not change it); with
+    every core this process may use (torchrun leaves each rank one thread, and the other ranks
+    wait for this one).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, usable_cores()))
+    try:
+        torch.manual_seed(seed)
+        if init_kind(spec) == "parallel":
+            with ParallelDraws(seed, usable_cores()):
+                model = build_model(spec, device="cpu")
+        else:
+            model = build_model(spec, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    if spec.pretrained:
+        load_model_weights(model, weights_file(spec), spec.label)
+    if spec.image.pretrained:
+        load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
+    if spec.text.pretrained:
+        load_weights(model, read_state_dict(spec.text.pretrained), spec.text.pretrained, tower="text")
+    if spec.image.timm is not None and spec.image.timm.pretrained:
+        state, file = timm_trunk_state(spec.image.timm, model.visual.trunk, read_state_dict)
+        load_weights(model, state, file, module="visual.trunk")
+    if spec.text.hf is not None and spec.text.hf.pretrained:
+        load_weights(model, hf_encoder_state(spec.text.hf), spec.text.hf.path, module="text.transformer")
+    return model
+
+
+def init_kind(spec: ModelSpec) -> str:
+    """spec.init with 'auto' decided by the model's size (counted on the meta device)."""
+    if spec.init != "auto":
+        return spec.init
+    parameters = sum(p.numel() for p in build_model(spec).parameters())
+    return "openclip" if parameters <= OPENCLIP_INIT_MAX_PARAMETERS else "parallel"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class ParallelDraws:
+    """While active, the random draws of a model's constructors are parallel and still deterministic.
+
+    The CPU generator draws serially (single-threaded ~0.3G values/s: a 10B-parameter model draws
+    minutes). Inside, every random fill or creation called without a generator (`Tensor.normal_`,
+    `uniform_`, ... as nn.init, timm and Hugging Face call them; `torch.randn`, ...) gets its own,
+    seeded from (seed, call number); a fill of a large contiguous tensor is split into chunks of
+    CHUNK values with a generator each, drawn on `workers` threads. The numbers depend on the seed,
+    the model's calls and CHUNK only, not on the core count, thread timing or machine. The methods are
+    swapped on torch.Tensor and torch for the duration (one thread builds the model meanwhile).
+    """
+
+    CHUNK = 1 << 20  # values: ~3 ms of one core's drawing, so even a 4M-value weight spreads over 4 cores
+    IN_PLACE = ("normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_",
+                "geometric_")
+    CREATING = ("randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial")
+
+    def __init__(self, seed: int, workers: int):
+        self.seed, self.calls, self.workers = seed, 0, max(1, workers)
+        self.saved: list[tuple[object, str, object]] = []
+        self.pool: Optional[ThreadPoolExecutor] = None
+
+    def __enter__(self) -> "ParallelDraws":
+        self.pool = ThreadPoolExecutor(self.workers)
+        for owner, names, wrap in ((torch.Tensor, self.IN_PLACE, self._fill), (torch, self.CREATING, self._create)):
+            for name in names:
+                self.saved.append((owner, name, owner.__dict__.get(name)))
+                setattr(owner, name, self._through(wrap, getattr(owner, name)))
+        return self
+
+    @staticmethod
+    def _through(wrap, original):
+        """A plain function (a method once set on torch.Tensor) that calls wrap(original, ...)."""
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            return wrap(original, *args, **kwargs)
+        return call
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, own in reversed(self.saved):
+            if own is None:
+                delattr(owner, name)  # inherited (torch.Tensor's come from the C base class)
+            else:
+                setattr(owner, name, own)
+        self.saved.clear()
+        self.pool.shutdown()
+        self.pool = None
+
+    def _generator(self, *key: int) -> torch.Generator:
+        mixed = self.seed
+        for part in key:
+            mixed = (mixed * 6364136223846793005 + part + 1442695040888963407) % (1 << 63)
+        return torch.Generator().manual_seed(mixed)
+
+    def _create(self, original, *args, **kwargs):
+        if kwargs.get("generator") is not None:
+            return original(*args, **kwargs)
+        self.calls += 1
+        return original(*args, **{**kwargs, "generator": self._generator(self.calls)})
+
+    def _fill(self, original, tensor, *args, **kwargs):
+        if kwargs.get("generator") is not None:
+            return original(tensor, *args, **kwargs)
+        self.calls += 1
+        kwargs.pop("generator", None)
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() <= self.CHUNK:
+            return original(tensor, *args, **kwargs, generator=self._generator(self.calls))
+        chunks = tensor.view(-1).split(self.CHUNK)
+        draw, grad = self.calls, torch.is_grad_enabled()  # grad mode is per thread
+
+        def fill(index: int) -> None:
+            with torch.set_grad_enabled(grad):
+                original(chunks[index], *args, **kwargs, generator=self._generator(draw, index))
+
+        list(self.pool.map(fill, range(len(chunks))))
+        return tensor

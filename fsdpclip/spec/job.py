@@ -1,0 +1,782 @@
+"""The job spec: one JSON document that describes a whole training job.
+
+Pure data: pydantic models with `extra="forbid"` everywhere, no torch. `fsdpclip.spec.jobfile`
+reads a file into a `Job` (structural problems as `Problem`s with JSON locations); meaning
+(does the model exist, do the regexes match) is checked by `fsdpclip.validate.checks`.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import unicodedata
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+
+from fsdpclip.problems import MAX_WORLD_SIZE
+from fsdpclip.run.directory import write_atomically
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+TOWERS = ("image", "text")
+SLICE_RE = re.compile(r"^\s*-?\d*\s*:\s*-?\d*\s*(:\s*-?\d+\s*)?$")
+
+
+def _auto_or_count(value: Any, handler) -> Any:
+    """One error for a value that is neither 'auto' nor a positive integer (not one per union member)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError("expected 'auto' or an integer ≥ 1") from None
+
+
+AutoOrCount = Annotated[Union[Literal["auto"], Annotated[int, Field(ge=1)]], WrapValidator(_auto_or_count)]
+
+
+def _scalar(value: Any, handler) -> Any:
+    """One error for a value that is not a JSON scalar (not one per union member)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError("expected true/false, a number, a string or null") from None
+
+
+def _dotted(value: Any) -> Any:
+    """Nested objects as dotted names, as inductor names its nested options ({"triton": {"cudagraphs": true}},
+    what `--set fsdp.compile_options.triton.cudagraphs=true` writes, is "triton.cudagraphs")."""
+    if not isinstance(value, dict):
+        return value
+    flat = {}
+    for key, item in value.items():
+        if isinstance(item, dict):
+            flat.update({f"{key}.{inner}": leaf for inner, leaf in _dotted(item).items()})
+        else:
+            flat[key] = item
+    return flat
+
+
+InductorOptions = Annotated[dict[str, Annotated[Union[bool, int, float, str, None], WrapValidator(_scalar)]],
+                            BeforeValidator(_dotted)]
+
+
+def _boolean_for_number(value: Any, annotation: Any) -> bool:
+    """Whether `value` puts true/false where `annotation` takes a number and no boolean (pydantic would read
+    true as 1), also inside lists, tuples and objects."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _boolean_for_number(value, args[0])
+    if origin in (Union, types.UnionType):
+        members = [get_args(a)[0] if get_origin(a) is Annotated else a for a in args]
+        if isinstance(value, bool):
+            return bool not in members and any(m in (int, float) for m in members)
+        return any(_boolean_for_number(value, m) for m in members if get_origin(m) in (list, tuple, dict))
+    if isinstance(value, bool):
+        return annotation in (int, float)
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):
+        items = args[:1] * len(value) if origin is list or args[-1:] == (Ellipsis,) else args
+        return any(_boolean_for_number(item, kind) for item, kind in zip(value, items))
+    if origin is dict and isinstance(value, dict):
+        return any(_boolean_for_number(item, args[1]) for item in value.values())
+    return False
+
+
+class Section(BaseModel):
+    """Base of every spec block: unknown keys are errors, never ignored; numbers are finite (JSON's 1e400
+    and Python's Infinity would reach the ranks as inf, and job.json as null) and never true/false."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if _boolean_for_number(value, cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, not true/false")
+        return value
+
+
+def one_line(value: str) -> str:
+    """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
+    #SBATCH options at the first command, and a shell runs what follows), and no other control character is
+    meant in a name, a path or a Slurm option."""
+    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if found is not None:
+        raise ValueError(f"contains the control character {found!r}: a value written into the batch script must be "
+                         "one line of printable text")
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(one_line)]
+SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", re.DOTALL)
+
+
+def sbatch_option(value: str) -> str:
+    """One `--option[=value]` token (several options are several items; the batch script quotes each)."""
+    one_line(value)
+    if not SBATCH_OPTION.fullmatch(value):
+        raise ValueError("one sbatch option per item, written '--option' or '--option=value' (e.g. '--mem=0')")
+    return value
+
+
+SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
+
+
+# --------------------------------------------------------------------------- run
+class RunSpec(Section):
+    name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128,
+                      description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: OneLine = Field("runs", description="Directory that holds run directories (created if missing).")
+    seed: int = Field(0, ge=0, lt=2 ** 63, description="Seed for initialisation, data order and dropout (below 2^63, "
+                                                       "as torch's generators take it with the rank added).")
+
+
+# ------------------------------------------------------------------------- model
+class TimmTowerSpec(Section):
+    name: Optional[str] = Field(
+        None, description="timm architecture name, e.g. 'vit_base_patch16_224' (timm.list_models()); no hub ids.")
+    path: Optional[str] = Field(
+        None, description="Instead of `name`: a local directory in timm's format (config.json with 'architecture', "
+                          "'model_args' and 'pretrained_cfg'; its weights in model.safetensors or pytorch_model.bin).")
+    pretrained: Union[bool, str] = Field(
+        False, description="Initial trunk weights in timm's key layout: true loads the weights file in `path`; a "
+                           "string is a local weights file. The classifier is dropped. Default: random init.")
+    pool: str = Field("avg", description="Feature pooling of the trunk ('avg', 'token', '' or OpenCLIP's "
+                                         "'abs_attn'/'rot_attn').")
+    proj: Literal["linear", "mlp", "head", "none"] = Field(
+        "linear", description="Projection from the trunk's features to the joint embedding: OpenCLIP's 'linear' "
+                              "or 'mlp', 'head' (the trunk's classifier, resized to embed_dim) or 'none' (the "
+                              "trunk's features as they are).")
+    proj_bias: bool = Field(False, description="Give the projection a bias.")
+    drop_path: Optional[float] = Field(None, ge=0.0, lt=1.0, description="Stochastic depth rate of the trunk.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TimmTowerSpec":
+        if (self.name is None) == (self.path is None):
+            raise ValueError("give exactly one of `name` (a timm architecture) or `path` (a local timm directory)")
+        if self.pretrained is True and self.path is None:
+            raise ValueError("`pretrained: true` loads the weights in `path`; with `name`, give a local weights file")
+        return self
+
+    @field_validator("name")
+    @classmethod
+    def _no_hub(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and (":" in value or "/" in value):
+            raise ValueError("a timm architecture name, not a hub id or a path (a local directory goes in `path`; "
+                             "nothing is downloaded)")
+        return value
+
+
+class HfTowerSpec(Section):
+    path: str = Field(
+        description="Local directory of a Hugging Face text model (T5/mT5 encoder, BERT, RoBERTa, XLM-R): its "
+                    "config.json and tokenizer files (and weights when `pretrained`). Hub ids are never downloaded.")
+    pretrained: bool = Field(
+        False, description="Load the weights in `path` (save_pretrained's files); false: random init.")
+    pooler: Literal["mean_pooler", "max_pooler", "cls_pooler", "cls_last_hidden_state_pooler"] = Field(
+        "mean_pooler", description="How token features become one text feature (OpenCLIP's poolers).")
+    proj: Literal["mlp", "linear"] = Field(
+        "mlp", description="Projection from the model's width to the joint embedding.")
+
+
+class ImageTowerSpec(Section):
+    timm: Optional[TimmTowerSpec] = Field(
+        None, description="Replace the image tower with a timm model (with OpenCLIP's pooling and projection).")
+    image_size: Optional[int] = Field(None, gt=0, description="Override the image size of the model config.")
+    patch_dropout: Optional[float] = Field(
+        None, ge=0.0, lt=1.0, description="Fraction of patches dropped during training (ViT towers).")
+    pretrained: Optional[str] = Field(
+        None, description="Local weights file for the image tower only (OpenCLIP keys relative to the tower).")
+    block_classes: Optional[list[str]] = Field(
+        None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
+                          "default: the known block classes found in the tower.")
+
+
+class TextTowerSpec(Section):
+    hf: Optional[HfTowerSpec] = Field(
+        None, description="Replace the text tower with a Hugging Face encoder from a local directory "
+                          "(needs `pip install 'fsdpclip[hf]'`).")
+    context_length: Optional[int] = Field(None, gt=0, description="Override the text context length.")
+    pretrained: Optional[str] = Field(
+        None, description="Local weights file for the text tower only (OpenCLIP keys relative to the tower).")
+    block_classes: Optional[list[str]] = Field(
+        None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
+                          "default: the known block classes found in the tower.")
+
+
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")  # a model.pretrained value with one is a file
+
+
+class ModelSpec(Section):
+    name: Optional[str] = Field(
+        None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()); towers given in "
+                          "`image.timm` or `text.hf` replace its towers.")
+    config: Optional[str] = Field(
+        None, description="Path to a local OpenCLIP model-config JSON (embed_dim, vision_cfg, text_cfg); "
+                          "instead of `name`.")
+    embed_dim: Optional[int] = Field(
+        None, gt=0, description="Width of the joint embedding; overrides the config's (needed when `image.timm` "
+                                "and `text.hf` replace both towers and neither `name` nor `config` is given).")
+    pretrained: Optional[str] = Field(
+        None, description="Whole-model weights: a local OpenCLIP checkpoint (a path with a directory or a .pt, .pth, "
+                          ".bin or .safetensors suffix), or a tag OpenCLIP publishes for `name` (e.g. "
+                          "'laion2b_s34b_b79k'; `fsdpclip models --pretrained`), fetched into the Hugging Face cache "
+                          "by `fsdpclip launch` (or `fsdpclip fetch NAME TAG`) before training; HF_HUB_OFFLINE "
+                          "is respected.")
+    quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
+    init: Literal["auto", "openclip", "parallel"] = Field(
+        "auto", description="Initial weights for the run's seed (before any pretrained weights load). 'openclip': "
+                            "OpenCLIP's own, from one random stream drawn on one core (~30M values/s: minutes for "
+                            "billions of parameters); 'parallel': the same distributions, each draw from its own "
+                            "stream in chunks spread over every core (the same numbers on any machine and core "
+                            "count, not OpenCLIP's); 'auto': 'openclip' up to 1B parameters, 'parallel' above.")
+    image: ImageTowerSpec = Field(default_factory=ImageTowerSpec, description="Image tower options.")
+    text: TextTowerSpec = Field(default_factory=TextTowerSpec, description="Text tower options.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if self.name is not None and self.config is not None:
+            raise ValueError("give exactly one of `name` (an OpenCLIP architecture) or `config` (a model-config file)")
+        if self.name is None and self.config is None and not self.composed:
+            raise ValueError("give `name` (an OpenCLIP architecture), `config` (a model-config file), or both "
+                             "`image.timm` and `text.hf` with `embed_dim`")
+        if self.composed and self.embed_dim is None:
+            raise ValueError("`embed_dim` is needed when `image.timm` and `text.hf` make the whole model")
+        return self
+
+    @property
+    def published_tag(self) -> Optional[str]:
+        """`pretrained` when it names published weights rather than a file: no directory part, no weights suffix."""
+        value = self.pretrained
+        if value is None or "/" in value or "\\" in value or value.lower().endswith(WEIGHT_SUFFIXES):
+            return None
+        return value
+
+    @property
+    def composed(self) -> bool:
+        """Both towers come from timm and Hugging Face, with no OpenCLIP config underneath."""
+        return self.name is None and self.config is None and self.image.timm is not None and self.text.hf is not None
+
+    @property
+    def label(self) -> str:
+        """A short name for logs and eval output."""
+        base = self.name or (Path(self.config).stem if self.config else None)
+        towers = [Path(self.image.timm.path).name if self.image.timm and self.image.timm.path else
+                  self.image.timm.name if self.image.timm else None,
+                  Path(self.text.hf.path).name if self.text.hf else None]
+        return "+".join(p for p in [base] + towers if p)
+
+    @property
+    def block_classes(self) -> dict[str, Optional[list[str]]]:
+        return {"image": self.image.block_classes, "text": self.text.block_classes}
+
+
+# -------------------------------------------------------------------------- fsdp
+class WrapSpec(Section):
+    image: Optional[list[str]] = Field(
+        None, description="Module classes of the image tower sharded as their own FSDP units; default: its blocks.")
+    text: Optional[list[str]] = Field(
+        None, description="Module classes of the text tower sharded as their own FSDP units; default: its blocks.")
+
+
+class ActivationCheckpointSpec(Section):
+    image: Union[bool, list[str]] = Field(
+        False, description="Image-tower module classes to activation-checkpoint; true: its block classes.")
+    text: Union[bool, list[str]] = Field(
+        False, description="Text-tower module classes to activation-checkpoint; true: its block classes.")
+
+
+class GradScalerSpec(Section):
+    enabled: Union[Literal["auto"], bool] = Field(
+        "auto", description="Dynamic loss scaling for fp16 ('auto': on exactly when param_dtype is fp16).")
+    init_scale: float = Field(2.0 ** 16, gt=0, description="Initial loss scale.")
+    growth_interval: int = Field(2000, gt=0, description="Steps without overflow before the scale doubles.")
+
+
+class FsdpSpec(Section):
+    wrap: WrapSpec = Field(default_factory=WrapSpec, description="Which modules become FSDP units, per tower.")
+    unit_size: AutoOrCount = Field(
+        "auto", description="Consecutive blocks (outermost wrap-class modules) of a tower sharded together as one "
+                            "FSDP unit: fewer, larger units cost less per-unit overhead and a little more memory. "
+                            "'auto': about 400M parameters per unit (measured fastest, docs/performance.md).")
+    shard_degree: AutoOrCount = Field(
+        "auto", description="Ranks per shard group (HSDP): parameters are sharded inside a group and replicated "
+                            "across world size ÷ shard_degree groups; 1 replicates everywhere, the world size is full "
+                            "sharding. A group lies inside a node or spans whole nodes. 'auto': shard inside a node and "
+                            "replicate across nodes; a group of several nodes only when the estimated memory does not "
+                            "fit a GPU (launch.gpu_memory_gib, else the GPU's own memory, at start) with a 10% margin; "
+                            "full sharding when neither is known (CPU).")
+    reshard_after_forward: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Free unsharded parameters after forward (less memory, one more all-gather in backward). "
+                            "'auto': true, except where compile 'auto' compiles whole towers (towers up to 1B parameters): those "
+                            "stay gathered.")
+    param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
+    reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    activation_checkpointing: ActivationCheckpointSpec = Field(
+        default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in backward.")
+    compile: Union[bool, Literal["auto"]] = Field(
+        "auto", description="torch.compile each module of the FSDP units (static shapes) before sharding; evaluation "
+                            "stays eager. 'auto' (CUDA, OpenCLIP's own blocks; off on CPU and for timm/Hugging Face "
+                            "towers): where each tower's blocks hold at most 1B parameters (default wrap and unit size, no "
+                            "activation checkpointing or offload), the tower's block container as one unit and one "
+                            "graph; in larger towers each block where one block's forward over a micro batch is at "
+                            "least 0.5 TFLOP; otherwise off (docs/performance.md).")
+    compile_options: InductorOptions = Field(
+        default_factory=dict,
+        description="Inductor options (torch._inductor.config; nested ones dotted, e.g. 'triton.cudagraphs', or as "
+                    "nested objects; '-' or '_') for the compiled modules, as torch.compile's `options`, e.g. "
+                    "{\"coordinate_descent_tuning\": true}; scalar values, checked against the installed torch (its "
+                    "options, their declared types). Some change numerics (e.g. 'emulate_precision_casts').")
+    cuda_graph: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Capture each step's forward and backward as one CUDA graph after a warm-up step and replay "
+                            "it: no host work per kernel or per FSDP unit (gradient clipping and the optimizer stay "
+                            "outside); the graph's memory stays held between steps. Needs CUDA, fixed batch shapes, no "
+                            "fp16 loss scaling, CPU offload or patch dropout. 'auto': on for one GPU with OpenCLIP's "
+                            "blocks and no activation checkpointing; off on several GPUs until a run there shows "
+                            "captured collectives (docs/performance.md).")
+    direct_attention: bool = Field(
+        True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
+                          "scaled_dot_product_attention: the same function, parameters and names, less Python.")
+    direct_patch_embedding: bool = Field(
+        True, description="Run a patch embedding (a Conv2d over the image whose stride is its kernel: a ViT's conv1) as "
+                          "one matmul over the image's patches: the same function, parameters and names; cuDNN's "
+                          "convolution kernels for these shapes are slow on the GPU (docs/performance.md).")
+    grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
+
+    @property
+    def reshards(self) -> bool:
+        """Whether units free their gathered parameters after forward: 'auto' not yet decided by compile
+        'auto' (parallelize.resolve_auto) reshards."""
+        return self.reshard_after_forward is not False
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the job scales its loss (fp16, unless `grad_scaler.enabled` says otherwise)."""
+        return self.param_dtype == "fp16" if self.grad_scaler.enabled == "auto" else self.grad_scaler.enabled
+
+
+# ------------------------------------------------------------------------ freeze
+class TowerFreezeSpec(Section):
+    blocks: Optional[str] = Field(
+        None, description="Python slice of the tower's blocks to freeze, e.g. '0:-1' (all but the last), ':' (all).")
+    embeddings: bool = Field(False, description="Freeze the parts before the blocks (patch/token and position embeddings).")
+    head: bool = Field(False, description="Freeze the parts after the blocks (final norms, pooling, projection).")
+
+    @field_validator("blocks")
+    @classmethod
+    def _slice(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not SLICE_RE.match(value):
+            raise ValueError("must be a Python slice 'start:stop[:step]', e.g. '0:-1'")
+        if value is not None and value.count(":") == 2 and int(value.split(":")[2]) == 0:
+            raise ValueError("slice step cannot be zero")
+        return value
+
+
+class FreezeSpec(Section):
+    image: TowerFreezeSpec = Field(default_factory=TowerFreezeSpec, description="Frozen parts of the image tower.")
+    text: TowerFreezeSpec = Field(default_factory=TowerFreezeSpec, description="Frozen parts of the text tower.")
+    logit_scale: bool = Field(False, description="Freeze the learned temperature (and bias, if any).")
+
+
+# --------------------------------------------------------------------- optimizer
+class DecayRule(Section):
+    pattern: Optional[str] = Field(
+        None, description="Regex searched in the original (unwrapped) parameter name, e.g. 'visual\\.proj$'.")
+    max_ndim: Optional[int] = Field(None, ge=0, description="Only tensors with at most this many dims (1: biases, norms).")
+    weight_decay: float = Field(description="Weight decay for the parameters this rule matches first.", ge=0.0)
+
+    @model_validator(mode="after")
+    def _selective(self) -> "DecayRule":
+        if self.pattern is None and self.max_ndim is None:
+            raise ValueError("a decay rule needs `pattern`, `max_ndim` or both")
+        return self
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+# open_clip_train's own rule: no decay where `p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or
+# 'logit_scale' in n` (embeddings are decayed, as there).
+NO_DECAY_PATTERN = r"bn|ln|bias|logit_scale"
+DEFAULT_DECAY_RULES = [
+    DecayRule(max_ndim=1, weight_decay=0.0),
+    DecayRule(pattern=NO_DECAY_PATTERN, weight_decay=0.0),
+]
+
+
+class OptimizerSpec(Section):
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
+    eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.2, ge=0, description="Weight decay of parameters that no decay rule matches.")
+    grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the global gradient norm to this value.")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="A step whose gradient norm is not finite: 'skip' it (weights untouched, counted in "
+                            "metrics) or 'stop' the run, keeping the last good checkpoint (fp16: the grad scaler "
+                            "handles overflow instead).")
+    decay_rules: list[DecayRule] = Field(
+        default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
+        description="Ordered weight-decay rules over the original parameter names; the first match wins, "
+                    "unmatched parameters get `weight_decay`. Default: open_clip_train's, no decay for tensors of "
+                    "fewer than 2 dims and names containing 'bn', 'ln', 'bias' or 'logit_scale'.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("both betas must lie in [0, 1)")
+        return value
+
+
+# ---------------------------------------------------------------------- schedule
+class ScheduleSpec(Section):
+    kind: Literal["cosine", "constant"] = Field("cosine", description="LR shape after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
+    steps: Optional[int] = Field(None, gt=0, description="Total optimizer steps (instead of `epochs`).")
+    epochs: Optional[int] = Field(
+        None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on every "
+                                "rank (instead of `steps`; default 1 when neither is set).")
+    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule (at most optimizer.lr).")
+
+    @field_validator("epochs")
+    @classmethod
+    def _one_length(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if value is not None and info.data.get("steps") is not None:
+            raise ValueError("give `steps` or `epochs`, not both")
+        return value
+
+
+# -------------------------------------------------------------------------- data
+class WebDatasetSpec(Section):
+    source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
+    urls: Union[str, list[str]] = Field(
+        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at most "
+                    "2^20 (1,048,576) shards.")
+    samples: int = Field(
+        gt=0, description="Samples in one epoch (the sum over all shards). An epoch is samples ÷ (world size × "
+                          "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
+                          "workers; a worker whose shards hold fewer reads them again in another order (as "
+                          "OpenCLIP's with_epoch).")
+    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
+    shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
+    workers: int = Field(4, ge=0, description="DataLoader workers per rank; each reads its own shards, so "
+                                               "without `resampled` there must be ≥ world size × workers shards.")
+    image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
+    text_key: str = Field("txt", description="Sample key of the caption.")
+    decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
+        "auto", description="Where images are decoded and augmented. 'cpu': on the data workers (the batch crosses "
+                            "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
+                            "cropped and resized on the device ahead of the step; the workers read their headers "
+                            "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
+                            "the workers). 'mixed': the workers decode every image and cut its crop; the pinning "
+                            "thread copies the crops to the device and resizes them there, ahead of the step "
+                            "(nvJPEG's decode does not overlap a step that keeps the GPU busy; the crops cross "
+                            "unresized, padded to the batch's largest: for "
+                            "256-px JPEGs ~7× the shared memory of 'gpu' and 1.3× that of 'cpu', growing with "
+                            "the images: for images near the model's size). "
+                            "'auto' (the default): the path measured fastest where the run trains, 'mixed' on CUDA "
+                            "(ViT-B-32 on 256-px JPEG shards, 1×H200: 0.96× the synthetic rate, against 0.73× for "
+                            "'gpu' and 0.39× for 'cpu': benchmarks/results/2026-12-03-jpeg-default-1xh200.jsonl), "
+                            "'cpu' on the CPU.")
+
+
+class SyntheticSpec(Section):
+    source: Literal["synthetic"] = Field(description="Random images and tokens generated on the device (benchmarks).")
+    samples: Optional[int] = Field(None, gt=0, description="Samples in one epoch (needed only with `schedule.epochs`).")
+
+
+def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) -> Any:
+    """A block that is one of `members`, chosen by its `key` field (`default` when absent)."""
+
+    def tag(value: Any) -> str:
+        return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
+
+    return Annotated[Union[tuple(Annotated[m, Tag(t)] for t, m in members.items())], Discriminator(tag)]
+
+
+def batches_per_epoch(samples: int, world_size: int, per_gpu: int) -> int:
+    """Micro batches every rank draws in an epoch of `samples`: as many as fill all ranks, the rest of
+    the epoch left out (as OpenCLIP's with_epoch), so that each rank is in the same epoch at each step."""
+    return samples // (world_size * per_gpu)
+
+
+DATA_SOURCES = {"webdataset": WebDatasetSpec, "synthetic": SyntheticSpec}
+DataSpec = tagged_union("source", "webdataset", DATA_SOURCES)
+
+
+# ------------------------------------------------------------------------- batch
+class BatchSpec(Section):
+    per_gpu: int = Field(gt=0, description="Micro batch per GPU (per process) and forward.")
+    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step.")
+    global_batch: Optional[int] = Field(
+        None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
+                                "per_gpu × grad_accum × world size.")
+
+
+# -------------------------------------------------------------------------- loss
+class ClipLossSpec(Section):
+    kind: Literal["clip"] = Field("clip", description="Contrastive softmax loss (CLIP).")
+    local_loss: bool = Field(True, description="Each rank computes the loss of its own rows against the global batch.")
+    gather_with_grad: bool = Field(
+        True, description="Gather features with gradient (needed for the exact global-batch gradient).")
+
+
+class SigLipLossSpec(Section):
+    kind: Literal["siglip"] = Field(description="Sigmoid loss (SigLIP); the model needs a learned logit bias.")
+    exchange: Literal["bidir", "shift", "reduce", "gather"] = Field(
+        "bidir", description="How text features travel between ranks.")
+
+
+LOSS_KINDS = {"clip": ClipLossSpec, "siglip": SigLipLossSpec}
+LossSpec = tagged_union("kind", "clip", LOSS_KINDS)
+
+
+# -------------------------------------------------------------------------- eval
+class ZeroShotSpec(Section):
+    dataset: Literal["digits", "imagenet", "folder"] = Field(
+        description="'digits' (the demo split), 'imagenet' (a val folder of synset folders, or CLIP_benchmark "
+                    "webdataset) or 'folder' (one folder per class).")
+    path: str = Field(description="Dataset directory.")
+    name: Optional[str] = Field(
+        None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
+    classnames: Optional[str] = Field(None, description="File with one class name per line (needed for 'folder').")
+    templates: Optional[str] = Field(
+        None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
+                          "default: 'openai', and the digits prompts for 'digits'.")
+    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images.")
+
+
+    @property
+    def label(self) -> str:
+        return self.name or (Path(self.path).name if self.dataset == "folder" else self.dataset)
+
+
+class RetrievalSpec(Section):
+    path: str = Field(
+        description="A folder of image/caption pairs (x.jpg with x.txt, one caption per line; subfolders too) or "
+                    "CLIP_benchmark retrieval shards (dataset_type.txt 'retrieval', test/nshards.txt, .txt captions).")
+    name: Optional[str] = Field(None, description="Name in logs and results; default: the folder's name.")
+    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images (with all "
+                                                              "their captions).")
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).name
+
+
+class EvalSpec(Section):
+    zeroshot: list[ZeroShotSpec] = Field(default_factory=list, description="Zero-shot classification sets.")
+    retrieval: list[RetrievalSpec] = Field(
+        default_factory=list, description="Image-text retrieval sets (recall@1/5/10 both ways, as CLIP_benchmark).")
+    every_steps: Optional[int] = Field(None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
+    at_end: bool = Field(True, description="Evaluate after the last step.")
+    batch_per_gpu: int = Field(64, gt=0, description="Images per GPU and forward during evaluation.")
+
+    @property
+    def sets(self) -> list[Union[ZeroShotSpec, RetrievalSpec]]:
+        """Every set to evaluate, zero-shot first."""
+        return [*self.zeroshot, *self.retrieval]
+
+
+# -------------------------------------------------------------------- checkpoint
+class CheckpointSpec(Section):
+    every_steps: Optional[int] = Field(None, gt=0, description="Save a sharded checkpoint every N optimizer steps.")
+    at_end: bool = Field(True, description="Save after the last step.")
+    keep: int = Field(2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
+    resume: Optional[str] = Field(
+        "latest", description="'latest': resume from the newest complete checkpoint of the run, if any; "
+                              "a path: resume from that checkpoint; null: always start fresh.")
+    async_save: bool = Field(False, description="Write checkpoints in the background while training goes on.")
+
+
+# ----------------------------------------------------------------------- logging
+# What W&B refuses in a project name (wandb.sdk.wandb_settings.Settings.validate_project).
+WANDB_PROJECT_REFUSES = "/\\#?%:"
+
+
+class WandbSpec(Section):
+    project: Optional[str] = Field(None, max_length=128, description="W&B project (default: W&B's own, or "
+                                   "WANDB_PROJECT): at most 128 characters, none of / \\ # ? % :, as W&B requires.")
+    entity: Optional[str] = Field(None, description="W&B team or user (default: the logged-in user's).")
+    name: Optional[str] = Field(None, description="Display name of the W&B run; default: run.name.")
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, description="Tags of the W&B run, 1 to 64 characters each (W&B's limit).")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="'online' syncs as it trains; 'offline' writes the W&B run locally, never touching "
+                              "the network (`wandb sync` uploads it later); 'disabled' turns W&B off.")
+
+    @field_validator("project")
+    @classmethod
+    def _project_name(cls, value: Optional[str]) -> Optional[str]:
+        refused = sorted(set(WANDB_PROJECT_REFUSES) & set(value or ""))
+        if refused:
+            raise ValueError(f"W&B refuses project names containing {' '.join(refused)}")
+        return value
+
+
+class LoggingSpec(Section):
+    every_steps: int = Field(10, gt=0, description="Write metrics.jsonl (and TensorBoard) every N optimizer steps.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files (needs `tensorboard`).")
+    peak_tflops: Optional[float] = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one device for MFU; default: a table of known GPUs.")
+    wandb: Optional[WandbSpec] = Field(
+        None, description="Also log to Weights & Biases (rank 0; needs `pip install 'fsdpclip[wandb]'`).")
+
+
+# ------------------------------------------------------------------------ launch
+ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def environment_names(value: dict[str, str]) -> dict[str, str]:
+    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first)."""
+    for name in value:
+        if not ENVIRONMENT_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits and '_', not a "
+                             "digit first)")
+    return value
+
+
+class SlurmSpec(Section):
+    partition: Optional[OneLine] = Field(None, description="sbatch --partition.")
+    account: Optional[OneLine] = Field(None, description="sbatch --account.")
+    qos: Optional[OneLine] = Field(None, description="sbatch --qos.")
+    time: Optional[str] = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
+                                description="sbatch --time, e.g. '2-00:00:00' or '04:00:00'.")
+    cpus_per_task: Optional[int] = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node).")
+    requeue: bool = Field(True, description="Requeue the job after preemption or a time-limit signal.")
+    signal_seconds: int = Field(120, gt=0, description="Send USR1 this many seconds before the time limit.")
+    extra_sbatch: list[SbatchOption] = Field(
+        default_factory=list, description="More '#SBATCH' options, one '--option' or '--option=value' per item, e.g. "
+                                          "'--exclusive'.")
+    setup: list[OneLine] = Field(default_factory=list,
+                                 description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
+    env: dict[str, OneLine] = Field(default_factory=dict,
+                                    description="Environment variables exported in the batch script.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return environment_names(value)
+
+
+class LaunchSpec(Section):
+    nodes: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Number of nodes (nodes × gpus_per_node at most 2^20).")
+    gpus_per_node: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Processes per node: one per GPU (or CPU "
+                                                                     "processes with device 'cpu').")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
+    gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
+                                            "and to choose fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
+    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
+    collective_timeout_s: int = Field(
+        1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
+    env: dict[str, OneLine] = Field(default_factory=dict,
+                                    description="Environment variables for every rank (e.g. NCCL_*).")
+    fork_ranks: bool = Field(
+        True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and OpenCLIP "
+                          "to validate the spec: they start without importing them again (~10 s sooner on the GPU "
+                          "hosts). New interpreters (as under Slurm) when false, and where env sets a variable read "
+                          "when a process loads (PYTHON*, LD_*, GLIBC_TUNABLES, MALLOC_*) or NVML sees no GPU.")
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return environment_names(value)
+
+    @model_validator(mode="after")
+    def _bounded_world(self) -> "LaunchSpec":
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(world_size_problem(self.world_size))
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def world_size_problem(world_size: int) -> str:
+    return f"nodes × GPUs per node = {world_size:,} ranks, more than a job may have ({MAX_WORLD_SIZE:,})"
+
+
+# --------------------------------------------------------------------------- job
+class Job(Section):
+    schema_ref: Optional[str] = Field(None, alias="$schema", description="JSON Schema reference for editors; ignored.")
+    run: RunSpec = Field(default_factory=RunSpec, description="Run name, output directory and seed.")
+    model: ModelSpec = Field(description="The OpenCLIP model and its towers.")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Sharding, precision, offload, checkpointing, compile.")
+    freeze: FreezeSpec = Field(default_factory=FreezeSpec, description="Frozen ranges of either tower.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW, clipping and weight-decay rules.")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Training length and LR schedule.")
+    data: DataSpec = Field(description="Training data: webdataset shards or a synthetic source.")
+    batch: BatchSpec = Field(description="Batch sizes and gradient accumulation.")
+    loss: LossSpec = Field(default_factory=ClipLossSpec, description="Contrastive loss: CLIP or SigLIP.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Zero-shot and retrieval evaluation during and after "
+                                                                 "training.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Sharded checkpoints and resume.")
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics, TensorBoard and Weights & Biases.")
+    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="Nodes, processes per node and Slurm options.")
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run's job.json, metrics and checkpoints live: <output_dir>/<name>."""
+        return Path(self.run.output_dir) / self.run.name
+
+    def samples_per_step(self, world_size: int) -> int:
+        """The global batch: samples of one optimizer step over all ranks."""
+        return self.batch.per_gpu * self.batch.grad_accum * world_size
+
+    def epoch_samples(self, world_size: int) -> Optional[int]:
+        """Samples one epoch draws over all ranks: `data.samples` rounded down to whole micro batches on
+        every rank (`batches_per_epoch`); None without `data.samples`."""
+        if self.data.samples is None:
+            return None
+        return batches_per_epoch(self.data.samples, world_size, self.batch.per_gpu) * world_size * self.batch.per_gpu
+
+    def total_steps(self, world_size: int, step: int = 0, samples_seen: int = 0) -> Optional[int]:
+        """Optimizer steps of the whole run: `schedule.steps`, or as many whole steps as `schedule.epochs`
+        epochs hold (`epoch_samples`; None when neither gives the length). A run resumed at `step`
+        with `samples_seen` (perhaps at another global batch) keeps its length in samples."""
+        if self.schedule.steps is not None:
+            return self.schedule.steps
+        epoch = self.epoch_samples(world_size)
+        if epoch is None:
+            return None
+        left = max(0, epoch * (self.schedule.epochs or 1) - samples_seen)
+        return step + left // self.samples_per_step(world_size)
+
+    def to_json(self) -> str:
+        """The resolved spec as indented JSON (every default spelled out)."""
+        return self.model_dump_json(indent=2, by_alias=True, exclude={"schema_ref"}) + "\n"
+
+    def save(self, path: Path) -> None:
+        """Write the resolved spec atomically (readers never see half a file, and launches on
+        several nodes sharing the run directory do not trip over each other)."""
+        write_atomically(Path(path), self.to_json())
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a job spec (committed as schemas/job.schema.json)."""
+    schema = Job.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "fsdpclip job spec"
+    return schema

@@ -1,0 +1,129 @@
+"""What a relaunch may change: a new spec against the spec its checkpoint was saved by.
+
+A checkpoint fixes what its weights are (the model and its towers, the frozen ranges, the loss
+kind, the weight-decay groups of its optimizer state); a relaunch that changes those is refused
+before any rank starts. Everything else (learning rate, schedule, steps,
+batch, data workers, world size, precision, sharding, logging) is applied as written from the
+step the checkpoint holds, and each change is reported. Files are compared by what they hold, not
+where they are: a model-config file by its content, local shards by their sizes and modification
+times. No torch: `validate` and `launch` use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from fsdpclip.spec.job import Job, WebDatasetSpec
+
+# Fields (dotted, prefixes end with '.') that a checkpoint fixes.
+FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules")
+# Fields that describe where to resume from, not what to train.
+IGNORED = ("checkpoint.resume", "$schema")
+# Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
+# less those that change how the same samples are made, not which (the crops are drawn alike either way).
+DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
+SAME_STREAM = ("data.decode",)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One field that differs between a checkpoint's spec and the new one."""
+
+    field: str
+    before: Any
+    after: Any
+    note: Optional[str] = None  # what changed, where before → after would not say it
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.note or f'{_short(self.before)} → {_short(self.after)}'}"
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A spec as {dotted field: value}; lists of blocks stay whole values."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def spec_changes(saved: dict, job: Job) -> list[Change]:
+    """Every field of the new spec that differs from the saved one (its resolved JSON)."""
+    before, after = flatten(saved), flatten(json.loads(job.to_json()))
+    return [Change(field, before.get(field), after.get(field)) for field in sorted(set(before) | set(after))
+            if before.get(field) != after.get(field) and not field.startswith(IGNORED)]
+
+
+def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],
+                       shards: Callable[[], Optional[dict]]) -> list[Change]:
+    """Every change of the new spec against a checkpoint's (`spec_changes` of its meta.json), files by content.
+
+    `config`: the OpenCLIP config this spec makes (None where it cannot be made). A spec with a model-config
+    file has it compared with the config the checkpoint was trained with, not by path: the file edited in
+    place is another model, an identical copy elsewhere the same. `shards` gives `shard_fingerprint` of this
+    spec's data, asked only where the checkpoint holds one and the URLs are the same: the same URLs naming
+    other files than the checkpoint read is a change of `data.urls` (the saved data position would point at
+    other samples).
+    """
+    if "job" not in meta:
+        return []
+    changes = spec_changes(meta["job"], job)
+    saved_config = meta.get("model", {}).get("open_clip_config")
+    by_file = job.model.config is not None or meta["job"].get("model", {}).get("config") is not None
+    if by_file and saved_config is not None and config is not None:
+        changes = [c for c in changes if c.field != "model.config"]
+        if not any(c.field.startswith("model.") for c in changes):  # those change the config too: said already
+            changes += _config_changes(saved_config, config)
+    saved_shards = meta.get("shards")
+    if saved_shards and not any(c.field.startswith("data.") for c in changes):
+        found = shards()
+        if found and found != saved_shards:
+            changes.append(Change("data.urls", job.data.urls, job.data.urls, note=(
+                f"the same URLs name other files than the checkpoint read ({found['local']} local shards: names, "
+                "sizes or modification times differ)")))
+    return changes
+
+
+def _config_changes(saved: dict, config: dict) -> list[Change]:
+    """The keys (dotted) in which a model config differs from the saved one, as one change of model.config."""
+    before, after = flatten(saved), flatten(json.loads(json.dumps(config)))
+    keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    return [Change("model.config", {k: before.get(k) for k in keys}, {k: after.get(k) for k in keys})] if keys else []
+
+
+def shard_fingerprint(job: Job) -> Optional[dict]:
+    """The local shards of a webdataset spec, cheaply told apart: their count and a digest of their paths,
+    sizes and modification times (one stat each); None for other data or no local shard."""
+    from fsdpclip.data.urls import is_local, local_path, shard_urls
+
+    if not isinstance(job.data, WebDatasetSpec):
+        return None
+    digest, count = hashlib.sha256(), 0
+    for url in shard_urls(job.data.urls):
+        if is_local(url):
+            try:
+                found = os.stat(local_path(url))
+                digest.update(f"{url}\t{found.st_size}\t{found.st_mtime_ns}\n".encode())
+            except OSError:
+                digest.update(f"{url}\tmissing\n".encode())
+            count += 1
+    return {"local": count, "digest": digest.hexdigest()} if count else None
+
+
+def is_fixed(change: Change) -> bool:
+    return change.field.startswith(FIXED)
+
+
+def keeps_data_position(changes: list[Change]) -> bool:
+    """Whether the saved data position still describes the new data stream."""
+    return not any(c.field.startswith(DATA_STREAM) and not c.field.startswith(SAME_STREAM) for c in changes)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"

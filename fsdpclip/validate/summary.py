@@ -1,0 +1,103 @@
+"""What `fsdpclip validate` reports about a job that builds: parameters per tower, FSDP units, decay
+groups, batch, the device mesh with its traffic per step, and the per-GPU memory estimate (checked
+against `launch.gpu_memory_gib`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fsdpclip.data.transform import decode_mode
+from fsdpclip.plan.memory import GIB, MemoryEstimate
+from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
+from fsdpclip.plan.mesh import MemoryModel, auto_shard_degree, memory_model, shard_degree_problem, traffic, \
+    valid_shard_degrees
+from fsdpclip.problems import Report
+from fsdpclip.parallel.units import Unit
+from fsdpclip.spec.job import TOWERS, Job
+from fsdpclip.model.trainable import DecayGroup
+
+
+def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],
+               steps: Optional[int], report: Report) -> None:
+    params = dict(model.named_parameters())
+    summary: dict = {"model": job.model.label, "class": type(model).__name__, "world_size": report.world_size}
+    tower_rows = {}
+    for name in TOWERS + ("shared",):
+        names = towers[name].parameters if name in towers else [n for n in SHARED_PARAMETERS if n in params]
+        total = count(params[n] for n in names)
+        trainable = count(params[n] for n in names if n not in frozen)
+        tower_rows[name] = {"parameters": total, "trainable": trainable, "frozen": total - trainable,
+                            "blocks": len(towers[name].blocks) if name in towers else 0,
+                            "block_classes": list(towers[name].block_classes) if name in towers else []}
+    summary["towers"] = tower_rows
+    summary["parameters"] = {k: sum(r[k] for r in tower_rows.values()) for k in ("parameters", "trainable", "frozen")}
+    summary["decay_groups"] = [{"rule": "default" if g.rule is None else f"decay_rules[{g.rule}]",
+                                "weight_decay": g.weight_decay, "tensors": len(g.names),
+                                "parameters": count(params[n] for n in g.names)} for g in groups]
+    world, batch = report.world_size, job.batch
+    summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
+                        "global": job.samples_per_step(world), "steps": steps,
+                        "decode": decode_mode(job.data.decode, job.launch.device) if job.data.source == "webdataset"
+                        else None}
+    try:
+        memory, widths = memory_model(job, model, towers)
+    except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
+        report.error("model", f"a forward pass on the meta device fails: {type(exc).__name__}: {str(exc)[:300]}")
+        return
+    if widths[0] != widths[1]:
+        report.error("model", f"the image tower gives {widths[0]}-d features, the text tower {widths[1]}-d",
+                     hint="both must project to embed_dim (model.image.timm.proj 'none' keeps the trunk's width)")
+        return
+    degree = _shard_degree(job, memory, report)
+    summary["fsdp_units"] = _unit_rows(memory.units, degree)
+    estimate = memory.estimate(world, degree)
+    summary["mesh"] = {"shard_degree": degree, "replicas": world // degree, "auto": job.fsdp.shard_degree == "auto",
+                       "decided_at_start": job.fsdp.shard_degree == "auto" and job.launch.gpu_memory_gib is None
+                       and job.launch.device == "cuda" and world > report.gpus_per_node,
+                       "traffic_gib_per_step": traffic(memory.job, memory.units, world, degree).as_gib()}
+    summary["memory_gib"] = estimate.as_gib()
+    report.summary = summary
+    _check_memory(job, estimate, report)
+
+
+def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
+    """The shard degree the job runs with (what 'auto' chooses from launch.gpu_memory_gib; full
+    sharding when that is not given), reporting a degree that does not fit the world or the memory."""
+    world, per_node, limit = report.world_size, report.gpus_per_node, job.launch.gpu_memory_gib
+    chosen = job.fsdp.shard_degree
+    if chosen == "auto":
+        return auto_shard_degree(memory, world, per_node, limit * GIB if limit else None)
+    problem = shard_degree_problem(chosen, world, per_node)
+    if problem:
+        report.error("fsdp.shard_degree", problem, chosen,
+                     hint=f"valid for {world // per_node} node(s) × {per_node}: "
+                          f"{', '.join(map(str, valid_shard_degrees(world, per_node)))} (or 'auto')")
+        return world
+    if limit is not None and memory.estimate(world, chosen).total > limit * GIB:
+        fitting = [d for d in valid_shard_degrees(world, per_node)
+                   if d > chosen and memory.estimate(world, d).total <= limit * GIB]
+        if fitting:
+            report.error("fsdp.shard_degree", f"estimated peak {memory.estimate(world, chosen).total / GIB:.1f} GiB "
+                         f"per GPU with groups of {chosen} exceeds launch.gpu_memory_gib {limit:g}", chosen,
+                         hint=f"shard_degree {fitting[0]} fits ({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
+    return chosen
+
+
+def _unit_rows(units: list[Unit], shard_degree: int) -> list[dict]:
+    """Units grouped by tower and class: count, parameters each, bytes per GPU (fp32 shards)."""
+    rows: dict[tuple, dict] = {}
+    for unit in units:
+        key = (unit.tower or "root", unit.cls, unit.numel)
+        row = rows.setdefault(key, {"tower": unit.tower or "root", "class": unit.cls, "count": 0,
+                                    "modules_each": len(unit.modules), "parameters_each": unit.numel,
+                                    "shard_mib_each": 0.0, "first": unit.modules[0] or "(root)"})
+        row["count"] += 1
+        row["shard_mib_each"] = round(unit.shard_numel(shard_degree) * 4 / 2 ** 20, 3)
+    return list(rows.values())
+
+
+def _check_memory(job: Job, estimate: MemoryEstimate, report: Report) -> None:
+    limit = job.launch.gpu_memory_gib
+    if limit is not None and estimate.total > limit * GIB:
+        report.warn("launch.gpu_memory_gib", f"estimated peak {estimate.total / GIB:.1f} GiB per GPU exceeds "
+                    f"{limit:g} GiB", limit, hint="more GPUs, activation checkpointing, CPU offload or a smaller batch")
