@@ -39,7 +39,7 @@ demo: venv $(DEMO_DATA)/info.json
 	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 schema: venv
 	$(BIN)/fsdpclip schema > schemas/job.schema.json
