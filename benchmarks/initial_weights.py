@@ -13,8 +13,8 @@ import gc
 import json
 import time
 
-from fsdpclip.spec.job import ModelSpec
 from fsdpclip.model.weights import initial_model, usable_cores
+from fsdpclip.spec.job import ModelSpec
 
 
 def main() -> None:

@@ -221,8 +221,8 @@ def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export):
 def _starts_from(exported, weights: dict, tmp_path) -> None:
     """A new run's initial model from `model.pretrained` (the whole exported file) is those weights; from
     `model.image.pretrained` / `model.text.pretrained` (keys relative to the tower) only that tower's."""
-    from fsdpclip.spec.job import ModelSpec
     from fsdpclip.model.weights import initial_model
+    from fsdpclip.spec.job import ModelSpec
 
     def state(**spec) -> dict:
         return {k: v.reshape(weights[k].shape) for k, v in
@@ -292,10 +292,10 @@ def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from conftest import RunsCode
-    from fsdpclip.model.build import model_from_config
     from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
-    from fsdpclip.problems import ModelError
+    from fsdpclip.model.build import model_from_config
     from fsdpclip.model.weights import load_model_weights, read_state_dict
+    from fsdpclip.problems import ModelError
 
     marker, system = tmp_path / "code-ran", f"{os.system.__module__}.system"
     saved = {"lr": 0.25, "betas": (0.9, 0.98), "step": torch.ones(2)}

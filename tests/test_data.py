@@ -16,8 +16,8 @@ import webdataset as wds
 
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
-from fsdpclip.data import batches as data_module
 from fsdpclip.checkpoint.sharded import CheckpointError
+from fsdpclip.data import batches as data_module
 from fsdpclip.data.batches import ShardStream, StreamPosition, WebDatasetBatches
 from fsdpclip.data.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 from fsdpclip.spec.job import WebDatasetSpec

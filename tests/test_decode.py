@@ -16,8 +16,8 @@ import webdataset as wds
 from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
-from fsdpclip.data.batches import ShardStream, WebDatasetBatches
 from fsdpclip.data import transform as decode
+from fsdpclip.data.batches import ShardStream, WebDatasetBatches
 from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode,
                              pooled_batch, read_header, resample_weights, rgb_pixels)
 from fsdpclip.spec.job import WebDatasetSpec
@@ -489,8 +489,8 @@ def test_data_wait_is_what_the_step_waits_for(device):
     from collections import deque
     from types import SimpleNamespace
 
-    from fsdpclip.train.metrics import Window
     from fsdpclip.run.directory import StartupClock
+    from fsdpclip.train.metrics import Window
     from fsdpclip.train.trainer import Trainer
 
     def slow_batches():

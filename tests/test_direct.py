@@ -9,8 +9,8 @@ from torch import nn
 
 from fsdpclip.model.fast_modules import (DirectAttention, DirectPatchEmbedding, is_patch_embedding, use_direct_attention,
                              use_direct_patch_embedding)
-from fsdpclip.spec.job import ModelSpec
 from fsdpclip.model.weights import initial_model
+from fsdpclip.spec.job import ModelSpec
 from conftest import TINY_CONFIG
 
 

@@ -249,8 +249,8 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     """torchrun's agent asks whether there is a GPU; only NVML's answer leaves its forks able to use CUDA."""
     import torch
 
-    from fsdpclip.spec.jobfile import load_job
     from fsdpclip.launch.launcher import cuda_forbids_forked_ranks, forking_environment, shown_command
+    from fsdpclip.spec.jobfile import load_job
 
     (tmp_path / "gpu").mkdir()
     gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))

@@ -10,8 +10,8 @@ import torch
 
 from conftest import TINY_CONFIG
 from ranks import json_result
-from fsdpclip.train.optim import ShardedAdamW
 from fsdpclip.spec.job import ModelSpec
+from fsdpclip.train.optim import ShardedAdamW
 
 
 def _adam_state(optimizer, param) -> list[torch.Tensor]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG
-from fsdpclip.spec.jobfile import model_in
 from fsdpclip.spec.job import DATA_SOURCES, LOSS_KINDS, Job, ModelSpec
+from fsdpclip.spec.jobfile import model_in
 
 OPTIONS = REPO / "docs" / "options.md"
 

@@ -10,8 +10,8 @@ import sys
 from rich.console import Console
 
 from conftest import REPO, write_job
-from fsdpclip.train.metrics import MetricsLog, live_progress
 from fsdpclip.model.weights import usable_cores
+from fsdpclip.train.metrics import MetricsLog, live_progress
 
 
 def test_a_live_bar_only_on_a_terminal_outside_slurm():

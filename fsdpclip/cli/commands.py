@@ -91,9 +91,9 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
-    from fsdpclip.validate.checks import check_job, if_parsed, layout_of
-    from fsdpclip.spec.jobfile import load_job
     from fsdpclip.cli.tables import summary_tables
+    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.validate.checks import check_job, if_parsed, layout_of
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
         _fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
@@ -141,10 +141,10 @@ def plan(
     """Compare the ways to lay a job over NODES x GPUS: replication, HSDP at each shard degree, full FSDP."""
     from dataclasses import asdict
 
-    from fsdpclip.validate.checks import check_job
-    from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.plan.mesh import GPU_MEMORY_GIB, INTER_GBPS, INTRA_GBPS, plan_job
     from fsdpclip.cli.tables import plan_model_line, plan_table
+    from fsdpclip.plan.mesh import GPU_MEMORY_GIB, INTER_GBPS, INTRA_GBPS, plan_job
+    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.validate.checks import check_job
 
     try:
         job = load_job(job_file, overrides)
@@ -239,8 +239,8 @@ def launch(
 def _preflight(job: Job, flags: LaunchFlags) -> None:
     """This node's checks before any process starts (`preflight`): errors end the launch (exit 2), warnings are
     shown; a run already over ends it as finished, starting nothing."""
-    from fsdpclip.validate.preflight import already_finished, preflight
     from fsdpclip.run.directory import EXIT_OK
+    from fsdpclip.validate.preflight import already_finished, preflight
 
     static_rendezvous = job.launch.nodes > 1 or flags.master_addr is not None
     report = preflight(job, flags.node_rank or 0, static_rendezvous)
@@ -385,12 +385,12 @@ def import_command(
     """Continue an open_clip_train run: write its checkpoint (weights, AdamW moments, step) into the job's run
     directory, which `fsdpclip launch` then resumes."""
     from fsdpclip.checkpoint.sharded import CheckpointError
-    from fsdpclip.validate.checks import check_job
-    from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.interop.open_clip_train import import_open_clip_train
+    from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.problems import ModelError
     from fsdpclip.run.directory import IMPORT_FILE, RunLocked
+    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.validate.checks import check_job
 
     try:
         job = load_job(job_file, overrides)
@@ -604,10 +604,10 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
 ) -> None:
     """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
-    from fsdpclip.validate.checks import check_job
+    from fsdpclip.model.weights import usable_cores
     from fsdpclip.spec.jobfile import parse_job
     from fsdpclip.spec.starter import described_fields, starter_spec
-    from fsdpclip.model.weights import usable_cores
+    from fsdpclip.validate.checks import check_job
 
     if (data is None) != (samples is None):
         _stop("--data and --samples go together: the shards and how many pairs they hold (without them: synthetic)")

@@ -20,11 +20,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from fsdpclip.data.tarshards import shard_samples
 from fsdpclip.data.transform import (CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, TrainImages, collate, cropped,
                              decode_mode, for_device, random_resized_crop, read_header)
-from fsdpclip.spec.job import WebDatasetSpec, batches_per_epoch
-from fsdpclip.data.tarshards import shard_samples
 from fsdpclip.data.urls import shard_urls
+from fsdpclip.spec.job import WebDatasetSpec, batches_per_epoch
 
 log = logging.getLogger("fsdpclip.data.batches")
 

@@ -556,9 +556,9 @@ def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optio
     """What `path` holds: a run or checkpoint directory of fsdpclip, an exported file, or an open_clip local-dir."""
     from fsdpclip.checkpoint.sharded import CheckpointError, read_meta, read_model_state, resolve_checkpoint, run_job
     from fsdpclip.model.build import model_config as spec_config
+    from fsdpclip.model.weights import load_model_weights
     from fsdpclip.problems import ModelError
     from fsdpclip.spec.job import ModelSpec
-    from fsdpclip.model.weights import load_model_weights
 
     path = Path(path)
     try:
@@ -621,8 +621,8 @@ def evaluate_checkpoint(path: Path, spec: Union[ZeroShotSpec, RetrievalSpec], mo
     `progress(set name, images or None)` is called once and returns a callback taking images done."""
     import os
 
-    from fsdpclip.parallel.distributed import init_distributed
     from fsdpclip.model.build import build_tokenizer, image_transform
+    from fsdpclip.parallel.distributed import init_distributed
 
     source = checkpoint_source(path, model_name, model_config)
     workers = min(4, os.cpu_count() or 1) if workers is None else workers

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from fsdpclip.data.urls import is_local
 from fsdpclip.run.directory import (
     EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LAUNCHER_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked,
     finish_exit_report, keep_output, process_identity, request_stop,
 )
 from fsdpclip.spec.job import Job, one_line
-from fsdpclip.data.urls import is_local
 
 TRAIN_MODULE = "fsdpclip.train.entry"
 TORCHRUN = "fsdpclip.launch.torchrun"  # torchrun, without a traceback for the trainer's deliberate exits

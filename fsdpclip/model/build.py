@@ -20,10 +20,10 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError
 from fsdpclip.run.directory import read_text_file
 from fsdpclip.spec.job import TOWERS, ModelSpec
-from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 
 # Repeated blocks of the tower families OpenCLIP can build (its own, timm and Hugging Face).
 KNOWN_BLOCK_CLASSES = (

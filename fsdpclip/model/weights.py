@@ -11,12 +11,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.model.build import build_model, tower_of
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
-from fsdpclip.problems import ModelError
+from fsdpclip.model.build import build_model, tower_of
 from fsdpclip.model.published import weights_file
-from fsdpclip.spec.job import ModelSpec
 from fsdpclip.model.towers import hf_encoder_state, timm_trunk_state
+from fsdpclip.problems import ModelError
+from fsdpclip.spec.job import ModelSpec
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 

@@ -17,12 +17,12 @@ from typing import Optional
 
 from torch import nn
 
-from fsdpclip.plan.memory import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.model.build import Tower, image_shape, model_config, text_shape
+from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.parallelize import resolve_auto
 from fsdpclip.parallel.units import Unit, checkpointed_modules, plan_units
+from fsdpclip.plan.memory import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
 from fsdpclip.spec.job import Job
-from fsdpclip.model.trainable import frozen_meta_model
 
 MEMORY_MARGIN = 0.10  # 'auto' keeps this fraction of a GPU's memory free (the estimate is within ~6%)
 

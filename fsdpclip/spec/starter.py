@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel
 
-from fsdpclip.spec.jobfile import UNION_MEMBERS, model_in
 from fsdpclip.spec.job import Job
+from fsdpclip.spec.jobfile import UNION_MEMBERS, model_in
 
 SYNTHETIC_STEPS = 100  # a run on synthetic batches: long enough to see the speed settle
 LR_FROM_SCRATCH, LR_FINE_TUNING = 5e-4, 1e-5  # AdamW peaks: OpenCLIP's ViT-B-32 recipe; a published model's fine-tuning

@@ -42,9 +42,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fsdpclip.parallel.distributed import init_distributed, lost_peer
-from fsdpclip.parallel.cuda_graphs import keep_nccl_capturable
 from fsdpclip.model.build import hf_text_tower, without_modules
+from fsdpclip.parallel.cuda_graphs import keep_nccl_capturable
+from fsdpclip.parallel.distributed import init_distributed, lost_peer
 from fsdpclip.run.directory import (
     EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR, StartupClock, disk_free, keep_output, no_space_message,
     write_crash_report, write_exit_report,
@@ -120,9 +120,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint.sharded's.
-        from fsdpclip.train.trainer import Stop, Trainer, run_lock
         from fsdpclip.checkpoint.sharded import CheckpointError
         from fsdpclip.problems import ModelError
+        from fsdpclip.train.trainer import Stop, Trainer, run_lock
 
         startup.mark("trainer_imported")
         try:

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpclip.parallel.distributed import shard_coordinate, shard_group
 from fsdpclip.model.trainable import DecayGroup
+from fsdpclip.parallel.distributed import shard_coordinate, shard_group
 from fsdpclip.spec.job import FsdpSpec, OptimizerSpec, ScheduleSpec
 
 

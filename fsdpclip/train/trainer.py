@@ -24,27 +24,27 @@ from fsdpclip.checkpoint.sharded import (
 )
 from fsdpclip.data.batches import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
 from fsdpclip.data.transform import DECODED_WHERE
-from fsdpclip.parallel.distributed import Dist, all_max, all_mean, all_sum, shard_mesh
-from fsdpclip.plan.memory import GIB
 from fsdpclip.eval.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
-from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
-from fsdpclip.train.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
 from fsdpclip.model.build import build_tokenizer, image_shape, image_transform, model_config, text_shape
-from fsdpclip.train.loss import backward_micro_batches, build_loss
-from fsdpclip.train.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
+from fsdpclip.model.trainable import frozen_meta_model, trainable_decay_groups
+from fsdpclip.model.weights import initial_model
+from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
+from fsdpclip.parallel.distributed import Dist, all_max, all_mean, all_sum, shard_mesh
 from fsdpclip.parallel.parallelize import (
     COMPILE_CACHE, average_replicated_gradients, load_compile_cache, materialize, parallelize, replicated_parameters,
     resolve_auto, save_compile_cache,
 )
+from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import auto_shard_degree, memory_model, shard_degree_problem
-from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.run.directory import (
     EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock,
     launch_time, launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
 )
 from fsdpclip.spec.job import FsdpSpec, Job, SyntheticSpec
-from fsdpclip.model.trainable import frozen_meta_model, trainable_decay_groups
-from fsdpclip.model.weights import initial_model
+from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
+from fsdpclip.train.loss import backward_micro_batches, build_loss
+from fsdpclip.train.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
+from fsdpclip.train.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100

@@ -10,21 +10,21 @@ import os
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
-from fsdpclip.parallel.cuda_graphs import uncapturable_modules
+from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
 from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
-from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
-from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.model.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
-from fsdpclip.run.directory import read_text_file, special_file
-from fsdpclip.parallel.units import wrap_classes
-from fsdpclip.spec.job import TOWERS, Job, WebDatasetSpec, world_size_problem
-from fsdpclip.validate.summary import summarise
 from fsdpclip.model.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
-from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
 from fsdpclip.model.weights import usable_cores
+from fsdpclip.parallel.cuda_graphs import uncapturable_modules
+from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
+from fsdpclip.parallel.units import wrap_classes
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
+from fsdpclip.run.directory import read_text_file, special_file
+from fsdpclip.spec.job import TOWERS, Job, WebDatasetSpec, world_size_problem
+from fsdpclip.validate.summary import summarise
 
 T = TypeVar("T")
 

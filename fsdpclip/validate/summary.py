@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import Optional
 
 from fsdpclip.data.transform import decode_mode
-from fsdpclip.plan.memory import GIB, MemoryEstimate
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
+from fsdpclip.model.trainable import DecayGroup
+from fsdpclip.parallel.units import Unit
+from fsdpclip.plan.memory import GIB, MemoryEstimate
 from fsdpclip.plan.mesh import MemoryModel, auto_shard_degree, memory_model, shard_degree_problem, traffic, \
     valid_shard_degrees
 from fsdpclip.problems import Report
-from fsdpclip.parallel.units import Unit
 from fsdpclip.spec.job import TOWERS, Job
-from fsdpclip.model.trainable import DecayGroup
 
 
 def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdpclip.model.fast_modules import DirectAttention, DirectPatchEmbedding
 from fsdpclip.model.build import build_model
+from fsdpclip.model.fast_modules import DirectAttention, DirectPatchEmbedding
 from fsdpclip.parallel.parallelize import parallelize
 from fsdpclip.spec.job import FsdpSpec, ModelSpec
 

@@ -30,11 +30,11 @@ def main(world: int, model_name: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdpclip.model.build import build_model, find_towers, original_shapes
-    from fsdpclip.train.optim import build_optimizer, local
+    from fsdpclip.model.trainable import decay_groups
     from fsdpclip.parallel.parallelize import apply_fsdp, materialize
     from fsdpclip.parallel.units import plan_units
-    from fsdpclip.model.trainable import decay_groups
     from fsdpclip.spec.job import FsdpSpec, ModelSpec, OptimizerSpec
+    from fsdpclip.train.optim import build_optimizer, local
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
     fsdp = FsdpSpec(param_dtype="fp32")
