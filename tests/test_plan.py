@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO, write_job
-from fsdpclip.plan.mesh import EXPOSED_FRACTION, choose_shard_degree, shard_degree_problem, valid_shard_degrees
+from fsdpclip.plan.mesh import EXPOSED_FRACTION, ShardDegreeError, choose_shard_degree, resolve_shard_degree, \
+    shard_degree_problem, valid_shard_degrees
 
 B32 = REPO / "examples" / "vit-b-32-laion400m.json"
 BIGG = REPO / "examples" / "vit-bigg-14.json"
@@ -75,6 +76,22 @@ def test_auto_shards_what_does_not_fit(cli):
     totals = {degree: row["memory_gib"] * 2 ** 30 for degree, row in rows.items()}
     assert choose_shard_degree(totals, 16 * 2 ** 30, 8) == 16 and choose_shard_degree(totals, None, 8) == 16
 
+
+
+def test_one_resolver_decides_the_shard_degree_for_validate_and_the_trainer():
+    """A given degree stands or is refused with its reason; 'auto' takes the whole world inside one node
+    without measuring anything, and asks the memory model (the caller's `auto`) only across nodes."""
+    asked = []
+
+    def auto() -> int:
+        asked.append(True)
+        return 8
+
+    assert resolve_shard_degree("auto", 4, 8, auto) == 4 and not asked
+    assert resolve_shard_degree("auto", 16, 8, auto) == 8 and asked
+    assert resolve_shard_degree(2, 16, 8, auto) == 2
+    with pytest.raises(ShardDegreeError, match="span part of a node of 8 ranks"):
+        resolve_shard_degree(12, 24, 8, auto)
 
 def test_plan_table_marks_the_choices(cli):
     """The table names every strategy and marks what does not fit, 'auto' and the spec's degree."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 from torch import nn
 
@@ -64,6 +64,23 @@ def auto_shard_degree(memory: "MemoryModel", world: int, gpus_per_node: int, cap
     """The degree 'auto' takes for this world and a GPU of `capacity` bytes (None: unknown)."""
     return choose_shard_degree({d: memory.estimate(world, d).total for d in valid_shard_degrees(world, gpus_per_node)},
                                capacity, gpus_per_node)
+
+
+class ShardDegreeError(ValueError):
+    """A shard degree that does not fit the world; the message says why (`shard_degree_problem`)."""
+
+
+def resolve_shard_degree(chosen: Union[int, str], world: int, gpus_per_node: int, auto: Callable[[], int]) -> int:
+    """The shard degree a job runs with, decided here for `validate` and the trainer alike: `chosen`
+    (fsdp.shard_degree) as given, or for 'auto' the whole world when it fits in one node and else
+    `auto()` (`auto_shard_degree` with the caller's memory model and GPU capacity, measured only then).
+    Raises ShardDegreeError for a given degree that does not fit the world."""
+    if chosen == "auto":
+        return world if world <= gpus_per_node else auto()
+    problem = shard_degree_problem(chosen, world, gpus_per_node)
+    if problem:
+        raise ShardDegreeError(problem)
+    return chosen
 
 
 @dataclass

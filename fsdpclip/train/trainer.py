@@ -35,7 +35,7 @@ from fsdpclip.parallel.parallelize import (
     resolve_auto, save_compile_cache,
 )
 from fsdpclip.plan.memory import GIB
-from fsdpclip.plan.mesh import auto_shard_degree, memory_model, shard_degree_problem
+from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree
 from fsdpclip.run.directory import (
     EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock,
     launch_time, launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
@@ -182,23 +182,22 @@ class Trainer:
         rank 0 decides as `validate` does, from launch.gpu_memory_gib (else the GPU's memory; full
         sharding when neither is known), and tells every rank, so that all build the same mesh."""
         job, env = self.job, self.env
-        chosen = job.fsdp.shard_degree
-        if chosen != "auto":
-            problem = shard_degree_problem(chosen, env.world_size, env.local_world_size)
-            if problem:
-                raise Stop(EXIT_SPEC, f"fsdp.shard_degree {chosen}: {problem}")
-            return chosen
-        if env.world_size <= env.local_world_size:
-            return env.world_size
-        decided = [None]
-        if env.is_main:
-            limit = job.launch.gpu_memory_gib
-            capacity = limit * GIB if limit else torch.cuda.get_device_properties(env.device).total_memory \
-                if env.device.type == "cuda" else None
-            memory, _ = memory_model(job, model, towers)
-            decided[0] = auto_shard_degree(memory, env.world_size, env.local_world_size, capacity)
-        dist.broadcast_object_list(decided, src=0)
-        return decided[0]
+
+        def auto() -> int:
+            decided = [None]
+            if env.is_main:
+                limit = job.launch.gpu_memory_gib
+                capacity = limit * GIB if limit else torch.cuda.get_device_properties(env.device).total_memory \
+                    if env.device.type == "cuda" else None
+                memory, _ = memory_model(job, model, towers)
+                decided[0] = auto_shard_degree(memory, env.world_size, env.local_world_size, capacity)
+            dist.broadcast_object_list(decided, src=0)
+            return decided[0]
+
+        try:
+            return resolve_shard_degree(job.fsdp.shard_degree, env.world_size, env.local_world_size, auto)
+        except ShardDegreeError as exc:
+            raise Stop(EXIT_SPEC, f"fsdp.shard_degree {job.fsdp.shard_degree}: {exc}") from None
 
     # ------------------------------------------------------------------ data
     def _batches(self, model: torch.nn.Module):

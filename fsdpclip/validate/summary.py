@@ -11,8 +11,8 @@ from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
 from fsdpclip.plan.memory import GIB, MemoryEstimate
-from fsdpclip.plan.mesh import MemoryModel, auto_shard_degree, memory_model, shard_degree_problem, traffic, \
-    valid_shard_degrees
+from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree, \
+    traffic, valid_shard_degrees
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import TOWERS, Job
 
@@ -65,22 +65,22 @@ def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
     sharding when that is not given), reporting a degree that does not fit the world or the memory."""
     world, per_node, limit = report.world_size, report.gpus_per_node, job.launch.gpu_memory_gib
     chosen = job.fsdp.shard_degree
-    if chosen == "auto":
-        return auto_shard_degree(memory, world, per_node, limit * GIB if limit else None)
-    problem = shard_degree_problem(chosen, world, per_node)
-    if problem:
-        report.error("fsdp.shard_degree", problem, chosen,
+    try:
+        degree = resolve_shard_degree(chosen, world, per_node,
+                                      lambda: auto_shard_degree(memory, world, per_node, limit * GIB if limit else None))
+    except ShardDegreeError as exc:
+        report.error("fsdp.shard_degree", str(exc), chosen,
                      hint=f"valid for {world // per_node} node(s) × {per_node}: "
                           f"{', '.join(map(str, valid_shard_degrees(world, per_node)))} (or 'auto')")
         return world
-    if limit is not None and memory.estimate(world, chosen).total > limit * GIB:
+    if chosen != "auto" and limit is not None and memory.estimate(world, chosen).total > limit * GIB:
         fitting = [d for d in valid_shard_degrees(world, per_node)
                    if d > chosen and memory.estimate(world, d).total <= limit * GIB]
         if fitting:
             report.error("fsdp.shard_degree", f"estimated peak {memory.estimate(world, chosen).total / GIB:.1f} GiB "
                          f"per GPU with groups of {chosen} exceeds launch.gpu_memory_gib {limit:g}", chosen,
                          hint=f"shard_degree {fitting[0]} fits ({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
-    return chosen
+    return degree
 
 
 def _unit_rows(units: list[Unit], shard_degree: int) -> list[dict]:
