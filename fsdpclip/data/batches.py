@@ -235,7 +235,7 @@ class ShardStream(IterableDataset):
     def _decode(self, sample: dict, seed: int) -> tuple[torch.Tensor | EncodedJpeg | CroppedImage, str]:
         """Image and caption of one sample; the image's random augmentation is what `preprocess` draws with
         torch's generator seeded with `seed`. With `spec.decode` "gpu" (settled by the trainer:
-        decode.decode_mode) a JPEG the device decodes stays encoded, with the crop box `preprocess` would
+        transform.decode_mode) a JPEG the device decodes stays encoded, with the crop box `preprocess` would
         draw for it; with "mixed" every image is decoded and cut to that box."""
         key = next((k for k in self.image_keys if k in sample), None)
         if key is None or self.spec.text_key not in sample:
@@ -278,7 +278,7 @@ class ShardStream(IterableDataset):
             return torch.cat(rows), {}
 
     def _collate(self, images: list) -> torch.Tensor | EncodedBatch | CroppedBatch:
-        """One micro batch of images (decode.collate)."""
+        """One micro batch of images (transform.collate)."""
         return collate(images)
 
     def __iter__(self):
@@ -450,7 +450,7 @@ def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Cal
                        world_size: int, seed: int, device: torch.device,
                        pin_memory: Optional[bool] = None) -> tuple[WebDatasetBatches, TrainImages]:
     """One rank's webdataset micro batches for a model's train `transform`, and what turns each into the
-    model's input on `device` (data.decode 'auto' settled there: decode.decode_mode). The batches go
+    model's input on `device` (data.decode 'auto' settled there: transform.decode_mode). The batches go
     through the pinning thread (which decodes 'gpu' batches) on CUDA unless `pin_memory` says otherwise."""
     decode = decode_mode(spec.decode, device.type)
     images = TrainImages(transform, decode, device)

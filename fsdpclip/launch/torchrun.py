@@ -8,7 +8,7 @@ the codes of fsdpclip.train.entry, whose message is in RUN_DIR/exit.json), this 
 traceback, and without torchrun's `failed (exitcode: 75)` line; ranks that torchrun itself stopped with
 SIGTERM once the first of them had ended count as ending with it. A rank killed by a signal (SIGKILL from the
 kernel's out-of-memory killer or a user) cannot say so itself: this records it for the launcher's last line
-(RUN_DIR/logs/crash-rank-N.json, `rundir.record_killed_rank`) and exits 1 without a traceback. Any other
+(RUN_DIR/logs/crash-rank-N.json, `directory.record_killed_rank`) and exits 1 without a traceback. Any other
 failure is torchrun's own report, unchanged. Ranks it forked (--run-path --start-method=fork) get the same:
 their exit code, without the traceback of torchrun's own wait for them.
 """

@@ -84,10 +84,10 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     The step is CUDA-graphed there in a world of one GPU (1×H200, one run each: ViT-B-32 1.31× and 1.77×
     compiled DDP, ViT-bigG-14 1.18× eager DDP at the same memory, ViT-L-14 unchanged; docs/performance.md),
     unless it needs the host mid-step or was not measured captured: CPU offload, fp16 loss scaling, patch
-    dropout (graphs.uncapturable_modules), activation checkpointing. Not yet in larger worlds: there the
+    dropout (cuda_graphs.uncapturable_modules), activation checkpointing. Not yet in larger worlds: there the
     graph would hold NCCL collectives, which no run has shown captured (at world size 1 FSDP2 and the loss
     issue none).
-    Where every tower is small enough (shard.whole_tower_wraps), each tower's block container becomes the
+    Where every tower is small enough (units.whole_tower_wraps), each tower's block container becomes the
     unit, compiled as one graph and kept gathered after forward unless the spec says
     `reshard_after_forward: true` (ViT-H-14 1.35x eager, ViT-L-14 1.04x per-block compile). Larger towers
     compile block by block where the step is graphed (a replay pays none of a compiled call's host cost:

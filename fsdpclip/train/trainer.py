@@ -203,7 +203,7 @@ class Trainer:
     def _batches(self, model: torch.nn.Module):
         """The rank's data source for `model` (its shapes and preprocessing; the meta-device model
         will do); also sets `images` (what turns a webdataset micro batch into the model's input on
-        the device: decode.TrainImages; None for synthetic data, made there already)."""
+        the device: transform.TrainImages; None for synthetic data, made there already)."""
         job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
         if isinstance(job.data, SyntheticSpec):

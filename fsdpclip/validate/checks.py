@@ -408,7 +408,7 @@ def _check_eval_paths(job: Job, report: Report) -> None:
 
 
 def _unreadable(path: str) -> Optional[str]:
-    """Why a text file the spec names cannot be read (rundir.read_text_file), or None."""
+    """Why a text file the spec names cannot be read (directory.read_text_file), or None."""
     try:
         read_text_file(Path(path))
     except OSError as exc:
