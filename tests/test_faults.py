@@ -767,3 +767,15 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
         resumed = _launch(path)
         assert resumed.returncode == 0, resumed.stdout[-3000:]
         assert "resumed from" in resumed.stdout and _exit_report(run_dir)["step"] == 8
+
+
+def test_a_disk_that_fills_during_the_write_is_named_like_a_full_one(tmp_path):
+    """Another writer fills the disk after the ranks agreed that a checkpoint fits: the failed write, synchronous
+    or asynchronous (reported when it is waited for, once), is DiskFull naming the disk, not DCP's
+    CheckpointException with every rank's traceback; the last complete checkpoint stays latest."""
+    with _small_disk(tmp_path / "disk", 16) as disk:
+        ended = json_result([sys.executable, "tests/workers/disk_fills.py", str(disk / "run")], timeout=240)
+    for save, step in (("synchronous", 2), ("asynchronous", 3)):
+        assert ended[save].startswith(f"DiskFull: no space left on tmpfs ({disk}) writing "
+                                      f"{disk}/run/checkpoints/step-{step:08d}: needed ~"), ended
+    assert ended["waited_again"] == "ok" and ended["latest"] == "step-00000001", ended

@@ -15,6 +15,7 @@ that cannot be read, or whose pickle names anything but plain data, is passed ov
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -313,7 +314,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, spec: CheckpointSpec, rank: int, world_size: int):
         self.root = Path(run_dir) / CHECKPOINTS
         self.spec, self.rank, self.world_size = spec, rank, world_size
-        self.pending: Optional[tuple] = None  # (future, partial dir, final dir, meta)
+        self.pending: Optional[tuple] = None  # (future, partial dir, final dir, meta, bytes needed)
         self.async_group, self.writer = None, None  # made at the first asynchronous save
         self.staging: Optional[str] = None  # where asynchronous saves copy the state: "device" or "host"
         self.snapshot: Optional[dict] = None  # the device copy, reused by every asynchronous save
@@ -338,20 +339,28 @@ class Checkpointer:
             partial.mkdir(parents=True)
         dist.barrier()
         meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-        try:
+        with self._disk_full_named(final, needed):
             self._write_rank_state(partial, rank_state)
             if asynchronous:
-                self.pending = (self._save_in_background(state, str(partial)), partial, final, meta)
+                self.pending = (self._save_in_background(state, str(partial)), partial, final, meta, needed)
             else:
                 dcp.save(state, checkpoint_id=str(partial))
                 self._finalize(partial, final, meta)
                 dist.barrier()
-        except Exception as exc:  # the disk filled while writing (torch.save says only 'unexpected pos')
+        return final
+
+    @contextlib.contextmanager
+    def _disk_full_named(self, final: Path, needed: int):
+        """A write of checkpoint `final` that fails while its disk has less than `needed` free is DiskFull (the
+        disk filled while writing: torch.save says only 'unexpected pos', DCP a CheckpointException, which is a
+        BaseException)."""
+        try:
+            yield
+        except (Exception, CheckpointException) as exc:
             free = disk_free(self.root)
             if free < needed:
                 raise DiskFull(no_space_message(final, free, needed)) from exc
             raise
-        return final
 
     def _check_space(self, final: Path, state: dict) -> int:
         """The bytes checkpoint `final` will take (every rank's shards, and a margin for the rank and metadata
@@ -404,11 +413,12 @@ class Checkpointer:
         """Complete an asynchronous save once its writes are done (or wait for them)."""
         if self.pending is None:
             return
-        future, partial, final, meta = self.pending
+        future, partial, final, meta, needed = self.pending
         if not wait and not future.done():
             return
-        future.result()
-        self.pending = None
+        self.pending = None  # a failed write is reported once; its partial directory is never published
+        with self._disk_full_named(final, needed):
+            future.result()
         self._finalize(partial, final, meta)
 
     def _finalize(self, partial: Path, final: Path, meta: dict) -> None:

@@ -342,7 +342,7 @@ class Trainer:
                     metrics.write(record)
                     window.reset()
                     window_loss.zero_()
-                self.checkpointer.finish_pending(wait=False)
+                self.finish_saving(wait=False)
                 if (self.step % self.stop_interval == 0 or self.step == first) and not last:
                     self._stop_if_asked()  # before an evaluation: a stop's checkpoint must not wait for one
                 if job.eval.sets and ((job.eval.every_steps and self.step % job.eval.every_steps == 0 and not last)
@@ -353,11 +353,11 @@ class Trainer:
                     self.save(asynchronous=job.checkpoint.async_save)
             if job.checkpoint.at_end:
                 self.save()
-            self.checkpointer.finish_pending(wait=True)
+            self.finish_saving(wait=True)
             self._report_exit(EXIT_OK, f"finished {self.step} steps")
             code = EXIT_OK
         except Stop as stop:
-            self.checkpointer.finish_pending(wait=True)
+            self.finish_saving(wait=True)
             metrics.announce(stop.message, style="bold red")
             self._report_exit(stop.code, stop.message)
             code = stop.code
@@ -431,18 +431,29 @@ class Trainer:
                 "job": json.loads(self.job.to_json()), "shards": self.shards}
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
         began = time.perf_counter()
-        try:
+        with self._stop_when_disk_full():
             path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
-        except DiskFull as exc:
-            latest = latest_checkpoint(self.job.run_dir)
-            raise Stop(EXIT_NO_SPACE, f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, "
-                                      "is kept: make room and launch again to resume from it") from None
         self.last_saved = self.step
         if self.metrics is not None:  # what this rank's training waited for, a wait for the save before included
             self.metrics.write({"step": self.step, "checkpoint": path.name,
                                 "checkpoint_blocked_s": round(time.perf_counter() - began, 3),
                                 "checkpoint_staging": self.checkpointer.staging if asynchronous else "synchronous"})
         return path
+
+    def finish_saving(self, wait: bool) -> None:
+        """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`)."""
+        with self._stop_when_disk_full():
+            self.checkpointer.finish_pending(wait)
+
+    @contextlib.contextmanager
+    def _stop_when_disk_full(self):
+        """A checkpoint that did not fit on its disk (DiskFull) as a Stop with exit 74 naming the one kept."""
+        try:
+            yield
+        except DiskFull as exc:
+            latest = latest_checkpoint(self.job.run_dir)
+            raise Stop(EXIT_NO_SPACE, f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, "
+                                      "is kept: make room and launch again to resume from it") from None
 
     def _resume(self, candidates: list[Path]) -> None:
         """Continue from the newest candidate that loads, with this spec's settings from its step on."""
