@@ -104,6 +104,16 @@ def test_fetch_offline_names_the_cached_file_or_says_why_not(cli, hf_home):
     assert link.name in result.output.replace("\n", "")
 
 
+def test_fetch_names_a_cache_path_with_brackets_as_it_is(cli, tmp_path, monkeypatch):
+    """A Hugging Face home whose path holds rich markup characters is named exactly in fetch's one-line error."""
+    home = tmp_path / "hf[cache]"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("fetch", "RN50-quickgelu", "openai")
+    assert result.exit_code == 2 and f"({home / 'hub'})" in result.output.replace("\n", ""), result.output
+
+
 def test_a_tag_is_kept_where_launch_makes_paths_absolute(tiny_job, tmp_path):
     job = Job.model_validate({**tiny_job, "model": {"name": "ViT-B-32", "pretrained": "laion2b_s34b_b79k"}})
     assert resolve_paths(job, tmp_path).model.pretrained == "laion2b_s34b_b79k"

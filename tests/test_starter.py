@@ -64,6 +64,10 @@ def test_init_refuses_in_one_line(cli, tmp_path):
     taken.write_text("{}")
     result = cli("init", taken)
     assert result.exit_code == 2 and "--force" in result.output and taken.read_text() == "{}"
+    bracketed = tmp_path / "spec[draft].json"
+    bracketed.write_text("{}")
+    result = cli("init", bracketed)
+    assert result.exit_code == 2 and f"{bracketed} exists" in result.output.replace("\n", ""), result.output
     result = cli("init", tmp_path / "new.json", "--data", "/shards/{0..9}.tar")
     assert result.exit_code == 2 and "--samples" in result.output and not (tmp_path / "new.json").exists()
     result = cli("init", tmp_path / "new.json", "--model", "ViT-B-32x", "--gpus", "0")

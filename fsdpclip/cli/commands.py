@@ -291,7 +291,8 @@ def _fetch_published(model: ModelSpec) -> None:
 
 
 def _model_error_line(exc: ModelError) -> str:
-    return escape(exc.message + (f"; {exc.hint}" if exc.hint else ""))
+    """A ModelError as one line, its hint after it (plain text: `_stop` escapes it)."""
+    return exc.message + (f"; {exc.hint}" if exc.hint else "")
 
 
 @app.command()
@@ -612,7 +613,7 @@ def init(
     if (data is None) != (samples is None):
         _stop("--data and --samples go together: the shards and how many pairs they hold (without them: synthetic)")
     if out.exists() and not force:
-        _stop(f"{escape(str(out))} exists: give another path, or --force to overwrite it")
+        _stop(f"{out} exists: give another path, or --force to overwrite it")
     if gpus is None:
         import torch
 
@@ -627,7 +628,7 @@ def init(
     try:
         out.write_text(json.dumps(spec, indent=2) + "\n")
     except OSError as exc:
-        _stop(f"cannot write {escape(str(out))}: {exc.strerror or exc}")
+        _stop(f"cannot write {out}: {exc.strerror or exc}")
     table = Table(title=escape(str(out)), title_justify="left")
     for column in ("field", "value", "what it means"):
         table.add_column(column, overflow="fold")
