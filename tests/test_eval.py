@@ -214,6 +214,19 @@ def test_weights_of_another_model_are_named_as_such(tmp_path, digits_dir, cli):
     assert "pos_embed width changed" not in result.output
 
 
+def test_weights_of_another_model_in_the_legacy_format_are_named_as_such(tmp_path, digits_dir, cli):
+    """The same in the pre-zip format of torch.save (which cannot be memory-mapped): the same one line, not a
+    RuntimeError about mmap."""
+    import open_clip
+
+    open_clip.add_model_config(TINY_CONFIG)
+    weights = tmp_path / "tiny-legacy.pt"
+    torch.save(open_clip.create_model(TINY_CONFIG.stem).state_dict(), weights, _use_new_zipfile_serialization=False)
+    result = cli("eval", weights, "--model", "ViT-B-32", "--zeroshot", "digits", "--data", digits_dir / "test")
+    assert result.exit_code == 2 and "mmap" not in result.output, result.output
+    assert squeezed(f"{weights} holds the weights of another model than ViT-B-32:") in squeezed(result.output)
+
+
 def _empty_classes(tmp_path):
     """Ten class folders with no image in them."""
     root = tmp_path / "empty"

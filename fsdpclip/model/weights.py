@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -22,14 +23,15 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows."""
+    """An OpenCLIP-style checkpoint as a flat state dict, memory-mapped where the format allows (safetensors,
+    torch.save's zip format; not its legacy one)."""
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file
 
         state = load_file(path)
     else:
         try:
-            state = load_weights_only(path, str(path), map_location="cpu", mmap=True)
+            state = load_weights_only(path, str(path), map_location="cpu", mmap=zipfile.is_zipfile(path))
         except PickleRefused as exc:
             raise ModelError(f"{exc} ({NEEDS_CODE_HINT})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
