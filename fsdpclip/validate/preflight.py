@@ -1,7 +1,8 @@
 """What `fsdpclip launch` checks on this node before any process starts: what `validate` cannot know
-elsewhere (the GPUs here, the rendezvous port, the cores for the data workers) and whether the run in
-its directory is already over. Each finding is a located `Problem`; nothing here loads torch at import
-(the GPU count asks NVML, never the CUDA driver, so ranks forked from the launcher can still use CUDA).
+elsewhere (the GPUs here, the rendezvous port) and whether the run in its directory is already over
+(the data workers against this node's cores are `validate`'s check, which launch runs here first). Each
+finding is a located `Problem`; nothing here loads torch at import (the GPU count asks NVML, never the
+CUDA driver, so ranks forked from the launcher can still use CUDA).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ def preflight(job: Job, node_rank: int = 0, static_rendezvous: bool = False) -> 
         _check_gpus(launch.gpus_per_node, report)
     if static_rendezvous and node_rank == 0:
         _check_port(launch.master_port, report)
-    if job.data.source == "webdataset":
-        _check_cores(job.data.workers, launch.gpus_per_node, report)
     return report
 
 
@@ -67,15 +66,6 @@ def _check_port(port: int, report: Report) -> None:
             report.error("launch.master_port", "in use on this host (another job's rendezvous?)" if taken
                          else f"cannot be listened on: {exc.strerror or exc}", port,
                          hint="choose another port: --master-port P on every node")
-
-
-def _check_cores(workers: int, ranks: int, report: Report) -> None:
-    """Data workers of every rank on this node against its cores (a warning: they compete, nothing fails)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if workers * ranks > cores:
-        report.warn("data.workers", f"{workers} workers × {ranks} ranks = {workers * ranks} data processes for "
-                    f"{cores} cores on this node: they compete with each other and with the ranks", workers,
-                    hint=f"at most {max(1, cores // ranks)} workers per rank here")
 
 
 def already_finished(job: Job) -> Optional[str]:
