@@ -30,6 +30,17 @@ def test_plain_lines_carry_the_rate_and_the_time_left(tmp_path, capsys):
     assert line == "step 40/100 loss 2.5 1,234 samples/s eta 0:02:00"
 
 
+def test_a_checkpoint_record_leaves_the_bar_showing_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("fsdpclip.train.metrics.live_progress", lambda console, environ: True)
+    log = MetricsLog(tmp_path, total_steps=100, tensorboard=False, enabled=True)
+    log.write({"step": 40, "loss": 2.5, "samples_per_s": 1234.0, "step_time_s": 2.0})
+    log.write({"step": 40, "checkpoint": "step-00000040", "checkpoint_blocked_s": 0.7})
+    [task] = log.progress.tasks
+    log.close()
+    assert task.description == "loss 2.5" and task.fields["rate"] == "1,234 samples/s"
+    assert "step 40 checkpoint_blocked_s 0.7" in capsys.readouterr().out  # said once, above the bar
+
+
 def test_validate_weighs_every_ranks_workers_against_the_cores(cli, tiny_job, tmp_path, monkeypatch):
     monkeypatch.setattr("fsdpclip.validate.checks.usable_cores", lambda: 4)
     job = {**tiny_job, "data": {**tiny_job["data"], "workers": 3}}

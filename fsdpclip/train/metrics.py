@@ -135,9 +135,11 @@ class MetricsLog:
             self.wandb.log(record)
         line = " ".join(f"{k} {_short(v)}" for k, v in record.items() if k in SHOWN and v is not None)
         rate = f"{record['samples_per_s']:,.0f} samples/s" if record.get("samples_per_s") else ""
-        if self.progress is not None:
+        if self.progress is not None and "loss" in record:  # the bar shows training; other records, a line above it
             self.progress.update(self.task, completed=record.get("step", 0), description=line,
                                  **({"rate": rate} if rate else {}))
+        elif self.progress is not None and line:
+            self.announce(f"step {record.get('step')} {line}")
         elif line:
             left = time_left(record, self.total_steps)
             self.console.print(f"step {record.get('step')}/{self.total_steps} {line}" + (f" {rate}" if rate else "") +
