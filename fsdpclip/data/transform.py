@@ -12,8 +12,8 @@ thread (in the rank's main process, ahead of the step, on a stream of its own; n
 the step does not wait for it. Progressive and CMYK JPEGs, JPEGs that do not end where a JPEG ends, and
 other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and merged into the batch.
 
-nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/benchmarks.md "Where the
-JPEG supply stops"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
+nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/performance.md,
+"Data on real shards"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
 torchvision, whose pixels equal PIL's in the tests; others with PIL) and cut its crop; the pinning thread
 copies the batch to the device and resizes it there, on its stream, as with "gpu".
 """

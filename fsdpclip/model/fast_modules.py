@@ -127,6 +127,6 @@ def is_patch_embedding(module: nn.Module) -> bool:
 def use_direct_patch_embedding(model: nn.Module) -> int:
     """Give the patch embedding (`conv1`, `is_patch_embedding`) of every OpenCLIP VisionTransformer in
     `model` DirectPatchEmbedding's forward (in place, any device, meta included); returns how many. Other
-    libraries' patch embeddings (timm's) stay convolutions until measured (docs/performance.md row 47)."""
+    libraries' patch embeddings (timm's) stay convolutions until measured (docs/performance.md)."""
     return _swap([m.conv1 for m in model.modules() if _is_open_clip(m, "VisionTransformer")
                   and is_patch_embedding(getattr(m, "conv1", None))], DirectPatchEmbedding)

@@ -22,7 +22,7 @@ from fsdpclip.spec.job import TOWERS, FsdpSpec
 # (docs/performance.md); two gathered units of that size in bf16 take ~2 GiB.
 AUTO_UNIT_PARAMETERS = 400_000_000
 # Towers up to this size are one unit compiled whole under compile 'auto': kept gathered after forward, a
-# tower costs 2 bytes per parameter more. 1×H200, one run each (docs/performance.md, change 16): ViT-H-14
+# tower costs 2 bytes per parameter more. 1×H200, one run each (docs/performance.md): ViT-H-14
 # (632M-parameter image tower) at 64/GPU 352 samples/s against 262 eager, ViT-L-14 at 128/GPU 789 against
 # 756 with each block compiled. Larger towers (ViT-bigG-14's 1.8B) keep their ~400M units.
 WHOLE_TOWER_MAX_PARAMETERS = 1_000_000_000

@@ -24,7 +24,7 @@ class ShardedAdamW(torch.optim.AdamW):
     """AdamW that steps each rank's local shards with the fused kernel.
 
     Kept instead of torch's AdamW on DTensors for a measured reason: DTensor dispatch per parameter
-    made the optimizer a large part of a host-bound step (docs/performance.md, change 1). Its state
+    made the optimizer a large part of a host-bound step (docs/performance.md). Its state
     is AdamW's own (DTensors), so checkpoints and resharding are unchanged.
 
     A step is skipped on the device, without a host sync, when `found_inf` is non-zero: given by
@@ -160,7 +160,7 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) ->
     shards, each counted once), plus the replicated gradients (the temperature and bias, the same on
     every rank: counted once). Clipping scales the local shards
     with one foreach kernel, as `clip_grads_with_norm_` would scale the DTensors through per-tensor
-    dispatch (the cost docs/performance.md change 1 removed).
+    dispatch (the cost that motivates this optimizer).
     """
     from torch.nn.utils import get_total_norm
 
