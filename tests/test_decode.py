@@ -17,10 +17,11 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import transform as decode
-from fsdpclip.data.batches import ShardStream, WebDatasetBatches
+from fsdpclip.data.batches import WebDatasetBatches
+from fsdpclip.data.sources.webdataset import WebDatasetSpec
+from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode,
                              pooled_batch, read_header, resample_weights, rgb_pixels)
-from fsdpclip.spec.job import WebDatasetSpec
 
 SIZE = 48  # the model's image size in these tests
 

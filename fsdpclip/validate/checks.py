@@ -10,11 +10,10 @@ import os
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
-from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem
 from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
     text_shape
 from fsdpclip.model.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
-from fsdpclip.model.towers import HF_WEIGHT_FILES, TIMM_WEIGHT_FILES, hf_max_tokens
+from fsdpclip.model.towers import hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
 from fsdpclip.model.weights import usable_cores
@@ -23,7 +22,8 @@ from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
 from fsdpclip.parallel.units import wrap_classes
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.run.directory import read_text_file, special_file
-from fsdpclip.spec.job import TOWERS, Job, WebDatasetSpec, world_size_problem
+from fsdpclip.spec.job import TOWERS, Job, world_size_problem
+from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.validate.summary import summarise
 
 T = TypeVar("T")
@@ -63,6 +63,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if_parsed(_check_learning_rate, job, report)
     usable_run_dir = if_parsed(_check_output_dir, job, report)
     if_parsed(_check_data, job, report, check_paths)
+    if_parsed(_check_tower_families, job, report, check_paths)
     if check_paths:
         if_parsed(_check_files, job, report)
         if_parsed(_check_workers_against_cores, job, report)
@@ -266,7 +267,7 @@ def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
     """The schedule's length against the batches an epoch holds; returns total optimizer steps when known."""
     batch, world = job.batch, report.world_size
     global_batch = job.samples_per_step(world)
-    if job.epoch_samples(world) == 0 and (isinstance(job.data, WebDatasetSpec) or job.schedule.steps is None):
+    if job.epoch_samples(world) == 0 and (DATA_SOURCES[job.data.source].counts_epochs or job.schedule.steps is None):
         report.error("data.samples", f"fewer samples than one micro batch on every rank (batch.per_gpu "
                      f"{batch.per_gpu} × world size {world} = {batch.per_gpu * world}): an epoch holds no batch",
                      job.data.samples)
@@ -300,11 +301,9 @@ def _batch_hint(global_batch: int, per_gpu: int, world: int) -> str:
 
 # ------------------------------------------------------------------ files and data
 def _check_files(job: Job, report: Report) -> None:
-    timm_weights = job.model.image.timm.pretrained if job.model.image.timm else None
     paths = [("model.pretrained", None if job.model.published_tag else job.model.pretrained),
              ("model.image.pretrained", job.model.image.pretrained),
-             ("model.text.pretrained", job.model.text.pretrained),
-             ("model.image.timm.pretrained", timm_weights if isinstance(timm_weights, str) else None)]
+             ("model.text.pretrained", job.model.text.pretrained)]
     resume = job.checkpoint.resume
     if resume not in (None, "latest"):
         paths.append(("checkpoint.resume", resume))
@@ -313,15 +312,6 @@ def _check_files(job: Job, report: Report) -> None:
             report.error(location, "file not found", path)
         elif path is not None and location != "checkpoint.resume" and (kind := special_file(Path(path))):
             report.error(location, f"not a regular file but {kind}", path)
-    owned = [("model.text.hf.pretrained", job.model.text.hf, HF_WEIGHT_FILES),
-             ("model.image.timm.pretrained", job.model.image.timm, TIMM_WEIGHT_FILES)]
-    for location, tower, files in owned:  # weights that live in the tower's own directory
-        if tower is not None and tower.pretrained is True and tower.path and \
-                not any((Path(tower.path) / f).is_file() for f in files):
-            report.error(location, f"no weights in {tower.path}", True, hint=f"expected one of {', '.join(files)}")
-
-
-CHECKED_SHARDS = 1000  # at most this many shard URLs are looked at (evenly spread over a larger set)
 
 
 def _check_workers_against_cores(job: Job, report: Report) -> None:
@@ -337,39 +327,12 @@ def _check_workers_against_cores(job: Job, report: Report) -> None:
 
 
 def _check_data(job: Job, report: Report, check_paths: bool) -> None:
-    """Shard URLs the reader can open (their scheme), not too many and enough of them for the ranks and
-    workers, and, with `check_paths`, the local ones present: counted without expanding them, and a sample
-    of CHECKED_SHARDS looked at when there are more."""
-    data = job.data
-    if not isinstance(data, WebDatasetSpec):
-        return
-    try:
-        shards = ShardPatterns(data.urls)
-    except ValueError as exc:
-        report.error("data.urls", str(exc), data.urls, hint="every '{' needs its '}' (a literal one is written '\\{')")
-        return
-    count = shards.count
-    if count > MAX_SHARDS:
-        report.error("data.urls", f"{count:,} shards, more than a job may read ({MAX_SHARDS:,}: every rank holds "
-                     "the list)", data.urls, hint="pack the data into fewer, larger shards, or check the brace range")
-        return
-    sample = shards.sample(CHECKED_SHARDS)
-    of = f"{len(sample):,} checked (of {count:,})" if len(sample) < count else f"{count:,}"
-    unreadable = [(u, problem) for u in sample for problem in [scheme_problem(u)] if problem]
-    if unreadable:
-        url, (message, hint) = unreadable[0]
-        report.error("data.urls", f"{message}: {len(unreadable)} of {of} shards", url, hint=hint)
-    missing = [u for u in sample if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
-    if missing:
-        report.error("data.urls", f"{len(missing)} of {of} shards not found", missing[0],
-                     hint="check the path and the brace range" if len(missing) < len(sample) else
-                     "paths are relative to the directory you run fsdpclip in")
-    needed = report.world_size * max(1, data.workers)
-    if not data.resampled and count < needed:  # each worker of each rank reads shards of its own
-        report.error("data.urls", f"{count} shards for {report.world_size} ranks × {max(1, data.workers)} "
-                     f"workers: some workers would get none (shards must be ≥ world size × data.workers, as "
-                     f"OpenCLIP requires)", count,
-                     hint=f"use ≥ {needed} shards, fewer workers, or data.resampled")
+    DATA_SOURCES[job.data.source].check(job.data, job, report, check_paths)
+
+
+def _check_tower_families(job: Job, report: Report, check_paths: bool) -> None:
+    for family, block in filter(None, (job.model.image.family, job.model.text.family)):
+        family.check(block, report, check_paths)
 
 
 def _check_eval(job: Job, report: Report) -> None:
