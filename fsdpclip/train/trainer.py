@@ -23,10 +23,8 @@ from fsdpclip.checkpoint.sharded import (
     FAILED, WRITING, CheckpointError, Checkpointer, DiskFull, checkpoint_name, host_copy_bytes, latest_checkpoint,
     rng_state, set_rng_state,
 )
-from fsdpclip.data.batches import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
-from fsdpclip.data.transform import DECODED_WHERE
 from fsdpclip.eval.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
-from fsdpclip.model.build import build_tokenizer, image_shape, image_transform, model_config, text_shape
+from fsdpclip.model.build import build_tokenizer, image_transform, model_config
 from fsdpclip.model.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
@@ -41,7 +39,8 @@ from fsdpclip.run.directory import (
     EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock,
     launch_time, launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
 )
-from fsdpclip.spec.job import FsdpSpec, Job, SyntheticSpec
+from fsdpclip.spec.job import FsdpSpec, Job
+from fsdpclip.spec.registry import DATA_SOURCES, RankData
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
@@ -85,7 +84,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(self.model_config)
         self.batches = self._batches(meta_model)
         self.batch_iter: Iterator = iter(self.batches)
-        if not candidates and isinstance(self.batches, WebDatasetBatches):
+        if not candidates:
             self.batches.start()  # a fresh run's data workers fill their queues while the model is built
         try:
             self._set_up(meta_model, towers, candidates)
@@ -206,20 +205,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _batches(self, model: torch.nn.Module):
-        """The rank's data source for `model` (its shapes and preprocessing; the meta-device model
-        will do); also sets `images` (what turns a webdataset micro batch into the model's input on
-        the device: transform.TrainImages; None for synthetic data, made there already)."""
+        """The rank's batches from the spec's data source (`spec.registry.DataSource`) for `model` (its shapes
+        and preprocessing; the meta-device model will do); also sets `images` (what turns a micro batch's
+        images into the model's input on the device, e.g. transform.TrainImages; None where they are that
+        already)."""
         job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
-        if isinstance(job.data, SyntheticSpec):
-            self.images = None
-            context, vocab = text_shape(model)
-            return SyntheticBatches(image_shape(model), context, vocab, job.batch.per_gpu, env.device,
-                                    job.run.seed, env.rank)
-        batches, self.images = webdataset_batches(job.data, image_transform(model, train=True), self.tokenizer,
-                                                  job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device)
-        if env.is_main:
-            log.info("data: images decoded %s", DECODED_WHERE[self.images.decode])
+        rank = RankData(model, self.tokenizer, job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device,
+                        env.is_main)
+        batches, self.images = DATA_SOURCES[job.data.source].batches(job.data, rank)
         return batches
 
     def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +253,7 @@ class Trainer:
         failure there is logged, not raised over the error that may be ending the run."""
         self.checkpointer.close()
         self.batch_iter.close()
-        if isinstance(self.batches, WebDatasetBatches):
-            self.batches.close()
+        self.batches.close()
         forward_backward, self.forward_backward = getattr(self, "forward_backward", None), None
         if isinstance(forward_backward, GraphedForwardBackward):
             try:
@@ -400,7 +393,7 @@ class Trainer:
     def _log_record(self, window: Window, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The metrics of one log window (collectives: every rank calls it)."""
         env = self.env
-        broken = self.batches.position.broken if isinstance(self.batches, WebDatasetBatches) else 0
+        broken = self.batches.broken
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
         broken_total, = all_sum([broken], env.device)
         logit_scale = self.model.logit_scale.exp().item()
@@ -525,10 +518,9 @@ class Trainer:
                 f"imported from {meta['imported']['source']}" if "imported" in meta else \
                 f"saved by {meta['world_size']} ranks, this run has {self.env.world_size}"
             log.warning("%s: the data stream restarts at its epoch (%s)", checkpoint, why)
-            if isinstance(self.batches, SyntheticBatches):
-                self.batches.index = self.step * self.job.batch.grad_accum
-            else:
-                self.batches.position = StreamPosition(epoch=self.samples_seen // self.job.epoch_samples(self.env.world_size))
+            epoch_samples = self.job.epoch_samples(self.env.world_size)
+            self.batches.restart(self.step * self.job.batch.grad_accum,
+                                 self.samples_seen // epoch_samples if epoch_samples else 0)
         for change in self.changes:
             log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)
