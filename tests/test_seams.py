@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
+import pytest
 from pydantic import Field
 
 from conftest import REPO, write_job
@@ -66,8 +67,6 @@ class ConstantSource(DataSource):
             report.error("data.level", "a black image teaches nothing", 0.0)
 
 
-DATA_SOURCES.register(ConstantSource())
-
 
 # -------------------------------------------------------------------- a tower family
 class SmallVitSpec(Section):
@@ -86,7 +85,20 @@ class SmallVit(TowerFamily):
         return f"small-vit-{spec.layers}x{spec.width}"
 
 
-TOWER_FAMILIES.register(SmallVit())
+def register() -> None:
+    """What a plugin's module does when it is imported: register its source and family."""
+    DATA_SOURCES.register(ConstantSource())
+    TOWER_FAMILIES.register(SmallVit())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    """The source and family registered for this module's tests only (the spec and schema are as shipped
+    for every other test)."""
+    register()
+    yield
+    DATA_SOURCES.unregister(ConstantSource.name)
+    TOWER_FAMILIES.unregister(SmallVit.name)
 
 
 # ------------------------------------------------------------------------------ tests
@@ -135,7 +147,7 @@ def test_a_rank_trains_on_a_registered_source(tiny_job, tmp_path):
     job = {**_job(tiny_job, level=0.75), "logging": {"every_steps": 1},
            "checkpoint": {"at_end": False}}
     path = write_job(tmp_path, job)
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_seams; "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_seams; test_seams.register(); "
             f"from fsdpclip.train.entry import main; sys.exit(main([{str(path)!r}]))")
     result = run_group([sys.executable, "-c", code], timeout=180)
     assert result.returncode == 0, result.stdout[-3000:]

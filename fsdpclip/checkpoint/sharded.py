@@ -320,7 +320,7 @@ def copy_state(state: dict, into: Optional[dict] = None, device: Optional[torch.
     return tree_unflatten([k if isinstance(t, torch.Tensor) else t for k, t in zip(kept, leaves)], layout)
 
 
-PAGE, LOCK_CHUNK, ALIGN = 4096, 256 * 2 ** 20, 64  # bytes: a host page, one page-locking call, a carved tensor
+ALIGN = 64  # bytes: where each tensor carved out of the host copy's memory starts
 
 
 def _aligned(nbytes: int) -> int:
@@ -347,18 +347,15 @@ class HostCopy:
         self.reserving: Optional[threading.Thread] = None
 
     def reserve(self, nbytes: int) -> None:
-        """Allocate `nbytes` on a thread and page-lock them where CUDA is, in chunks (other CUDA calls get through
-        between them)."""
+        """Allocate `nbytes` on a thread and page-lock them where CUDA is."""
         self.reserving = threading.Thread(target=self._reserve, args=(nbytes,), name="checkpoint-host-memory",
                                           daemon=True)
         self.reserving.start()
 
     def _reserve(self, nbytes: int) -> None:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
-        start, end = buffer.data_ptr(), buffer.data_ptr() + nbytes
-        bounds = [start, *range(start - start % PAGE + PAGE, end, LOCK_CHUNK), end]
-        if torch.cuda.is_available():
-            self._lock(list(zip(bounds, bounds[1:])))
+        if torch.cuda.is_available():  # in one piece: a copy may not span two registrations
+            self._lock([(buffer.data_ptr(), buffer.data_ptr() + nbytes)])
         self.buffer = buffer
 
     def copy(self, state: dict) -> dict:

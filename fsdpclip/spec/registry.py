@@ -124,9 +124,17 @@ class Registry(Generic[T]):
     def register(self, member: T) -> T:
         """Add `member` (another of the same name replaces it) and tell the listeners."""
         self._members[member.name] = member
+        self._tell()
+        return member
+
+    def unregister(self, name: str) -> None:
+        """Remove the implementation called `name` and tell the listeners."""
+        del self._members[name]
+        self._tell()
+
+    def _tell(self) -> None:
         for listener in self._listeners:
             listener()
-        return member
 
     def on_register(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
