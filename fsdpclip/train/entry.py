@@ -3,7 +3,7 @@
     python -m fsdpclip.train.entry RUN_DIR/job.json      (or: fsdpclip train RUN_DIR/job.json)
 
 `fsdpclip launch` on its own nodes has torchrun fork the ranks from it instead and run this file
-(`--run-path`): they start with everything below imported (fsdpclip.launch.launcher.torchrun_command).
+(`--run-path`): they start with everything below imported (fsdpclip.launch.local.torchrun_command).
 
 Exit codes (also written to RUN_DIR/exit.json by rank 0):
     0   finished
@@ -160,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def adopt_rank_environment() -> None:
     """What a new interpreter under torchrun has, also in a rank forked from the launcher (`fsdpclip launch`
-    forks them where it can: fsdpclip.launch.launcher.torchrun_command): default actions for the signals torchrun's
+    forks them where it can: fsdpclip.launch.local.torchrun_command): default actions for the signals torchrun's
     agent catches (SIGHUP, SIGQUIT; StopSignals takes the others), OMP_NUM_THREADS as torch's thread count
     (torch read the variable when it was imported, in the launcher), and output written out at each line
     at the latest (PYTHONUNBUFFERED, which the launcher's own streams did not have)."""

@@ -24,7 +24,7 @@ from fsdpclip.checkpoint.sharded import (
 )
 from fsdpclip.data.batches import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
 from fsdpclip.data.transform import DECODED_WHERE
-from fsdpclip.eval.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
+from fsdpclip.eval.tasks import evaluate_set, load_eval_set, result_line
 from fsdpclip.model.build import build_tokenizer, image_shape, image_transform, model_config, text_shape
 from fsdpclip.model.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.model.weights import initial_model
@@ -109,7 +109,7 @@ class Trainer:
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph \
             else self._forward_backward
-        self.eval_sets: Optional[list[EvalSet]] = None
+        self.eval_sets: Optional[list] = None  # loaded by their tasks
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
