@@ -108,11 +108,12 @@ def task_options() -> list[inspect.Parameter]:
     """A flag per eval task: `--KIND VALUE`, VALUE one of its choices where it has them."""
     from fsdpclip.eval.tasks import eval_tasks
 
-    return [option(kind, Optional[Enum(f"{kind}_choice", {c: c for c in task.choices}, type=str)]
-                   if task.choices else Optional[str],
-                   typer.Option(None, f"--{kind}", help=task.flag_help,
-                                metavar=None if task.choices else task.metavar))
-            for kind, task in eval_tasks().items()]
+    options = []
+    for kind, task in eval_tasks().items():
+        value_type = Enum(kind, {choice: choice for choice in task.choices}, type=str) if task.choices else str
+        options.append(option(kind, Optional[value_type], typer.Option(None, f"--{kind}", help=task.flag_help,
+                                                                       metavar=None if task.choices else task.metavar)))
+    return options
 
 
 evaluate = WithRegisteredOptions(eval_command, task_options, after="checkpoint")

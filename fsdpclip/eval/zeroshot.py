@@ -126,6 +126,8 @@ def read_templates(choice: str) -> list[Callable[[str], str]]:
     """'openai' (80 prompts), 'simple' or a file with one '{c}' template per line."""
     from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
+    from fsdpclip.eval.datasets import read_lines
+
     if choice == "openai":
         return list(OPENAI_IMAGENET_TEMPLATES)
     if choice == "simple":
