@@ -172,7 +172,8 @@ def import_command(
     from fsdpclip.interop.open_clip_train import import_open_clip_train
     from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.problems import ModelError
-    from fsdpclip.run.directory import IMPORT_FILE, RunLocked
+    from fsdpclip.run.directory import IMPORT_FILE
+    from fsdpclip.run.lock import RunLocked
     from fsdpclip.spec.jobfile import load_job
     from fsdpclip.validate.checks import check_job
 

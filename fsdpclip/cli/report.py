@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.eval.tasks import eval_tasks
-from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES, lock_holder
+from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES
+from fsdpclip.run.lock import lock_holder
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),

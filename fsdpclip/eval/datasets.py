@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from fsdpclip.data.batches import ignore_stop_signals, shutdown_workers
 from fsdpclip.eval.tasks import DatasetError
-from fsdpclip.run.directory import read_text_file
+from fsdpclip.run.files import read_text_file
 
 WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")
 

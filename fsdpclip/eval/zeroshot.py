@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional
 
 from fsdpclip.eval.tasks import DatasetError, EvalTask, register_task, without_grad
-from fsdpclip.run.directory import read_text_file
+from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import ZeroShotSpec
 
 if TYPE_CHECKING:

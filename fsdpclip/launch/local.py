@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Optional
 from fsdpclip.launch.launcher import (
     TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, LaunchFlags, register_backend, render,
 )
-from fsdpclip.run.directory import (
-    JOB_FILE, LAUNCH_TIME_ENV, LAUNCHER_ENV, LOCK_TOKEN_ENV, LOG_DIR, HeldLock, RunLocked, finish_exit_report,
-    keep_output, process_identity, request_stop,
-)
+from fsdpclip.run.directory import JOB_FILE, LAUNCHER_ENV, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
+from fsdpclip.run.files import keep_output
+from fsdpclip.run.lock import HeldLock, RunLocked, process_identity
+from fsdpclip.run.reports import finish_exit_report, request_stop
 from fsdpclip.spec.job import Job
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, register_backend
-from fsdpclip.run.directory import EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOG_DIR, lock_holder
+from fsdpclip.run.directory import EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOG_DIR
+from fsdpclip.run.lock import lock_holder
 from fsdpclip.spec.job import Job, one_line
 
 if TYPE_CHECKING:

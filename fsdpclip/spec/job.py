@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from fsdpclip.problems import MAX_WORLD_SIZE
-from fsdpclip.run.directory import write_atomically
+from fsdpclip.run.files import write_atomically
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")

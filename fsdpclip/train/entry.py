@@ -45,10 +45,10 @@ import torch.distributed as dist
 from fsdpclip.model.build import hf_text_tower, without_modules
 from fsdpclip.parallel.cuda_graphs import keep_nccl_capturable
 from fsdpclip.parallel.distributed import init_distributed, lost_peer
-from fsdpclip.run.directory import (
-    EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR, StartupClock, disk_free, keep_output, no_space_message,
-    write_crash_report, write_exit_report,
-)
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR
+from fsdpclip.run.files import disk_free, keep_output, no_space_message
+from fsdpclip.run.lock import StartupClock
+from fsdpclip.run.reports import write_crash_report, write_exit_report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's

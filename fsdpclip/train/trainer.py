@@ -36,10 +36,9 @@ from fsdpclip.parallel.parallelize import (
 )
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree
-from fsdpclip.run.directory import (
-    EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock,
-    launch_time, launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
-)
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC
+from fsdpclip.run.lock import HeldLock, RunLocked, StartupClock, launch_time, launcher_gone, lock_token
+from fsdpclip.run.reports import record_launch, stop_requested, write_exit_report
 from fsdpclip.spec.job import FsdpSpec, Job, SyntheticSpec
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.train.loss import backward_micro_batches, build_loss

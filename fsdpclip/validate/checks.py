@@ -23,7 +23,7 @@ from fsdpclip.parallel.cuda_graphs import uncapturable_modules
 from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
 from fsdpclip.parallel.units import wrap_classes
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
-from fsdpclip.run.directory import special_file
+from fsdpclip.run.files import special_file
 from fsdpclip.spec.job import TOWERS, Job, WebDatasetSpec, world_size_problem
 from fsdpclip.validate.summary import summarise
 
