@@ -1,132 +1,143 @@
-"""The named seams: a launcher backend and an eval task registered from outside the package (here, this test
-module) are flags of `fsdpclip launch` and `fsdpclip eval`, dispatched to as the built-in ones are."""
+"""The seams of spec.registry: a data source and a tower family written and registered in this one module
+(as a plugin would be) are validated by `fsdpclip validate`, shown in the JSON schema, trained on and built."""
 
 from __future__ import annotations
 
 import json
-import shlex
+import sys
+from pathlib import Path
+from typing import Literal, Optional
 
-import pytest
+from pydantic import Field
 
-from conftest import TINY_CONFIG, write_job
-from fsdpclip.eval import tasks
-from fsdpclip.eval.tasks import EvalTask, register_task
-from fsdpclip.launch import launcher
-from fsdpclip.launch.launcher import LaunchError, LauncherBackend, register_backend
-from fsdpclip.spec.job import Section
-
-
-class ScriptBackend(LauncherBackend):
-    """Writes this node's torchrun command into a shell script and starts nothing."""
-
-    name = "script"
-    help = "Write the torchrun command into FILE and start nothing."
-    metavar = "FILE"
-
-    def check_flags(self) -> None:
-        if self.flags.node_rank is not None:
-            raise LaunchError("--script writes one node's script: no --node-rank")
-
-    def start(self, job, console):
-        from pathlib import Path
-
-        from fsdpclip.launch.local import node_torchrun
-
-        script = Path(self.flags.backend_value)
-        script.write_text("#!/bin/sh\n" + shlex.join(node_torchrun(job, self.flags)) + "\n")
-        console.print(f"wrote {script}", highlight=False, soft_wrap=True)
+from conftest import REPO, write_job
+from fsdpclip.problems import Report
+from fsdpclip.spec.registry import DATA_SOURCES, TOWER_FAMILIES, DataSource, RankData, TowerFamily
+from fsdpclip.spec.section import Section
 
 
-class NormSpec(Section):
-    path: str
-
-    @property
-    def label(self) -> str:
-        return "norm"
-
-
-class LogitScaleTask(EvalTask):
-    """The model's temperature as a 'result': no data read, every rank measures the same."""
-
-    kind = "scale"
-    task = "logit_scale"
-    title = "logit scale"
-    spec = NormSpec
-    flag_help = "Report the model's logit scale (VALUE: any name)."
-    usage = "--scale NAME (the logit scale)"
-    panel = "logit scale"
-
-    def spec_from_flags(self, value, data, classnames, templates, max_samples):
-        if data is not None:
-            raise ValueError("--scale reads no data")
-        return NormSpec(path=value)
-
-    def load(self, spec, transform):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(name=spec.path, kind=self.kind, size=1)
-
-    def measure(self, model, tokenizer, dataset, device, batch_size, workers=2, progress=None):
-        progress(1)
-        return {"scale": model.logit_scale.exp().item(), "samples": 1}
-
-    def line(self, name, values):
-        return f"logit scale {name}: {values['scale']:.2f}"
-
-    def curves(self, name, values):
-        return {name: values["scale"]}
+# --------------------------------------------------------------------- a data source
+class ConstantSpec(Section):
+    source: Literal["constant"] = Field(description="Images of one grey level, every caption the same tokens.")
+    level: float = Field(0.5, ge=0.0, le=1.0, description="The images' grey level.")
+    samples: Optional[int] = Field(None, gt=0, description="Samples in one epoch.")
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    """The two seams' registries with the test's backend and task added, as they were after the test."""
-    monkeypatch.setattr(launcher, "BACKENDS", dict(launcher.backends()))
-    monkeypatch.setattr(tasks, "TASKS", dict(tasks.eval_tasks()))
-    register_backend(ScriptBackend)
-    register_task(LogitScaleTask)
+class ConstantBatches:
+    def __init__(self, spec: ConstantSpec, rank: RankData):
+        from fsdpclip.model.build import image_shape, text_shape
+
+        self.spec, self.rank, self.index, self.broken = spec, rank, 0, 0
+        self.shape, (self.context, _) = image_shape(rank.model), text_shape(rank.model)
+
+    def __iter__(self):
+        import torch
+
+        while True:
+            self.index += 1
+            size = self.rank.batch_size
+            yield (torch.full((size, *self.shape), self.spec.level, device=self.rank.device),
+                   torch.ones(size, self.context, dtype=torch.long, device=self.rank.device))
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
+
+    def restart(self, micro_batches: int, epoch: int) -> None:
+        self.index = micro_batches
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def test_a_registered_launcher_backend_is_a_flag_of_launch(registered, tiny_job, tmp_path, cli):
-    job = write_job(tmp_path, tiny_job)
-    assert "--script FILE" in cli("launch", "--help").output
-    script = tmp_path / "start.sh"
-    result = cli("launch", job, "--script", script, "--no-check-paths")
-    assert result.exit_code == 0, result.output
-    assert f"wrote {script}" in result.output
-    assert "-m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone -m fsdpclip.train.entry" in script.read_text()
-    assert str(tmp_path / "runs" / "t" / "job.json") in script.read_text()
+class ConstantSource(DataSource):
+    name, spec = "constant", ConstantSpec
 
-    refused = cli("launch", job, "--script", script, "--node-rank", "0", "--master-addr", "h")
-    assert refused.exit_code == 2 and "--script writes one node's script: no --node-rank" in refused.output
-    both = cli("launch", job, "--script", script, "--slurm", "--dry-run")
-    assert both.exit_code == 2 and "give one of --slurm, --script, not several" in both.output
+    def batches(self, spec: ConstantSpec, rank: RankData):
+        return ConstantBatches(spec, rank), None
+
+    def check(self, spec: ConstantSpec, job, report: Report, check_paths: bool) -> None:
+        if spec.level == 0.0:
+            report.error("data.level", "a black image teaches nothing", 0.0)
 
 
-def test_a_registered_eval_task_is_a_flag_of_eval(registered, tmp_path, digits_dir, cli):
-    import open_clip
-    import torch
-
-    open_clip.add_model_config(TINY_CONFIG)
-    model = open_clip.create_model(TINY_CONFIG.stem)
-    weights = tmp_path / "tiny.pt"
-    torch.save(model.state_dict(), weights)
-    out = tmp_path / "scale.json"
-    result = cli("eval", weights, "--model-config", TINY_CONFIG, "--scale", "temperature", "--output", out)
-    assert result.exit_code == 0, result.output
-    record = json.loads(out.read_text())
-    assert record["task"] == "logit_scale" and record["dataset"] == "temperature"
-    assert record["metrics"] == {"scale": pytest.approx(model.logit_scale.exp().item())}
-
-    usage = cli("eval", weights, "--model-config", TINY_CONFIG)
-    assert usage.exit_code == 2
-    assert ("give --zeroshot KIND --data DIR (classification), --retrieval DIR (image-text retrieval) or "
-            "--scale NAME (the logit scale)") in " ".join(usage.output.split())
-    refused = cli("eval", weights, "--scale", "t", "--data", digits_dir)
-    assert refused.exit_code == 2 and "--scale reads no data" in refused.output
-    assert tasks.result_line("scale/temperature", {"scale": 14.3}) == "logit scale temperature: 14.30"
+DATA_SOURCES.register(ConstantSource())
 
 
-def test_the_test_seams_are_gone_after_their_test(cli):
-    """The registries the fixture replaced are the package's again: no --script, no --scale."""
-    assert "--script" not in cli("launch", "--help").output
-    assert "--scale" not in cli("eval", "--help").output
+# -------------------------------------------------------------------- a tower family
+class SmallVitSpec(Section):
+    layers: int = Field(1, gt=0, description="Transformer blocks.")
+    width: int = Field(32, gt=0, description="Width of the blocks.")
+
+
+class SmallVit(TowerFamily):
+    name, tower, spec = "small_vit", "image", SmallVitSpec
+    description = "An OpenCLIP ViT of the given depth and width on 32-px images."
+
+    def config(self, spec: SmallVitSpec) -> dict:
+        return {"image_size": 32, "patch_size": 8, "layers": spec.layers, "width": spec.width, "head_width": 16}
+
+    def label(self, spec: SmallVitSpec) -> str:
+        return f"small-vit-{spec.layers}x{spec.width}"
+
+
+TOWER_FAMILIES.register(SmallVit())
+
+
+# ------------------------------------------------------------------------------ tests
+def _job(tiny_job: dict, **data) -> dict:
+    return {**tiny_job, "data": {"source": "constant", **data}, "schedule": {"steps": 3},
+            "launch": {"gpus_per_node": 1, "device": "cpu"}}
+
+
+def test_validate_reads_a_registered_source_fields_and_its_checks(cli, tiny_job, tmp_path):
+    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=0.25)))
+    assert code == 0, out["errors"]
+    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=2.0)))
+    assert code != 0 and [e["location"] for e in out["errors"]] == ["data.level"]
+    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=0.0)))
+    assert [(e["location"], e["message"]) for e in out["errors"]] == [("data.level", "a black image teaches nothing")]
+    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, levels=0.5)))
+    assert [e["location"] for e in out["errors"]] == ["data.levels"]
+
+
+def test_the_schema_holds_the_registered_blocks():
+    from fsdpclip.spec.job import json_schema
+
+    schema = json_schema()["$defs"]
+    assert schema["ConstantSpec"]["properties"]["level"]["maximum"] == 1.0
+    assert schema["ImageTowerSpec"]["properties"]["small_vit"]["description"] == SmallVit.description
+    assert "small_vit" not in schema["TextTowerSpec"]["properties"]
+
+
+def test_a_registered_tower_family_builds_and_is_validated(cli, tiny_job, tmp_path):
+    from fsdpclip.model.build import build_model, find_towers
+    from fsdpclip.spec.job import ModelSpec
+
+    spec = ModelSpec(config=str(REPO / "examples/models/tiny-clip.json"), image={"small_vit": {"layers": 3}})
+    model = build_model(spec)
+    assert len(find_towers(model, spec.block_classes)["image"].blocks) == 3
+    assert model.visual.transformer.width == 32 and spec.label == "tiny-clip+small-vit-3x32"
+    job = {**tiny_job, "model": {**tiny_job["model"], "image": {"small_vit": {"width": 0}}}}
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert [e["location"] for e in out["errors"]] == ["model.image.small_vit.width"]
+
+
+def test_a_rank_trains_on_a_registered_source(tiny_job, tmp_path):
+    """A short CPU run of the rank entry in a process that imported this module (as a plugin's is)."""
+    from ranks import run_group
+
+    job = {**_job(tiny_job, level=0.75), "logging": {"every_steps": 1},
+           "checkpoint": {"at_end": False}}
+    path = write_job(tmp_path, job)
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_seams; "
+            f"from fsdpclip.train.entry import main; sys.exit(main([{str(path)!r}]))")
+    result = run_group([sys.executable, "-c", code], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]

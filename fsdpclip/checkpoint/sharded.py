@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import shutil
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -43,6 +46,7 @@ from fsdpclip.spec.job import CheckpointSpec, Job
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
 log = logging.getLogger("fsdpclip.checkpoint.sharded")
 PARTIAL_SUFFIX = ".partial"
+IDLE, WRITING, FAILED = 0, 1, 2  # an asynchronous write's status (`Checkpointer.write_status`)
 
 
 class CheckpointError(Exception):
@@ -254,6 +258,18 @@ def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.opti
     return final
 
 
+class Clock:
+    """Seconds between laps, by name."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self.last = round(now - self.last, 3), now
+
+
 # ------------------------------------------------------------------ staging
 DEVICE_HEADROOM = 0.05  # of the device's memory, left free when an asynchronous save's copy is kept there
 
@@ -280,33 +296,158 @@ def spare_device_memory(device: torch.device) -> int:
     return free + cached - int(DEVICE_HEADROOM * total)
 
 
-@torch.no_grad()
-def copy_state(state: dict, into: Optional[dict] = None) -> dict:
-    """A copy of a state dict whose tensors stay on their devices: copied in place into `into`'s tensors
-    when it holds the same layout (no new memory), else new ones."""
+def holds(into: dict, state: dict, device: Optional[torch.device] = None) -> bool:
+    """Whether `into` has `state`'s layout, each tensor's shape and dtype, on `device` (each its own when None)."""
     leaves, layout = tree_flatten(state)
-    if into is not None:
-        kept, kept_layout = tree_flatten(into)
-        pairs = [(_local(k), _local(t)) for k, t in zip(kept, leaves) if isinstance(t, torch.Tensor)]
-        if kept_layout == layout and all(isinstance(k, torch.Tensor) and k.shape == t.shape and k.dtype == t.dtype
-                                         and k.device == t.device for k, t in pairs):
-            for kept_tensor, tensor in pairs:
-                kept_tensor.copy_(tensor)
-            return tree_unflatten([k if isinstance(t, torch.Tensor) else t for k, t in zip(kept, leaves)], layout)
-    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+    kept, kept_layout = tree_flatten(into)
+    return kept_layout == layout and all(
+        isinstance(k, torch.Tensor) and _local(k).shape == _local(t).shape and k.dtype == t.dtype
+        and _local(k).device == (device or _local(t).device)
+        for k, t in zip(kept, leaves) if isinstance(t, torch.Tensor))
 
 
-def write_staged(state: dict, copied: Optional[torch.cuda.Event], device: torch.device, checkpoint_id: str,
+@torch.no_grad()
+def copy_state(state: dict, into: Optional[dict] = None, device: Optional[torch.device] = None) -> dict:
+    """A copy of a state dict's tensors on `device` (each on its own when None): copied in place into `into`'s
+    tensors when it `holds` the state (no new memory; a copy into page-locked host memory is asynchronous), else
+    new ones."""
+    if into is None or not holds(into, state, device):
+        return tree_map_only(torch.Tensor, lambda t: t.detach().to(device or t.device, copy=True), state)
+    leaves, layout = tree_flatten(state)
+    kept = tree_flatten(into)[0]
+    for kept_tensor, tensor in zip(kept, leaves):
+        if isinstance(tensor, torch.Tensor):
+            _local(kept_tensor).copy_(_local(tensor), non_blocking=True)
+    return tree_unflatten([k if isinstance(t, torch.Tensor) else t for k, t in zip(kept, leaves)], layout)
+
+
+PAGE, LOCK_CHUNK, ALIGN = 4096, 256 * 2 ** 20, 64  # bytes: a host page, one page-locking call, a carved tensor
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def host_copy_bytes(model: nn.Module, trained: list[torch.Tensor]) -> int:
+    """The bytes a host copy of `get_state_dict(model, optimizer)` takes on this rank, counted before AdamW has
+    state: the model's tensors, and two moments and a step per trained parameter (local shards, each aligned)."""
+    model_bytes = sum(_aligned(_local(t).nbytes) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    return model_bytes + sum(2 * _aligned(_local(p).nbytes) + ALIGN for p in trained) + 2 ** 20
+
+
+class HostCopy:
+    """The host copy of an asynchronous save's state, in page-locked memory, so that copies from the device run at
+    the link's speed and leave the host free. Page-locking stalls the process's other CUDA work (about 0.7 s a
+    GiB on an H200 host), so the memory is reserved early (`reserve`: on a thread while the run starts) and carved
+    into one tensor per state tensor at the first save; every later save copies into the same tensors."""
+
+    def __init__(self):
+        self.state: Optional[dict] = None
+        self.buffer: Optional[torch.Tensor] = None  # the reserved bytes
+        self.locked: list[int] = []  # addresses registered with CUDA, released by `release`
+        self.reserving: Optional[threading.Thread] = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate `nbytes` on a thread and page-lock them where CUDA is, in chunks (other CUDA calls get through
+        between them)."""
+        self.reserving = threading.Thread(target=self._reserve, args=(nbytes,), name="checkpoint-host-memory",
+                                          daemon=True)
+        self.reserving.start()
+
+    def _reserve(self, nbytes: int) -> None:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        start, end = buffer.data_ptr(), buffer.data_ptr() + nbytes
+        bounds = [start, *range(start - start % PAGE + PAGE, end, LOCK_CHUNK), end]
+        if torch.cuda.is_available():
+            self._lock(list(zip(bounds, bounds[1:])))
+        self.buffer = buffer
+
+    def copy(self, state: dict) -> dict:
+        """`state`'s tensors copied into the host copy (made first when it has another layout); a copy from the
+        device is asynchronous on the current stream."""
+        host = torch.device("cpu")
+        if self.state is None or not holds(self.state, state, host):
+            if self.reserving is not None:
+                self.reserving.join()
+            self.state = self._carve(state)
+            if self.state is None:
+                self.release()
+                self.state = copy_state(state, device=host)
+                if any(t.is_cuda for t in _local_tensors(state)):
+                    self._lock([(t.data_ptr(), t.data_ptr() + t.nbytes) for t in _local_tensors(self.state)])
+                return self.state
+        return copy_state(state, self.state, host)
+
+    def _carve(self, state: dict) -> Optional[dict]:
+        """Host tensors for `state`'s out of the reserved buffer, with the same DTensor specs; None when the buffer
+        is missing or too small (said once)."""
+        leaves, layout = tree_flatten(state)
+        needed = sum(_aligned(_local(t).nbytes) for t in leaves if isinstance(t, torch.Tensor))
+        if self.buffer is None or needed > self.buffer.numel():
+            if self.buffer is not None:
+                log.warning("asynchronous checkpoints: the state takes %.2f GiB, more than the %.2f GiB reserved for "
+                            "its host copy; the copy is made now (training waits for the page-locking)",
+                            needed / 2 ** 30, self.buffer.numel() / 2 ** 30)
+            return None
+        raw, offset, carved = self.buffer.numpy(), 0, []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                carved.append(leaf)
+                continue
+            local = _local(leaf)
+            tensor = torch.frombuffer(raw, dtype=local.dtype, count=local.numel(), offset=offset).view(local.shape) \
+                if local.numel() else torch.empty(local.shape, dtype=local.dtype)
+            offset += _aligned(local.nbytes)
+            # As torch.distributed's own state-dict copies do: DTensor.from_local would move a CPU shard to the mesh's device.
+            carved.append(DTensor(tensor, leaf._spec, requires_grad=False) if isinstance(leaf, DTensor) else tensor)
+        return tree_unflatten(carved, layout)
+
+    def _lock(self, ranges: list[tuple[int, int]]) -> None:
+        """Page-lock address ranges (start, end); where CUDA refuses (a container's limits), copies stay pageable,
+        slower."""
+        cudart = torch.cuda.cudart()
+        for start, end in ranges:
+            if end > start and int(cudart.cudaHostRegister(start, end - start, 0)) == 0:
+                self.locked.append(start)
+        if not self.locked:
+            log.warning("asynchronous checkpoints: host memory could not be page-locked; copies to the host are "
+                        "slower")
+
+    def release(self) -> None:
+        """Let the page-locked memory go (once a reservation under way has ended)."""
+        if self.reserving is not None:
+            self.reserving.join()
+        cudart = torch.cuda.cudart() if self.locked else None
+        for address in self.locked:
+            cudart.cudaHostUnregister(address)
+        self.locked, self.state, self.buffer, self.reserving = [], None, None, None
+
+
+def write_threads() -> int:
+    """Files each rank writes a checkpoint to at once: its share of the node's cores, 1 to 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+
+
+def write_dcp(state: dict, checkpoint_id: str, group=None) -> None:
+    """DCP's save of `state` into directory `checkpoint_id`, written by `write_threads()` threads."""
+    dcp.save(state, storage_writer=FileSystemWriter(checkpoint_id, thread_count=write_threads()),
+             process_group=group)
+
+
+def write_staged(state: dict, copied: Optional[torch.cuda.Event], host: HostCopy, checkpoint_id: str,
                  group) -> None:
-    """The background half of an asynchronous save: a state staged on the device goes to the host on a
+    """The background half of an asynchronous save: a state staged on the device goes into the host copy on a
     stream of its own once `copied` (recorded after the staging copy) is done, then DCP writes it."""
     if copied is not None:
+        device = next(t.device for t in _local_tensors(state) if t.is_cuda)
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()
             stream.wait_event(copied)
             with torch.cuda.stream(stream):
-                state = tree_map_only(torch.Tensor, lambda t: t.to("cpu"), state)
-    dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
+                state = host.copy(state)
+            stream.synchronize()
+    write_dcp(state, checkpoint_id, group)
 
 
 class Checkpointer:
@@ -319,6 +460,8 @@ class Checkpointer:
         self.async_group, self.writer = None, None  # made at the first asynchronous save
         self.staging: Optional[str] = None  # where asynchronous saves copy the state: "device" or "host"
         self.snapshot: Optional[dict] = None  # the device copy, reused by every asynchronous save
+        self.host = HostCopy()  # the host copy, likewise
+        self.phases: dict[str, float] = {}  # seconds of the last save's parts that training waited for
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("*" + PARTIAL_SUFFIX):  # left by a crash while saving
@@ -328,40 +471,47 @@ class Checkpointer:
     # ------------------------------------------------------------------- saving
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
              rank_state: dict, asynchronous: bool = False) -> Path:
-        """Write checkpoint `step` (every rank calls it); returns its final path."""
+        """Write checkpoint `step` (every rank calls it); returns its final path. `self.phases` says what
+        training waited for: the write before, the state dict, the space check and the copy or write."""
+        clock = Clock()
         self.finish_pending(wait=True)
+        clock.lap("wait")
         final = self.root / checkpoint_name(step)
         partial = self.root / (final.name + PARTIAL_SUFFIX)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
+        clock.lap("state_dict")
         needed = self._check_space(final, state)
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         dist.barrier()
+        clock.lap("space")
         meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-        with self._disk_full_named(final, needed):
+        with self._failure_named(final, needed):
             self._write_rank_state(partial, rank_state)
             if asynchronous:
                 self.pending = (self._save_in_background(state, str(partial)), partial, final, meta, needed)
             else:
-                dcp.save(state, checkpoint_id=str(partial))
+                write_dcp(state, str(partial))
                 self._finalize(partial, final, meta)
                 dist.barrier()
+        clock.lap("stage" if asynchronous else "write")
+        self.phases = clock.laps
         return final
 
     @contextlib.contextmanager
-    def _disk_full_named(self, final: Path, needed: int):
-        """A write of checkpoint `final` that fails while its disk has less than `needed` free is DiskFull (the
-        disk filled while writing: torch.save says only 'unexpected pos', DCP a CheckpointException, which is a
-        BaseException)."""
+    def _failure_named(self, final: Path, needed: int):
+        """A write of checkpoint `final` that fails is a CheckpointError naming the first failure; DiskFull while
+        its disk has less than `needed` free (the disk filled while writing: torch.save says only 'unexpected
+        pos', DCP a CheckpointException, which is a BaseException)."""
         try:
             yield
         except (Exception, CheckpointException) as exc:
             free = disk_free(self.root)
             if free < needed:
                 raise DiskFull(no_space_message(final, free, needed)) from exc
-            raise
+            raise CheckpointError(f"checkpoint {final.name} could not be written: {_first_failure(exc)}") from exc
 
     def _check_space(self, final: Path, state: dict) -> int:
         """The bytes checkpoint `final` will take (every rank's shards, and a margin for the rank and metadata
@@ -391,8 +541,10 @@ class Checkpointer:
             copied = torch.cuda.Event()
             copied.record()
         else:
-            state = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
-        return self.writer.submit(write_staged, state, copied, device, checkpoint_id, self.async_group)
+            state = self.host.copy(state)
+            if device is not None:
+                torch.cuda.current_stream(device).synchronize()
+        return self.writer.submit(write_staged, state, copied, self.host, checkpoint_id, self.async_group)
 
     def _staging_place(self, state: dict, device: Optional[torch.device]) -> str:
         """"device" when the state's device tensors fit in the device's spare memory, else "host" (said once)."""
@@ -410,17 +562,30 @@ class Checkpointer:
     def _write_rank_state(self, partial: Path, rank_state: dict) -> None:
         torch.save(rank_state, rank_file(partial, self.rank))
 
+    def write_status(self) -> int:
+        """This rank's asynchronous write: IDLE (none, or done and fine), WRITING or FAILED; the ranks agree on
+        the largest before acting on it, since each sees its write end at its own step."""
+        if self.pending is None or (self.pending[0].done() and self.pending[0].exception() is None):
+            return IDLE
+        return WRITING if not self.pending[0].done() else FAILED
+
     def finish_pending(self, wait: bool) -> None:
-        """Complete an asynchronous save once its writes are done (or wait for them)."""
+        """Complete an asynchronous save once its writes are done (or wait for them). Without waiting, a write
+        that failed stays pending: it is raised once the ranks agree on it (`write_status`), or by a wait."""
         if self.pending is None:
             return
         future, partial, final, meta, needed = self.pending
-        if not wait and not future.done():
+        if not wait and (not future.done() or future.exception() is not None):
             return
         self.pending = None  # a failed write is reported once; its partial directory is never published
-        with self._disk_full_named(final, needed):
+        with self._failure_named(final, needed):
             future.result()
         self._finalize(partial, final, meta)
+
+    def close(self) -> None:
+        """Let go of the host copy's page-locked memory, unless a write may still be copying into it."""
+        if self.pending is None or self.pending[0].done():
+            self.host.release()
 
     def _finalize(self, partial: Path, final: Path, meta: dict) -> None:
         """Rank 0: publish the checkpoint (`publish`), drop old ones."""

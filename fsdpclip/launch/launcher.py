@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from fsdpclip.data.urls import is_local
 from fsdpclip.spec.job import Job, one_line
+from fsdpclip.spec.registry import DATA_SOURCES
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -124,21 +125,21 @@ def resolve_paths(job: Job, base: Path) -> Job:
     def absolute(path: Optional[str]) -> Optional[str]:
         return None if path is None else str((base / path).resolve()) if is_local(path) else path
 
+    def resolve_fields(block, names: tuple[str, ...]) -> None:  # a path, a list of them, or another value
+        for name in names:
+            value = getattr(block, name)
+            setattr(block, name, absolute(value) if isinstance(value, str) else
+                    [absolute(v) for v in value] if isinstance(value, list) else value)
+
     data = job.model_copy(deep=True)
     data.run.output_dir = absolute(job.run.output_dir)
     model = data.model
     model.config = absolute(model.config)
     model.pretrained = model.pretrained if model.published_tag else absolute(model.pretrained)
     model.image.pretrained, model.text.pretrained = absolute(model.image.pretrained), absolute(model.text.pretrained)
-    if model.text.hf is not None:
-        model.text.hf.path = absolute(model.text.hf.path)
-    if model.image.timm is not None:
-        model.image.timm.path = absolute(model.image.timm.path)
-        if isinstance(model.image.timm.pretrained, str):
-            model.image.timm.pretrained = absolute(model.image.timm.pretrained)
-    if data.data.source == "webdataset":
-        urls = data.data.urls
-        data.data.urls = absolute(urls) if isinstance(urls, str) else [absolute(u) for u in urls]
+    for family, block in filter(None, (model.image.family, model.text.family)):
+        resolve_fields(block, family.paths(block))
+    resolve_fields(data.data, DATA_SOURCES[data.data.source].paths(data.data))
     for zs in data.eval.zeroshot:
         zs.path, zs.classnames = absolute(zs.path), absolute(zs.classnames)
         if zs.templates not in (None, "openai", "simple"):

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from fsdpclip.checkpoint.sharded import (
-    CheckpointError, Checkpointer, DiskFull, checkpoint_name, latest_checkpoint, rng_state, set_rng_state,
+    FAILED, WRITING, CheckpointError, Checkpointer, DiskFull, checkpoint_name, host_copy_bytes, latest_checkpoint,
+    rng_state, set_rng_state,
 )
-from fsdpclip.data.batches import StreamPosition, SyntheticBatches, WebDatasetBatches, webdataset_batches
-from fsdpclip.data.transform import DECODED_WHERE
 from fsdpclip.eval.tasks import evaluate_set, load_eval_set, result_line
-from fsdpclip.model.build import build_tokenizer, image_shape, image_transform, model_config, text_shape
+from fsdpclip.model.build import build_tokenizer, image_transform, model_config
 from fsdpclip.model.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
@@ -39,7 +38,8 @@ from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC
 from fsdpclip.run.lock import HeldLock, RunLocked, StartupClock, launch_time, launcher_gone, lock_token
 from fsdpclip.run.reports import record_launch, stop_requested, write_exit_report
-from fsdpclip.spec.job import FsdpSpec, Job, SyntheticSpec
+from fsdpclip.spec.job import FsdpSpec, Job
+from fsdpclip.spec.registry import DATA_SOURCES, RankData
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops, training_flops_per_sample
@@ -83,7 +83,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(self.model_config)
         self.batches = self._batches(meta_model)
         self.batch_iter: Iterator = iter(self.batches)
-        if not candidates and isinstance(self.batches, WebDatasetBatches):
+        if not candidates:
             self.batches.start()  # a fresh run's data workers fill their queues while the model is built
         try:
             self._set_up(meta_model, towers, candidates)
@@ -104,6 +104,8 @@ class Trainer:
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
+        if job.checkpoint.async_save:  # the host copy's memory, made while the first step compiles
+            self.checkpointer.host.reserve(host_copy_bytes(self.model, self.trained))
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph \
@@ -113,6 +115,8 @@ class Trainer:
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)
         self.last_saved: Optional[int] = None
+        self.save_due: Optional[int] = None  # the step whose checkpoint is due and not yet made
+        self.late_saves = 0
         self.metrics: Optional[MetricsLog] = None  # fit's, while it runs: saves write their time there
         self.resumed_from, self.changes = None, []
         self.shards = self._shard_fingerprint()
@@ -200,20 +204,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _batches(self, model: torch.nn.Module):
-        """The rank's data source for `model` (its shapes and preprocessing; the meta-device model
-        will do); also sets `images` (what turns a webdataset micro batch into the model's input on
-        the device: transform.TrainImages; None for synthetic data, made there already)."""
+        """The rank's batches from the spec's data source (`spec.registry.DataSource`) for `model` (its shapes
+        and preprocessing; the meta-device model will do); also sets `images` (what turns a micro batch's
+        images into the model's input on the device, e.g. transform.TrainImages; None where they are that
+        already)."""
         job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
-        if isinstance(job.data, SyntheticSpec):
-            self.images = None
-            context, vocab = text_shape(model)
-            return SyntheticBatches(image_shape(model), context, vocab, job.batch.per_gpu, env.device,
-                                    job.run.seed, env.rank)
-        batches, self.images = webdataset_batches(job.data, image_transform(model, train=True), self.tokenizer,
-                                                  job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device)
-        if env.is_main:
-            log.info("data: images decoded %s", DECODED_WHERE[self.images.decode])
+        rank = RankData(model, self.tokenizer, job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device,
+                        env.is_main)
+        batches, self.images = DATA_SOURCES[job.data.source].batches(job.data, rank)
         return batches
 
     def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,9 +250,9 @@ class Trainer:
         """Stop the data workers (before the process exits, so none outlives it), then drop the step's CUDA
         graph (before the process group is destroyed: NCCL waits for graphs holding its collectives); a
         failure there is logged, not raised over the error that may be ending the run."""
+        self.checkpointer.close()
         self.batch_iter.close()
-        if isinstance(self.batches, WebDatasetBatches):
-            self.batches.close()
+        self.batches.close()
         forward_backward, self.forward_backward = getattr(self, "forward_backward", None), None
         if isinstance(forward_backward, GraphedForwardBackward):
             try:
@@ -349,7 +348,9 @@ class Trainer:
                     self._evaluate_and_report(metrics)
                 every = job.checkpoint.every_steps
                 if every and self.step % every == 0 and not last:
-                    self.save(asynchronous=job.checkpoint.async_save)
+                    self.save_due = self.save_due or self.step
+                if self.save_due and not last:
+                    self._save_due()
             if job.checkpoint.at_end:
                 self.save()
             self.finish_saving(wait=True)
@@ -376,8 +377,10 @@ class Trainer:
             asked = LAUNCHER_GONE
         now = time.perf_counter()
         step_ms = 1000 * (now - self.checked[1]) / max(1, self.step - self.checked[0])
-        reason, slowest_ms = all_max([asked, math.ceil(step_ms)], self.env.device)
+        reason, slowest_ms, writes = all_max([asked, math.ceil(step_ms), self.checkpointer.write_status()],
+                                             self.env.device)
         self.checked, self.stop_interval = (self.step, now), stop_check_interval(slowest_ms / 1000)
+        self._raise_if_write_failed(writes)
         if not reason:
             return
         path = self.save()
@@ -389,7 +392,7 @@ class Trainer:
     def _log_record(self, window: Window, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The metrics of one log window (collectives: every rank calls it)."""
         env = self.env
-        broken = self.batches.position.broken if isinstance(self.batches, WebDatasetBatches) else 0
+        broken = self.batches.broken
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
         broken_total, = all_sum([broken], env.device)
         logit_scale = self.model.logit_scale.exp().item()
@@ -420,6 +423,31 @@ class Trainer:
                 for s in self.eval_sets}
 
     # ------------------------------------------------------------ checkpoints
+    def _save_due(self) -> None:
+        """Make the checkpoint that is due. An asynchronous one waits, while training goes on, for the write
+        before it to end on every rank: saves then follow the disk's pace instead of stopping training."""
+        job = self.job
+        if job.checkpoint.async_save:
+            writes, = all_max([self.checkpointer.write_status()], self.env.device)
+            self._raise_if_write_failed(writes)
+            if writes == WRITING:
+                return
+            if self.save_due != self.step and not self.late_saves and self.env.is_main:
+                log.warning("the checkpoint due at step %d is saved at step %d: the write before it took longer than "
+                            "checkpoint.every_steps (%d steps), and saves wait for it without stopping training",
+                            self.save_due, self.step, job.checkpoint.every_steps)
+            self.late_saves += self.save_due != self.step
+        self.save(asynchronous=job.checkpoint.async_save)
+
+    def _raise_if_write_failed(self, writes: int) -> None:
+        """The ranks agreed that an asynchronous write failed: each stops (with its own failure where it had one)."""
+        if writes != FAILED:
+            return
+        with self._stop_when_save_fails():
+            if self.checkpointer.write_status() == FAILED:
+                self.checkpointer.finish_pending(wait=True)
+            raise CheckpointError("an asynchronous checkpoint write failed on another rank")
+
     def save(self, asynchronous: bool = False) -> Path:
         """Checkpoint this step (once), every rank taking part; the resolved spec goes with it."""
         if self.last_saved == self.step:
@@ -430,29 +458,37 @@ class Trainer:
                 "job": json.loads(self.job.to_json()), "shards": self.shards}
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
         began = time.perf_counter()
-        with self._stop_when_disk_full():
+        with self._stop_when_save_fails():
             path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
         self.last_saved = self.step
         if self.metrics is not None:  # what this rank's training waited for, a wait for the save before included
-            self.metrics.write({"step": self.step, "checkpoint": path.name,
-                                "checkpoint_blocked_s": round(time.perf_counter() - began, 3),
-                                "checkpoint_staging": self.checkpointer.staging if asynchronous else "synchronous"})
+            record = {"step": self.step, "checkpoint": path.name,
+                      "checkpoint_blocked_s": round(time.perf_counter() - began, 3),
+                      "checkpoint_phases_s": self.checkpointer.phases,
+                      "checkpoint_staging": self.checkpointer.staging if asynchronous else "synchronous"}
+            if asynchronous and self.save_due not in (None, self.step):
+                record["checkpoint_due_step"] = self.save_due
+            self.metrics.write(record)
+        self.save_due = None
         return path
 
     def finish_saving(self, wait: bool) -> None:
         """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`)."""
-        with self._stop_when_disk_full():
+        with self._stop_when_save_fails():
             self.checkpointer.finish_pending(wait)
 
     @contextlib.contextmanager
-    def _stop_when_disk_full(self):
-        """A checkpoint that did not fit on its disk (DiskFull) as a Stop with exit 74 naming the one kept."""
+    def _stop_when_save_fails(self):
+        """A checkpoint that could not be written as a Stop naming the one kept: exit 74 when it did not fit on
+        its disk (DiskFull), else EXIT_CRASH."""
         try:
             yield
-        except DiskFull as exc:
+        except CheckpointError as exc:
             latest = latest_checkpoint(self.job.run_dir)
-            raise Stop(EXIT_NO_SPACE, f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, "
-                                      "is kept: make room and launch again to resume from it") from None
+            full = isinstance(exc, DiskFull)
+            raise Stop(EXIT_NO_SPACE if full else EXIT_CRASH,
+                       f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, is kept: "
+                       f"{'make room and ' if full else ''}launch again to resume from it") from None
 
     def _resume(self, candidates: list[Path]) -> None:
         """Continue from the newest candidate that loads, with this spec's settings from its step on."""
@@ -481,10 +517,9 @@ class Trainer:
                 f"imported from {meta['imported']['source']}" if "imported" in meta else \
                 f"saved by {meta['world_size']} ranks, this run has {self.env.world_size}"
             log.warning("%s: the data stream restarts at its epoch (%s)", checkpoint, why)
-            if isinstance(self.batches, SyntheticBatches):
-                self.batches.index = self.step * self.job.batch.grad_accum
-            else:
-                self.batches.position = StreamPosition(epoch=self.samples_seen // self.job.epoch_samples(self.env.world_size))
+            epoch_samples = self.job.epoch_samples(self.env.world_size)
+            self.batches.restart(self.step * self.job.batch.grad_accum,
+                                 self.samples_seen // epoch_samples if epoch_samples else 0)
         for change in self.changes:
             log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)

@@ -47,6 +47,7 @@ def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
     model = sharded_model(env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     saver = checkpoint.Checkpointer(Path(run_dir), CheckpointSpec(keep=3), env.rank, env.world_size)
+    saver.host.reserve(checkpoint.host_copy_bytes(model, list(model.parameters())))
     saved = {}
     for number in (1, 2):
         step(model, optimizer)
@@ -60,7 +61,8 @@ def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
         saver.load(saver.root / checkpoint.checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()))
         held[number] = all(torch.equal(full_values(fresh)[k], v) for k, v in saved[number].items())
     if env.is_main:
-        print(json.dumps({"staging": saver.staging, "holds_its_step": held}), flush=True)
+        print(json.dumps({"staging": saver.staging, "holds_its_step": held,
+                          "carved": saver.host.buffer is not None and saver.host.state is not None}), flush=True)
     torch.distributed.destroy_process_group()
 
 

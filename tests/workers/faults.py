@@ -6,6 +6,8 @@
     faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
     faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
     faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
+    faults.py JOB slow-write:SECONDS     every background checkpoint write takes SECONDS longer (a slow disk)
+    faults.py JOB fail-write:RANK        RANK's background checkpoint writes fail (DCP tells every rank)
     faults.py JOB damage-rank-state:RANK RANK halves its state file in the checkpoint chosen to resume from, after
                                          rank 0 checked it (a filesystem damaging it between the check and the load)
 Several at once: FAULT+FAULT.
@@ -90,6 +92,27 @@ def inject(fault: str, rank: int) -> None:
             return write(self, partial, state)
 
         checkpoint.Checkpointer._write_rank_state = write_rank_state
+    elif kind == "slow-write":
+        seconds, write = float(args[0]), checkpoint.write_staged
+
+        def slow_write(*args_, **kwargs):
+            time.sleep(seconds)
+            return write(*args_, **kwargs)
+
+        checkpoint.write_staged = slow_write
+    elif kind == "fail-write":
+        target, write = int(args[0]), checkpoint.write_dcp
+
+        class FailingWriter(checkpoint.FileSystemWriter):
+            def write_data(self, plan, planner):
+                raise OSError("the disk went away (injected)")
+
+        def failing_write(state, checkpoint_id, group=None):
+            if rank != target:
+                return write(state, checkpoint_id, group)
+            checkpoint.dcp.save(state, storage_writer=FailingWriter(checkpoint_id), process_group=group)
+
+        checkpoint.write_dcp = failing_write
     elif kind == "stale-latest":
         target, step = int(args[0]), int(args[1])
         if rank == target:
