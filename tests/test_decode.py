@@ -491,7 +491,7 @@ def test_data_wait_is_what_the_step_waits_for(device):
     from collections import deque
     from types import SimpleNamespace
 
-    from fsdpclip.run.directory import StartupClock
+    from fsdpclip.run.lock import StartupClock
     from fsdpclip.train.metrics import Window
     from fsdpclip.train.trainer import Trainer
 

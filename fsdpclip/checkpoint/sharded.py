@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdpclip.checkpoint.pickles import PickleRefused, SafeLoadPlanner, SafeReader, load_weights_only, read_dcp_metadata
-from fsdpclip.run.directory import JOB_FILE, disk_free, no_space_message, write_atomically
+from fsdpclip.run.directory import JOB_FILE
+from fsdpclip.run.files import disk_free, no_space_message, write_atomically
 from fsdpclip.spec.job import CheckpointSpec, Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"

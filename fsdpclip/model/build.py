@@ -22,7 +22,7 @@ from torch import nn
 
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError
-from fsdpclip.run.directory import read_text_file
+from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import TOWERS, ModelSpec
 from fsdpclip.spec.registry import TOWER_FAMILIES
 

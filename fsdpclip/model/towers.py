@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdpclip.problems import ModelError, closest
-from fsdpclip.run.directory import read_text_file, special_file
+from fsdpclip.run.files import read_text_file, special_file
 from fsdpclip.spec.job import ModelSpec
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from fsdpclip.problems import MAX_WORLD_SIZE
-from fsdpclip.run.directory import write_atomically
+from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.registry import DATA_SOURCES, TOWER_FAMILIES, TowerFamily
 from fsdpclip.spec.section import Section, tagged_union
 

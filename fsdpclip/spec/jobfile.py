@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fsdpclip.problems import Problem, SpecError, closest
-from fsdpclip.run.directory import read_text_file
+from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import LOSS_KINDS, Job
 from fsdpclip.spec.registry import DATA_SOURCES
 

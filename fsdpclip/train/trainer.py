@@ -23,7 +23,7 @@ from fsdpclip.checkpoint.sharded import (
     FAILED, WRITING, CheckpointError, Checkpointer, DiskFull, checkpoint_name, host_copy_bytes, latest_checkpoint,
     rng_state, set_rng_state,
 )
-from fsdpclip.eval.evaluate import EvalSet, evaluate_set, load_eval_set, result_line
+from fsdpclip.eval.tasks import evaluate_set, load_eval_set, result_line
 from fsdpclip.model.build import build_tokenizer, image_transform, model_config
 from fsdpclip.model.trainable import frozen_meta_model, trainable_decay_groups
 from fsdpclip.model.weights import initial_model
@@ -35,10 +35,9 @@ from fsdpclip.parallel.parallelize import (
 )
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree
-from fsdpclip.run.directory import (
-    EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC, HeldLock, RunLocked, StartupClock,
-    launch_time, launcher_gone, lock_token, record_launch, stop_requested, write_exit_report,
-)
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_OK, EXIT_PREEMPTED, EXIT_SPEC
+from fsdpclip.run.lock import HeldLock, RunLocked, StartupClock, launch_time, launcher_gone, lock_token
+from fsdpclip.run.reports import record_launch, stop_requested, write_exit_report
 from fsdpclip.spec.job import FsdpSpec, Job
 from fsdpclip.spec.registry import DATA_SOURCES, RankData
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
@@ -111,7 +110,7 @@ class Trainer:
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph \
             else self._forward_backward
-        self.eval_sets: Optional[list[EvalSet]] = None
+        self.eval_sets: Optional[list] = None  # loaded by their tasks
         self.step = self.samples_seen = 0
         self.skipped_steps = torch.zeros((), device=env.device)  # non-finite steps skipped, counted on the device
         self.peak = peak_tflops(env.device, job.logging.peak_tflops)

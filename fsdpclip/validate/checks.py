@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
+from fsdpclip.eval.tasks import EvalTask, eval_tasks
 from fsdpclip.model.build import model_config
 from fsdpclip.model.weights import usable_cores
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
-from fsdpclip.run.directory import read_text_file, special_file
+from fsdpclip.run.files import special_file
 from fsdpclip.spec.job import Job, world_size_problem
 from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.validate.model_checks import check_model, if_parsed
@@ -156,47 +157,26 @@ def _check_tower_families(job: Job, report: Report, check_paths: bool) -> None:
 
 
 def _check_eval(job: Job, report: Report) -> None:
-    seen: set[str] = set()
-    for i, zs in enumerate(job.eval.zeroshot):
-        if zs.dataset == "folder" and zs.classnames is None:
-            report.error(f"eval.zeroshot[{i}].classnames", "a 'folder' dataset needs a class-name file")
-        if zs.label in seen:
-            report.error(f"eval.zeroshot[{i}]", f"a second set named '{zs.label}'", hint="give each set a `name`")
-        seen.add(zs.label)
-    names = [rs.label for rs in job.eval.retrieval]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            report.error(f"eval.retrieval[{i}]", f"a second set named '{name}'", hint="give each set a `name`")
+    for where, task, spec, named_before in _eval_sets(job):
+        task.check(spec, where, report)
+        if named_before:
+            report.error(where, f"a second set named '{spec.label}'", hint="give each set a `name`")
     if job.eval.every_steps is not None and not job.eval.sets:
         report.error("eval.every_steps", "set, but eval.zeroshot and eval.retrieval list no dataset",
                      job.eval.every_steps)
 
 
 def _check_eval_paths(job: Job, report: Report) -> None:
-    for i, zs in enumerate(job.eval.zeroshot):
-        where = f"eval.zeroshot[{i}]"
-        if not Path(zs.path).is_dir():
-            report.error(f"{where}.path", "directory not found", zs.path)
-        if zs.classnames is not None and (why := _unreadable(zs.classnames)):
-            report.error(f"{where}.classnames", f"cannot read it: {why}", zs.classnames)
-        if zs.templates not in (None, "openai", "simple") and (why := _unreadable(zs.templates)):
-            report.error(f"{where}.templates", f"not 'openai', 'simple' or a readable file: {why}", zs.templates)
-    from fsdpclip.eval.evaluate import DatasetError, load_retrieval_set
-
-    for i, rs in enumerate(job.eval.retrieval):
-        try:
-            load_retrieval_set(rs, transform=None)  # its layout and captions, not its images
-        except DatasetError as exc:
-            report.error(f"eval.retrieval[{i}].path", str(exc), rs.path)
+    for where, task, spec, _ in _eval_sets(job):
+        task.check_paths(spec, where, report)
 
 
-def _unreadable(path: str) -> Optional[str]:
-    """Why a text file the spec names cannot be read (directory.read_text_file), or None."""
-    try:
-        read_text_file(Path(path))
-    except OSError as exc:
-        return exc.strerror
-    return None
+def _eval_sets(job: Job) -> Iterator[tuple[str, EvalTask, Any, bool]]:
+    """(JSON location, task, spec, whether an earlier set of its task has its name) of each set in eval's lists."""
+    for kind, task in eval_tasks().items():
+        specs = getattr(job.eval, kind, [])
+        for i, spec in enumerate(specs):
+            yield f"eval.{kind}[{i}]", task, spec, spec.label in {s.label for s in specs[:i]}
 
 
 def _check_resume(job: Job, report: Report) -> None:

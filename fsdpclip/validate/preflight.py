@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.launch.launcher import nvml_gpu_count
+from fsdpclip.launch.local import nvml_gpu_count
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import Job
 

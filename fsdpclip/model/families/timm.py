@@ -74,7 +74,7 @@ class TimmFamily(TowerFamily):
 
     def check(self, spec: TimmTowerSpec, report: Report, check_paths: bool) -> None:
         from fsdpclip.model.towers import TIMM_WEIGHT_FILES
-        from fsdpclip.run.directory import special_file
+        from fsdpclip.run.files import special_file
 
         location = "model.image.timm.pretrained"
         if not check_paths or spec.pretrained is False:
