@@ -13,7 +13,7 @@ import torch
 
 from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
-from fsdpclip.checkpoint.sharded import complete_checkpoints, latest_checkpoint
+from fsdpclip.checkpoint.layout import complete_checkpoints, latest_checkpoint
 
 STEPS = 12
 
@@ -70,7 +70,7 @@ def test_slow_steps_are_checked_for_a_stop_more_often(tmp_path, digits_dir):
 
 def test_stop_check_interval():
     """Divisors of 10 steps, as many as fit in 10 s; every step once a step takes longer than 5 s."""
-    from fsdpclip.train.trainer import stop_check_interval
+    from fsdpclip.train.stops import stop_check_interval
 
     assert [stop_check_interval(s) for s in (0.01, 1.0, 1.5, 2.0, 3.0, 5.0, 6.0, 60.0)] == [10, 10, 5, 5, 2, 2, 1, 1]
 
@@ -384,7 +384,7 @@ def test_asynchronous_saves_hold_their_own_step(tmp_path, device, nproc, headroo
 def test_a_state_copy_reuses_its_tensors_when_the_layout_holds():
     """copy_state copies into the tensors of an earlier copy of the same layout (no new memory), and makes
     new ones when the layout changed; either way later in-place changes to the state do not reach it."""
-    from fsdpclip.checkpoint.sharded import copy_state
+    from fsdpclip.checkpoint.staging import copy_state
 
     state = {"model": {"w": torch.randn(4, 3)},
              "optim": {"state": {"w": {"exp_avg": torch.randn(4, 3), "step": torch.tensor(3.0)}},

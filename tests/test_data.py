@@ -16,7 +16,7 @@ import webdataset as wds
 
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
-from fsdpclip.checkpoint.sharded import CheckpointError
+from fsdpclip.checkpoint.layout import CheckpointError
 from fsdpclip.data import stream as data_module
 from fsdpclip.data.batches import StreamPosition, WebDatasetBatches
 from fsdpclip.data.sources.webdataset import WebDatasetSpec

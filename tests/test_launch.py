@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, TINY_CONFIG, squeezed, write_job
 from ranks import run_group
-from fsdpclip.checkpoint.sharded import latest_checkpoint
+from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.launch.launcher import render, resolve_paths
 from fsdpclip.launch.local import torchrun_command
 from fsdpclip.launch.slurm import sbatch_script

@@ -43,7 +43,7 @@ def eval_command(
     from pydantic import ValidationError
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from fsdpclip.checkpoint.sharded import CheckpointError
+    from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.eval.evaluate import evaluate_checkpoint
     from fsdpclip.eval.tasks import DatasetError, eval_tasks
     from fsdpclip.problems import ModelError
@@ -144,7 +144,8 @@ def export(
     safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle."),
 ) -> None:
     """Write a sharded checkpoint as one OpenCLIP checkpoint."""
-    from fsdpclip.checkpoint.sharded import CheckpointError, export_checkpoint, read_meta, resolve_checkpoint
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
+    from fsdpclip.checkpoint.whole import export_checkpoint
     from fsdpclip.model.build import model_from_config
 
     try:
@@ -168,7 +169,7 @@ def import_command(
 ) -> None:
     """Continue an open_clip_train run: write its checkpoint (weights, AdamW moments, step) into the job's run
     directory, which `fsdpclip launch` then resumes."""
-    from fsdpclip.checkpoint.sharded import CheckpointError
+    from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.interop.open_clip_train import import_open_clip_train
     from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.problems import ModelError

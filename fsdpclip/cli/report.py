@@ -55,7 +55,7 @@ def read_run(run_dir: Path) -> Run:
     exit_file = run_dir / EXIT_FILE
     ended = _json(_text(exit_file)) if exit_file.is_file() else None
     holder = lock_holder(run_dir)
-    from fsdpclip.checkpoint.sharded import complete_checkpoints
+    from fsdpclip.checkpoint.layout import complete_checkpoints
 
     checkpoints = complete_checkpoints(run_dir)
     evaluated = tuple(f"{kind}/" for kind in eval_tasks())  # the prefixes of evaluation results

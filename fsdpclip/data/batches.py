@@ -79,7 +79,7 @@ class WebDatasetBatches:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position (before the first batch is drawn)."""
-        from fsdpclip.checkpoint.sharded import CheckpointError
+        from fsdpclip.checkpoint.layout import CheckpointError
 
         names = {f.name for f in fields(StreamPosition)}
         worker_names = {f.name for f in fields(WorkerPosition)}

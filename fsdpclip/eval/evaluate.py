@@ -44,7 +44,8 @@ class ModelSource:
 
 def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optional[str]) -> ModelSource:
     """What `path` holds: a run or checkpoint directory of fsdpclip, an exported file, or an open_clip local-dir."""
-    from fsdpclip.checkpoint.sharded import CheckpointError, read_meta, read_model_state, resolve_checkpoint, run_job
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint, run_job
+    from fsdpclip.checkpoint.whole import read_model_state
     from fsdpclip.model.build import model_config as spec_config
     from fsdpclip.model.weights import load_model_weights
     from fsdpclip.problems import ModelError

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, refusal
-from fsdpclip.checkpoint.sharded import CheckpointError, complete_checkpoints, save_whole
+from fsdpclip.checkpoint.layout import CheckpointError, complete_checkpoints
+from fsdpclip.checkpoint.whole import save_whole
 from fsdpclip.model.build import SHARED_PARAMETERS, model_config, original_shapes
 from fsdpclip.model.trainable import DecayGroup, frozen_meta_model, rule_matches, trainable_decay_groups
 from fsdpclip.model.weights import load_weights, unwrapped

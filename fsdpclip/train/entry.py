@@ -120,9 +120,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint.sharded's.
-        from fsdpclip.checkpoint.sharded import CheckpointError
+        from fsdpclip.checkpoint.layout import CheckpointError
         from fsdpclip.problems import ModelError
-        from fsdpclip.train.trainer import Stop, Trainer, run_lock
+        from fsdpclip.train.stops import Stop, run_lock
+        from fsdpclip.train.trainer import Trainer
 
         startup.mark("trainer_imported")
         try:

@@ -183,7 +183,7 @@ def _check_resume(job: Job, report: Report) -> None:
     """What resuming the run directory's checkpoint would mean: errors for what a checkpoint fixes
     (its model, frozen ranges, loss kind, decay groups), a warning for each other change (applied from
     its step), and for each checkpoint that cannot be loaded."""
-    from fsdpclip.checkpoint.sharded import CheckpointError, read_meta, resume_candidates
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
     from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.spec.resume import checkpoint_changes, is_fixed, shard_fingerprint
 

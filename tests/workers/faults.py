@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.checkpoint import layout, sharded as checkpoint, staging
 from fsdpclip.train import entry as train, trainer
 
 
@@ -101,30 +101,29 @@ def inject(fault: str, rank: int) -> None:
 
         checkpoint.write_staged = slow_write
     elif kind == "fail-write":
-        target, write = int(args[0]), checkpoint.write_dcp
+        target, write = int(args[0]), staging.write_dcp
 
-        class FailingWriter(checkpoint.FileSystemWriter):
+        class FailingWriter(staging.FileSystemWriter):
             def write_data(self, plan, planner):
                 raise OSError("the disk went away (injected)")
 
         def failing_write(state, checkpoint_id, group=None):
             if rank != target:
                 return write(state, checkpoint_id, group)
-            checkpoint.dcp.save(state, storage_writer=FailingWriter(checkpoint_id), process_group=group)
+            staging.dcp.save(state, storage_writer=FailingWriter(checkpoint_id), process_group=group)
 
-        checkpoint.write_dcp = failing_write
+        staging.write_dcp = failing_write
     elif kind == "stale-latest":
         target, step = int(args[0]), int(args[1])
         if rank == target:
-            checkpoint.latest_checkpoint = lambda run_dir: checkpoint.Path(run_dir) / checkpoint.CHECKPOINTS / \
-                checkpoint.checkpoint_name(step)
+            layout.latest_checkpoint = lambda run_dir: layout.Path(run_dir) / layout.CHECKPOINTS / layout.checkpoint_name(step)
     elif kind == "damage-rank-state":
         target, candidates = int(args[0]), checkpoint.Checkpointer.resume_candidates
 
         def damaging(self):
             chosen = candidates(self)
             if rank == target and chosen:
-                state = checkpoint.rank_file(chosen[0], rank)
+                state = layout.rank_file(chosen[0], rank)
                 state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
             return chosen
 
