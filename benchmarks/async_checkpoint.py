@@ -4,7 +4,8 @@
         --label after --out /tmp/ckpt
 
 One run that logs every step and saves every --every steps in the background (checkpoint.async_save).
-Per asynchronous save: the step it was due at and the step it was made at (a save waits while the write before
+The run ends with a synchronous save (checkpoint.at_end), the reference beside the asynchronous ones. Per save:
+the step it was due at and the step it was made at (a save waits while the write before
 it goes on), `checkpoint_blocked_s`, its parts and `checkpoint_staging` where the trainer writes them, and for any
 version of the trainer the excess of the step that follows the save over the median step (the save's time
 falls into that step's log window), so a trainer before `checkpoint_blocked_s` existed is measured the same
@@ -41,7 +42,7 @@ def main() -> None:
     job = {"run": {"name": name, "output_dir": str(args.out / "runs")}, "model": model,
            "schedule": {"kind": "constant", "steps": args.steps}, "data": {"source": "synthetic"},
            "batch": {"per_gpu": args.batch}, "logging": {"every_steps": 1},
-           "checkpoint": {"every_steps": args.every, "async_save": True, "at_end": False, "keep": args.keep,
+           "checkpoint": {"every_steps": args.every, "async_save": True, "at_end": True, "keep": args.keep,
                           "resume": None}, "launch": {"gpus_per_node": 1, "device": args.device}}
     spec = args.out / f"{name}.json"
     spec.write_text(json.dumps(job))
@@ -57,8 +58,6 @@ def main() -> None:
     usual = statistics.median(t for s, t in steps.items() if s > 2 and s - 1 not in saves)
     rows = []
     for step, save in sorted(saves.items()):
-        if save.get("checkpoint_staging") == "synchronous":
-            continue
         rows.append({"model": args.model, "batch_per_gpu": args.batch, "gpus": 1, "variant": args.label,
                      "save_step": step, "due_step": save.get("checkpoint_due_step", step),
                      "checkpoint_blocked_s": save.get("checkpoint_blocked_s"),
