@@ -28,12 +28,14 @@ class Checkpointing:
     """The part of `Trainer` that saves, resumes and reports checkpoint failures."""
 
     def _asynchronous_saves(self, host_bytes: int) -> bool:
-        """checkpoint.async_save with 'auto' decided (`staging.asynchronous_saves`, the same on every rank); when
-        on, the host copy's memory is reserved now, while the first step compiles."""
+        """Whether periodic saves are asynchronous: checkpoint.async_save with 'auto' decided
+        (`staging.asynchronous_saves`, the same on every rank); when they are, the host copy's memory is reserved
+        now, while the first step compiles."""
         job, env = self.job, self.env
-        chosen = asynchronous_saves(job.checkpoint.async_save, env.device.type, host_bytes, env.local_world_size)
+        chosen = bool(job.checkpoint.every_steps) and asynchronous_saves(
+            job.checkpoint.async_save, env.device.type, host_bytes, env.local_world_size)
         chosen = not all_max([int(not chosen)], env.device)[0]
-        if job.checkpoint.async_save == "auto" and env.is_main:
+        if job.checkpoint.async_save == "auto" and job.checkpoint.every_steps and env.is_main:
             log.info("checkpoint.async_save 'auto': %s (a host copy of %.1f GiB per rank, %d rank(s) on a node of "
                      "%.0f GiB)", "on" if chosen else "off", host_bytes / 2 ** 30, env.local_world_size,
                      host_memory() / 2 ** 30)
