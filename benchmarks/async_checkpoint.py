@@ -76,7 +76,7 @@ def save_rows(records: list[dict], batch: int, every: int, steps: int, after: in
                      "checkpoint_phases_s": save.get("checkpoint_phases_s"),
                      "checkpoint_staging": save.get("checkpoint_staging"),
                      "step_after_save_excess_s": round(times[step + 1] - usual, 3) if step + 1 in times else None,
-                     f"next_{after}_steps_excess_s": round(sum(times[s] - usual for s in following), 3),
+                     f"next_{after}_steps_excess_s": round(sum(times[s] - usual for s in following), 3) if following else None,
                      "median_step_s": round(usual, 4), "samples_per_s_per_gpu": round(batch / usual, 1),
                      "peak_memory_gib": max(r.get("peak_memory_gib", 0) for r in records)})
     return rows
