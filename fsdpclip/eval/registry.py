@@ -1,9 +1,10 @@
 """The eval task protocol and its registry: what `fsdpclip eval`, evaluation during training, `validate` and the
-report need of a kind of evaluation (zero-shot classification, image-text retrieval, ...).
+report need of a kind of evaluation (zero-shot classification, image-text retrieval, ...), and what every task
+shares (`DatasetError`, `without_grad`).
 
-A task is a subclass of `EvalTask` registered with `register_task` (a class decorator); `eval_tasks()` lists the
-built-in ones and any registered since. Task modules import no torch when they load (their measuring does),
-so that the command line can offer each task's flag without it.
+A task is a subclass of `EvalTask` registered with `register_task` (a class decorator);
+`fsdpclip.eval.tasks.eval_tasks()` lists the built-in ones and any registered since. Task modules import no
+torch when they load (their measuring does), so that the command line can offer each task's flag without it.
 """
 
 from __future__ import annotations
@@ -87,35 +88,6 @@ def register_task(task: type[EvalTask]) -> type[EvalTask]:
         raise ValueError(f"an eval task of kind {task.kind!r} is registered already")
     TASKS[task.kind] = task()
     return task
-
-
-def eval_tasks() -> dict[str, EvalTask]:
-    """Every eval task by kind: the built-in ones (zero-shot first) and any registered since."""
-    from fsdpclip.eval import retrieval, zeroshot  # the built-in tasks, registered as they load
-
-    return {kind: TASKS[kind] for kind in (zeroshot.ZeroShotTask.kind, retrieval.RetrievalTask.kind)} | TASKS
-
-
-def task_of(spec) -> EvalTask:
-    """The task whose spec class `spec` is."""
-    return next(task for task in eval_tasks().values() if isinstance(spec, task.spec))
-
-
-def load_eval_set(spec, transform: Optional[Callable]):
-    """The set a spec describes, loaded by its task."""
-    return task_of(spec).load(spec, transform)
-
-
-def evaluate_set(model, tokenizer: Callable, dataset, device, batch_size: int, workers: int = 2,
-                 progress: Optional[Callable[[int], None]] = None) -> dict:
-    """The metrics of a set, measured by its task (every rank calls it; every rank gets them)."""
-    return eval_tasks()[dataset.kind].measure(model, tokenizer, dataset, device, batch_size, workers, progress)
-
-
-def result_line(key: str, values: dict) -> str:
-    """One evaluation result for the log: 'zero-shot digits: acc1 ...' or 'retrieval digits: ...' (key: KIND/NAME)."""
-    kind, name = key.split("/", 1)
-    return eval_tasks()[kind].line(name, values)
 
 
 def without_grad(measure: Callable) -> Callable:
