@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_step import reference_rate  # noqa: E402
 from throughput import matmul_peak_tflops  # noqa: E402
 
-from fsdpclip.model.build import build_model  # noqa: E402
+from fsdpclip.model.build import build_model, training_flops_per_sample  # noqa: E402
 from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
 from fsdpclip.spec.job import ModelSpec  # noqa: E402
 from fsdpclip.spec.jobfile import parse_job  # noqa: E402
-from fsdpclip.train.metrics import Window, training_flops_per_sample  # noqa: E402
+from fsdpclip.train.metrics import Window  # noqa: E402
 from fsdpclip.train.trainer import Trainer  # noqa: E402
 
 

@@ -82,8 +82,9 @@ def test_the_launcher_and_the_spec_load_without_torch():
     """What the architecture page says: the spec, the run directory, the launcher backends, the URLs and the eval
     tasks' modules import no torch."""
     light = [name for layer, names in layer_table() if layer == "foundations" for name in names
-             if name != "parallel/distributed"] + ["launch/launcher", "launch/local", "launch/slurm", "launch/torchrun",
-                                                   "eval/tasks", "eval/zeroshot", "eval/retrieval"]
+             if name != "parallel/distributed"] + ["launch/backends", "launch/launcher", "launch/local", "launch/slurm",
+                                                   "launch/torchrun", "eval/registry", "eval/tasks", "eval/zeroshot",
+                                                   "eval/retrieval"]
     code = "import sys; " + "; ".join(f"import fsdpclip.{name.replace('/', '.')}" for name in light) + \
         "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

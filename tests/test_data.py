@@ -19,7 +19,7 @@ from ranks import run_group
 from fsdpclip.checkpoint.layout import CheckpointError
 from fsdpclip.data import stream as data_module
 from fsdpclip.data.batches import StreamPosition, WebDatasetBatches
-from fsdpclip.data.sources.webdataset import WebDatasetSpec
+from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 

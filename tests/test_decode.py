@@ -18,7 +18,7 @@ from PIL import Image
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import transform as decode
 from fsdpclip.data.batches import WebDatasetBatches
-from fsdpclip.data.sources.webdataset import WebDatasetSpec
+from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
 from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode, pooled_batch,

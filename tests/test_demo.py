@@ -26,10 +26,9 @@ def test_demo_job_learns_digits(demo_run):
     assert abs(phases["first_step"] - train[0]["time_to_first_step_s"]) < 0.05
     assert "start-up, seconds since launch" in output and "startup_s" not in train[1]
     # MFU from the FLOPs per sample the last rank counted and sent to rank 0
-    from fsdpclip.model.build import model_config
+    from fsdpclip.model.build import model_config, training_flops_per_sample
     from fsdpclip.model.trainable import frozen_meta_model
     from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.train.metrics import training_flops_per_sample
 
     job = load_job(run_dir / "job.json")
     flops = training_flops_per_sample(frozen_meta_model(model_config(job.model), job)[0])

@@ -1,4 +1,4 @@
-"""The seams of eval.tasks and launch.launcher: a launcher backend and an eval task registered from outside the package (here, this test
+"""The seams of eval.registry and launch.launcher: a launcher backend and an eval task registered from outside the package (here, this test
 module) are flags of `fsdpclip launch` and `fsdpclip eval`, dispatched to as the built-in ones are."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import shlex
 import pytest
 
 from conftest import TINY_CONFIG, write_job
-from fsdpclip.eval import tasks
-from fsdpclip.eval.tasks import EvalTask, register_task
-from fsdpclip.launch import launcher
+from fsdpclip.eval import registry, tasks
+from fsdpclip.eval.registry import EvalTask, register_task
+from fsdpclip.launch import backends, launcher
 from fsdpclip.launch.launcher import LaunchError, LauncherBackend, register_backend
 from fsdpclip.spec.job import Section
 
@@ -80,8 +80,8 @@ class LogitScaleTask(EvalTask):
 @pytest.fixture
 def registered(monkeypatch):
     """The two seams' registries with the test's backend and task added, as they were after the test."""
-    monkeypatch.setattr(launcher, "BACKENDS", dict(launcher.backends()))
-    monkeypatch.setattr(tasks, "TASKS", dict(tasks.eval_tasks()))
+    monkeypatch.setattr(launcher, "BACKENDS", backends.backends())
+    monkeypatch.setattr(registry, "TASKS", tasks.eval_tasks())
     register_backend(ScriptBackend)
     register_task(LogitScaleTask)
 

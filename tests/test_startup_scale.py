@@ -174,9 +174,8 @@ def test_flops_are_counted_on_plain_meta_tensors_the_same_as_on_fake_ones(monkey
     import fsdpclip.model.build
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from fsdpclip.model.build import build_model, fake_batch
+    from fsdpclip.model.build import build_model, fake_batch, training_flops_per_sample
     from fsdpclip.spec.job import ModelSpec
-    from fsdpclip.train.metrics import training_flops_per_sample
 
     model = build_model(ModelSpec(name="ViT-B-32"))
     model.visual.transformer.resblocks[:6].requires_grad_(False)

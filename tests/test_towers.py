@@ -172,9 +172,8 @@ def test_flops_of_a_hugging_face_tower_are_counted_on_fake_tensors(tmp_path, mon
     """A T5 tower reads its attention mask: plain meta tensors cannot run it, so the FLOP count (and
     validate's activation trace) takes a FakeTensorMode for any model that holds a transformers module."""
     import fsdpclip.model.build
-    from fsdpclip.model.build import build_model, holds_hugging_face_modules
+    from fsdpclip.model.build import build_model, holds_hugging_face_modules, training_flops_per_sample
     from fsdpclip.spec.job import ModelSpec
-    from fsdpclip.train.metrics import training_flops_per_sample
 
     model = build_model(ModelSpec(config=str(TINY_CONFIG), text={"hf": {"path": _hf_dir(tmp_path, weights=False)}}))
     assert holds_hugging_face_modules(model)

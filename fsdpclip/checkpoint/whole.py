@@ -21,6 +21,7 @@ from fsdpclip.checkpoint.layout import (
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
 from fsdpclip.run.files import write_atomically
+from fsdpclip.spec.job import SHARED_PARAMETERS
 
 
 def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
@@ -73,8 +74,6 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
     and written from the same tensors. Returns the weights file written. The destination is made
     (and so checked) before anything is read; OSError when it cannot be.
     """
-    from fsdpclip.model.build import SHARED_PARAMETERS
-
     out = Path(out)
     safetensors = safetensors or out.suffix == ".safetensors"
     folder = out.suffix not in (".pt", ".bin", ".pth", ".safetensors")

@@ -45,7 +45,8 @@ def eval_command(
 
     from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.eval.evaluate import evaluate_checkpoint
-    from fsdpclip.eval.tasks import DatasetError, eval_tasks
+    from fsdpclip.eval.registry import DatasetError
+    from fsdpclip.eval.tasks import eval_tasks
     from fsdpclip.problems import ModelError
 
     tasks = eval_tasks()

@@ -1,5 +1,5 @@
 """`fsdpclip launch` and `fsdpclip fetch`: a job validated, checked on this node and started by the launcher
-backend its flag picks (`fsdpclip.launch.launcher.backends`), and published weights fetched before it."""
+backend its flag picks (`fsdpclip.launch.backends`), and published weights fetched before it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def launch_command(
     **backend_flags,
 ) -> None:
     """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
-    from fsdpclip.launch.launcher import DEFAULT_BACKEND, LaunchError, LaunchFlags, chosen_backend, resolve_paths
+    from fsdpclip.launch.backends import chosen_backend
+    from fsdpclip.launch.launcher import DEFAULT_BACKEND, LaunchError, LaunchFlags, resolve_paths
     from fsdpclip.spec.jobfile import load_job
 
     picked = {name: value for name, value in backend_flags.items() if value not in (None, False)}
@@ -84,7 +85,8 @@ def launch_command(
 
 def backend_options() -> list[inspect.Parameter]:
     """A flag per launcher backend but the default: `--NAME`, or `--NAME VALUE` for one with a metavar."""
-    from fsdpclip.launch.launcher import DEFAULT_BACKEND, backends
+    from fsdpclip.launch.backends import backends
+    from fsdpclip.launch.launcher import DEFAULT_BACKEND
 
     return [option(name.replace("-", "_"), bool, typer.Option(False, f"--{name}", help=backend.help))
             if backend.metavar is None else

@@ -12,9 +12,9 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from fsdpclip.data.sources.webdataset import WebDatasetSpec
 from fsdpclip.data.stream import ShardStream, WorkerPosition
 from fsdpclip.data.transform import TrainImages, decode_mode
+from fsdpclip.data.webdataset_spec import WebDatasetSpec
 
 log = logging.getLogger("fsdpclip.data.batches")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional
 
-from fsdpclip.eval.tasks import DatasetError, EvalTask, register_task, without_grad
+from fsdpclip.eval.registry import DatasetError, EvalTask, register_task, without_grad
 from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import ZeroShotSpec
 

@@ -4,8 +4,8 @@ its registry, the job's paths made absolute, and torchrun's command line.
 A backend (`LauncherBackend`) is one way to start a job, picked by its flag of `fsdpclip launch`: torchrun on
 this node (`fsdpclip.launch.local`, the default: with a static rendezvous when the job spans nodes and you
 start each node yourself) or a Slurm batch script that starts torchrun on every node of its allocation
-(`fsdpclip.launch.slurm`, `--slurm`). A backend registers itself with `register_backend`; `backends()` lists
-the built-in ones and any registered since. Nothing here imports torch.
+(`fsdpclip.launch.slurm`, `--slurm`). A backend registers itself with `register_backend`;
+`fsdpclip.launch.backends` lists the built-in ones and any registered since. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -105,18 +105,6 @@ def register_backend(backend: type[LauncherBackend]) -> type[LauncherBackend]:
         raise ValueError(f"a launcher backend named {backend.name!r} is registered already")
     BACKENDS[backend.name] = backend
     return backend
-
-
-def backends() -> dict[str, type[LauncherBackend]]:
-    """Every launcher backend by name: the built-in ones and any registered since."""
-    from fsdpclip.launch import local, slurm  # noqa: F401  the built-in backends, registered as they load
-
-    return dict(BACKENDS)
-
-
-def chosen_backend(flags: LaunchFlags) -> LauncherBackend:
-    """The backend `flags` picked, made for this launch."""
-    return backends()[flags.backend](flags)
 
 
 def resolve_paths(job: Job, base: Path) -> Job:

@@ -130,7 +130,7 @@ while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done  # a trapped
 
 # torchrun reports any failure as 1: use the code the trainer's rank 0 wrote to exit.json in this run
 # (or, if a rank crashed before it could, the report made from the crash).
-code=$({{python}} -m fsdpclip.run.directory "$run_dir" "${{launch_time}}" "$status" 2>/dev/null)
+code=$({{python}} -m fsdpclip.run.reports "$run_dir" "${{launch_time}}" "$status" 2>/dev/null)
 {{requeue}}
 exit "${code:-$status}"
 """

@@ -23,12 +23,11 @@ from torch import nn
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import TOWERS, ModelSpec
+from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, ModelSpec
 from fsdpclip.spec.registry import TOWER_FAMILIES
 
 # Repeated blocks of OpenCLIP's own towers; the tower families add theirs (`known_block_classes`).
 OPENCLIP_BLOCK_CLASSES = ("ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck", "BasicBlock")
-SHARED_PARAMETERS = ("logit_scale", "logit_bias")
 # Parameters outside the blocks that come before them (embeddings, stems); the rest are the head.
 EMBEDDING_RE = re.compile(
     r"(^|\.)(conv1|bn1|conv2|bn2|conv3|bn3|class_embedding|positional_embedding|ln_pre|token_embedding|"
@@ -220,6 +219,22 @@ def fake_batch(model: nn.Module, samples: int = 2):
             yield inputs()
     finally:
         quiet.setLevel(level)
+
+
+def training_flops_per_sample(model: nn.Module) -> float:
+    """FLOPs of one forward and backward per sample, counted once on the meta device.
+
+    Call it on the unwrapped model with its frozen parameters set, before activation
+    checkpointing (recomputation is not useful work).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with fake_batch(model) as (images, texts), counter:
+        outputs = model(images, texts)
+        sum(o.float().sum() for o in outputs[:2]).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / 2
 
 
 def holds_hugging_face_modules(model: nn.Module) -> bool:

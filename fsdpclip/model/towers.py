@@ -1,4 +1,6 @@
-"""Towers from outside OpenCLIP's model configs: timm image towers and Hugging Face text towers.
+"""Towers from outside OpenCLIP's model configs, timm image towers and Hugging Face text towers: what building
+and checking them needs whether a tower family or an OpenCLIP config names them (the families' own parts are in
+`fsdpclip.model.families`).
 
 Everything is local: a timm architecture (random weights, or a local weights file), a local timm
 directory, and a local Hugging Face directory (config.json, tokenizer files, weights). A hub id
@@ -9,23 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-import torch
 from torch import nn
 
 from fsdpclip.problems import ModelError, closest
 from fsdpclip.run.files import read_text_file, special_file
 from fsdpclip.spec.job import ModelSpec
 
-if TYPE_CHECKING:
-    from fsdpclip.model.families.hf import HfTowerSpec
-    from fsdpclip.model.families.timm import TimmTowerSpec
-
 HF_INSTALL = "pip install 'fsdpclip[hf]'"
-TIMM_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                   "pytorch_model.bin.index.json")
 # The files transformers' tokenizers read from a local directory, where present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
@@ -47,19 +41,6 @@ def compose(cfg: dict, spec: ModelSpec) -> dict:
         check_hf_dir(cfg["text_cfg"]["hf_model_name"], base, from_spec=False)
     if "timm_model_name" in cfg["vision_cfg"] and spec.image.family is None:
         check_timm_name(cfg["vision_cfg"]["timm_model_name"], base)
-    return cfg
-
-
-def timm_vision_cfg(timm_spec: TimmTowerSpec) -> dict:
-    """OpenCLIP's vision_cfg for a timm trunk, at the image size the trunk was built for."""
-    location = "model.image.timm.path" if timm_spec.path else "model.image.timm.name"
-    name = check_timm_name(f"local-dir:{timm_spec.path}" if timm_spec.path else timm_spec.name, location)
-    with torch.device("meta"):
-        trunk = create_timm(name, location)
-    cfg = {"timm_model_name": name, "timm_model_pretrained": False, "timm_pool": timm_spec.pool,
-           "timm_proj": None if timm_spec.proj == "head" else timm_spec.proj, "timm_proj_bias": timm_spec.proj_bias, "image_size": timm_image_size(trunk)}
-    if timm_spec.drop_path is not None:
-        cfg["timm_drop_path"] = timm_spec.drop_path
     return cfg
 
 
@@ -96,12 +77,6 @@ def timm_image_size(trunk: nn.Module) -> int | list[int]:
     size = getattr(getattr(trunk, "patch_embed", None), "img_size", None) or trunk.pretrained_cfg["input_size"][1:]
     size = [int(s) for s in size]
     return size[0] if size[0] == size[1] else size
-
-
-def hf_text_cfg(hf: HfTowerSpec) -> dict:
-    """OpenCLIP's text_cfg for a Hugging Face encoder in a local directory (model and tokenizer)."""
-    return {"hf_model_name": hf.path, "hf_tokenizer_name": hf.path, "hf_model_pretrained": False,
-            "hf_proj_type": hf.proj, "hf_pooler_type": hf.pooler}
 
 
 def check_hf_dir(path: str, location: str, from_spec: bool) -> None:
@@ -149,31 +124,3 @@ def hf_max_tokens(model: nn.Module) -> Optional[int]:
         return None
     offset = config.pad_token_id + 1 if config.model_type in ("roberta", "xlm-roberta") else 0  # positions after pad
     return config.max_position_embeddings - offset
-
-
-# ------------------------------------------------------------------------- weights
-def timm_trunk_state(timm_spec: TimmTowerSpec, trunk: nn.Module, read) -> tuple[dict, str]:
-    """(state, file) of a timm tower's local weights, without the classifier OpenCLIP's head replaces.
-    `read` reads a weights file into a state dict."""
-    if isinstance(timm_spec.pretrained, str):
-        file = timm_spec.pretrained
-    else:
-        file = next((str(Path(timm_spec.path) / f) for f in TIMM_WEIGHT_FILES
-                     if (Path(timm_spec.path) / f).is_file()), None)
-        if file is None:
-            raise ModelError(f"{timm_spec.path} holds none of {', '.join(TIMM_WEIGHT_FILES)}",
-                             "model.image.timm.pretrained", True)
-    classifier = trunk.pretrained_cfg.get("classifier") or ()
-    prefixes = tuple(f"{c}." for c in ((classifier,) if isinstance(classifier, str) else classifier))
-    own = trunk.state_dict()
-    return {k: v for k, v in read(file).items() if k in own or not k.startswith(prefixes)}, file
-
-
-def hf_encoder_state(hf: HfTowerSpec) -> dict[str, torch.Tensor]:
-    """The encoder weights in a local Hugging Face directory, laid out as OpenCLIP's HFTextEncoder
-    holds them (the encoder of an encoder-decoder; a pooling layer only for 'cls_pooler')."""
-    from transformers import AutoConfig, AutoModel
-
-    if getattr(AutoConfig.from_pretrained(hf.path), "is_encoder_decoder", False):
-        return AutoModel.from_pretrained(hf.path).encoder.state_dict()
-    return AutoModel.from_pretrained(hf.path, add_pooling_layer=hf.pooler == "cls_pooler").state_dict()

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from fsdpclip.model.build import Tower, image_shape, model_config, text_shape
+from fsdpclip.model.build import Tower, image_shape, model_config, text_shape, training_flops_per_sample
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.parallelize import resolve_auto
 from fsdpclip.parallel.units import Unit, checkpointed_modules, plan_units
@@ -223,8 +223,6 @@ def plan_job(job: Job, nodes: int, gpus_per_node: int, gpu_memory_gib: float, tf
              intra_gbps: float = INTRA_GBPS, inter_gbps: float = INTER_GBPS) -> Plan:
     """Price every strategy for a job that passed `check_job` (its model built on the meta device,
     its freeze applied); `tflops` defaults to what fsdpclip sustained for a model of its size."""
-    from fsdpclip.train.metrics import training_flops_per_sample
-
     model, towers = frozen_meta_model(model_config(job.model), job)
     memory, _ = memory_model(job, model, towers)
     flops = training_flops_per_sample(model)

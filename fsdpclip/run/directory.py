@@ -17,14 +17,10 @@ job's, and how each launch ended.
     imported.json  the open_clip_train checkpoint the run continues, and what the spec changes (`fsdpclip import`)
 
 Its names and exit codes are here; the lock in `run.lock`, stop requests and exit reports in `run.reports`, the
-files' handling in `run.files`. Pure file handling, no torch: the launcher imports it before any rank starts.
+files' handling in `run.files`. Names alone, no torch: the launcher imports it before any rank starts.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-from typing import Optional
 
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
 WANDB_ID_FILE, IMPORT_FILE = "wandb-id", "imported.json"
@@ -42,16 +38,3 @@ LOCK_REFRESH_S = 30
 # its node); on the same host the holder's pid tells at once.
 LOCK_STALE_S = 600
 
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m fsdpclip.run.directory RUN_DIR SINCE STATUS`: finish the exit report (the Slurm script's
-    last step) and print the code to exit with."""
-    from fsdpclip.run.reports import finish_exit_report
-
-    run_dir, since, status = (argv or sys.argv[1:])[:3]
-    print(finish_exit_report(Path(run_dir), float(since), int(status))["code"])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,11 @@
 """Stop requests and how each launch ended: RUN_DIR/stop, exit.json (completed from crash reports when the
-trainer could not write it), and the launch history in launches/. No torch."""
+trainer could not write it; `python -m fsdpclip.run.reports` completes it at the end of the Slurm script), and
+the launch history in launches/. No torch."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -107,3 +109,15 @@ def record_launch(run_dir: Path, job_json: str, changes: list[str], resumed_from
     return path
 
 
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m fsdpclip.run.reports RUN_DIR SINCE STATUS`: finish the exit report (the Slurm script's
+    last step) and print the code to exit with."""
+    run_dir, since, status = (argv or sys.argv[1:])[:3]
+    print(finish_exit_report(Path(run_dir), float(since), int(status))["code"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

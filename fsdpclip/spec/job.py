@@ -31,6 +31,7 @@ from fsdpclip.spec.section import Section, tagged_union
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")
+SHARED_PARAMETERS = ("logit_scale", "logit_bias")  # the model's parameters outside both towers
 SLICE_RE = re.compile(r"^\s*-?\d*\s*:\s*-?\d*\s*(:\s*-?\d+\s*)?$")
 
 

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdpclip.model.build import training_flops_per_sample
 from fsdpclip.model.trainable import trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.parallel.distributed import shard_mesh
@@ -16,7 +17,6 @@ from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree
 from fsdpclip.run.directory import EXIT_SPEC
 from fsdpclip.spec.job import FsdpSpec
-from fsdpclip.train.metrics import training_flops_per_sample
 from fsdpclip.train.stops import Stop
 
 log = logging.getLogger("fsdpclip")

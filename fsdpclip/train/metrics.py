@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
-from fsdpclip.model.build import fake_batch
 from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE
 from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import WandbSpec
@@ -22,22 +20,6 @@ from fsdpclip.spec.job import WandbSpec
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
                "L40S": 362.1, "A10G": 70.0}
-
-
-def training_flops_per_sample(model: nn.Module) -> float:
-    """FLOPs of one forward and backward per sample, counted once on the meta device.
-
-    Call it on the unwrapped model with its frozen parameters set, before activation
-    checkpointing (recomputation is not useful work).
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with fake_batch(model) as (images, texts), counter:
-        outputs = model(images, texts)
-        sum(o.float().sum() for o in outputs[:2]).backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops() / 2
 
 
 def peak_tflops(device: torch.device, configured: Optional[float]) -> Optional[float]:

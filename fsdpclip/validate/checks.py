@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from fsdpclip.eval.tasks import EvalTask, eval_tasks
+from fsdpclip.eval.registry import EvalTask
+from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
 from fsdpclip.model.weights import usable_cores
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest

@@ -1,8 +1,8 @@
 """The webdataset source: image-text pairs from tar shards (`data.source` 'webdataset', the default).
 
-Its spec block, `validate`'s checks of the shard URLs, the path fields `launch` resolves and the shards'
-fingerprint load without torch; the stream itself (`fsdpclip.data.batches`) is imported when a rank asks
-for its batches.
+Its spec block (`fsdpclip.data.webdataset_spec`, which the stream reads too), `validate`'s checks of the shard
+URLs, the path fields `launch` resolves and the shards' fingerprint load without torch; the stream itself
+(`fsdpclip.data.batches`) is imported when a rank asks for its batches.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Union
-
-from pydantic import Field
+from typing import TYPE_CHECKING, Optional
 
 from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem, shard_urls
+from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.spec.registry import DATA_SOURCES, DataSource, RankData
-from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
     from fsdpclip.problems import Report
@@ -25,39 +23,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdpclip")
 CHECKED_SHARDS = 1000  # at most this many shard URLs are looked at (evenly spread over a larger set)
-
-
-class WebDatasetSpec(Section):
-    source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
-    urls: Union[str, list[str]] = Field(
-        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at most "
-                    "2^20 (1,048,576) shards.")
-    samples: int = Field(
-        gt=0, description="Samples in one epoch (the sum over all shards). An epoch is samples ÷ (world size × "
-                          "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
-                          "workers; a worker whose shards hold fewer reads them again in another order (as "
-                          "OpenCLIP's with_epoch).")
-    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
-    shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
-    workers: int = Field(4, ge=0, description="DataLoader workers per rank; each reads its own shards, so "
-                                               "without `resampled` there must be ≥ world size × workers shards.")
-    image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
-    text_key: str = Field("txt", description="Sample key of the caption.")
-    decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
-        "auto", description="Where images are decoded and augmented. 'cpu': on the data workers (the batch crosses "
-                            "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
-                            "cropped and resized on the device ahead of the step; the workers read their headers "
-                            "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
-                            "the workers). 'mixed': the workers decode every image and cut its crop; the pinning "
-                            "thread copies the crops to the device and resizes them there, ahead of the step "
-                            "(nvJPEG's decode does not overlap a step that keeps the GPU busy; the crops cross "
-                            "unresized, padded to the batch's largest: for "
-                            "256-px JPEGs ~7× the shared memory of 'gpu' and 1.3× that of 'cpu', growing with "
-                            "the images: for images near the model's size). "
-                            "'auto' (the default): the path measured fastest where the run trains, 'mixed' on CUDA "
-                            "(ViT-B-32 on 256-px JPEG shards, 1×H200: 0.96× the synthetic rate, against 0.73× for "
-                            "'gpu' and 0.39× for 'cpu': benchmarks/results/2026-12-03-jpeg-default-1xh200.jsonl), "
-                            "'cpu' on the CPU.")
 
 
 class WebDatasetSource(DataSource):

@@ -16,7 +16,12 @@ from fsdpclip.spec.registry import TOWER_FAMILIES, TowerFamily
 from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
+    import torch
+
     from fsdpclip.problems import Report
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 class HfTowerSpec(Section):
@@ -39,31 +44,40 @@ class HfFamily(TowerFamily):
     imports = ("transformers",)
 
     def config(self, spec: HfTowerSpec) -> dict:
-        from fsdpclip.model.towers import check_hf_dir, hf_text_cfg
+        """OpenCLIP's text_cfg for the encoder in the local directory (model and tokenizer)."""
+        from fsdpclip.model.towers import check_hf_dir
 
-        cfg = hf_text_cfg(spec)
+        cfg = {"hf_model_name": spec.path, "hf_tokenizer_name": spec.path, "hf_model_pretrained": False,
+               "hf_proj_type": spec.proj, "hf_pooler_type": spec.pooler}
         check_hf_dir(spec.path, "model.text.hf.path", from_spec=True)
         return cfg
 
     def load_weights(self, spec: HfTowerSpec, model) -> None:
-        from fsdpclip.model.towers import hf_encoder_state
         from fsdpclip.model.weights import load_weights
 
         if spec.pretrained:
-            load_weights(model, hf_encoder_state(spec), spec.path, module="text.transformer")
+            load_weights(model, encoder_state(spec), spec.path, module="text.transformer")
 
     def check(self, spec: HfTowerSpec, report: Report, check_paths: bool) -> None:
-        from fsdpclip.model.towers import HF_WEIGHT_FILES
-
-        if check_paths and spec.pretrained and not any((Path(spec.path) / f).is_file() for f in HF_WEIGHT_FILES):
+        if check_paths and spec.pretrained and not any((Path(spec.path) / f).is_file() for f in WEIGHT_FILES):
             report.error("model.text.hf.pretrained", f"no weights in {spec.path}", True,
-                         hint=f"expected one of {', '.join(HF_WEIGHT_FILES)}")
+                         hint=f"expected one of {', '.join(WEIGHT_FILES)}")
 
     def paths(self, spec: HfTowerSpec) -> tuple[str, ...]:
         return ("path",)
 
     def label(self, spec: HfTowerSpec) -> str:
         return Path(spec.path).name
+
+
+def encoder_state(spec: HfTowerSpec) -> dict[str, torch.Tensor]:
+    """The encoder weights in the local directory, laid out as OpenCLIP's HFTextEncoder holds them (the encoder
+    of an encoder-decoder; a pooling layer only for 'cls_pooler')."""
+    from transformers import AutoConfig, AutoModel
+
+    if getattr(AutoConfig.from_pretrained(spec.path), "is_encoder_decoder", False):
+        return AutoModel.from_pretrained(spec.path).encoder.state_dict()
+    return AutoModel.from_pretrained(spec.path, add_pooling_layer=spec.pooler == "cls_pooler").state_dict()
 
 
 TOWER_FAMILIES.register(HfFamily())

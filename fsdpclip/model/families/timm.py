@@ -11,11 +11,16 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from fsdpclip.problems import ModelError
 from fsdpclip.spec.registry import TOWER_FAMILIES, TowerFamily
 from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from fsdpclip.problems import Report
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class TimmTowerSpec(Section):
@@ -60,20 +65,30 @@ class TimmFamily(TowerFamily):
                      "MaxxVitBlock", "SwinTransformerBlock")
 
     def config(self, spec: TimmTowerSpec) -> dict:
-        from fsdpclip.model.towers import timm_vision_cfg
+        """OpenCLIP's vision_cfg for the trunk, at the image size the trunk was built for."""
+        import torch
 
-        return timm_vision_cfg(spec)
+        from fsdpclip.model.towers import check_timm_name, create_timm, timm_image_size
+
+        location = "model.image.timm.path" if spec.path else "model.image.timm.name"
+        name = check_timm_name(f"local-dir:{spec.path}" if spec.path else spec.name, location)
+        with torch.device("meta"):
+            trunk = create_timm(name, location)
+        cfg = {"timm_model_name": name, "timm_model_pretrained": False, "timm_pool": spec.pool,
+               "timm_proj": None if spec.proj == "head" else spec.proj, "timm_proj_bias": spec.proj_bias,
+               "image_size": timm_image_size(trunk)}
+        if spec.drop_path is not None:
+            cfg["timm_drop_path"] = spec.drop_path
+        return cfg
 
     def load_weights(self, spec: TimmTowerSpec, model) -> None:
-        from fsdpclip.model.towers import timm_trunk_state
-        from fsdpclip.model.weights import load_weights, read_state_dict
+        from fsdpclip.model.weights import load_weights
 
         if spec.pretrained:
-            state, file = timm_trunk_state(spec, model.visual.trunk, read_state_dict)
+            state, file = trunk_state(spec, model.visual.trunk)
             load_weights(model, state, file, module="visual.trunk")
 
     def check(self, spec: TimmTowerSpec, report: Report, check_paths: bool) -> None:
-        from fsdpclip.model.towers import TIMM_WEIGHT_FILES
         from fsdpclip.run.files import special_file
 
         location = "model.image.timm.pretrained"
@@ -84,15 +99,32 @@ class TimmFamily(TowerFamily):
                 report.error(location, "file not found", spec.pretrained)
             elif kind := special_file(Path(spec.pretrained)):
                 report.error(location, f"not a regular file but {kind}", spec.pretrained)
-        elif spec.path and not any((Path(spec.path) / f).is_file() for f in TIMM_WEIGHT_FILES):
+        elif spec.path and not any((Path(spec.path) / f).is_file() for f in WEIGHT_FILES):
             report.error(location, f"no weights in {spec.path}", True,
-                         hint=f"expected one of {', '.join(TIMM_WEIGHT_FILES)}")
+                         hint=f"expected one of {', '.join(WEIGHT_FILES)}")
 
     def paths(self, spec: TimmTowerSpec) -> tuple[str, ...]:
         return ("path", "pretrained")
 
     def label(self, spec: TimmTowerSpec) -> str:
         return Path(spec.path).name if spec.path else spec.name
+
+
+def trunk_state(spec: TimmTowerSpec, trunk: nn.Module) -> tuple[dict, str]:
+    """(state, file) of a timm tower's local weights, without the classifier OpenCLIP's head replaces."""
+    from fsdpclip.model.weights import read_state_dict
+
+    if isinstance(spec.pretrained, str):
+        file = spec.pretrained
+    else:
+        file = next((str(Path(spec.path) / f) for f in WEIGHT_FILES if (Path(spec.path) / f).is_file()), None)
+        if file is None:
+            raise ModelError(f"{spec.path} holds none of {', '.join(WEIGHT_FILES)}", "model.image.timm.pretrained",
+                             True)
+    classifier = trunk.pretrained_cfg.get("classifier") or ()
+    prefixes = tuple(f"{c}." for c in ((classifier,) if isinstance(classifier, str) else classifier))
+    own = trunk.state_dict()
+    return {k: v for k, v in read_state_dict(file).items() if k in own or not k.startswith(prefixes)}, file
 
 
 TOWER_FAMILIES.register(TimmFamily())

@@ -1,0 +1,22 @@
+"""Every launcher backend: the built-in ones (torchrun on this node, Slurm) and any registered since, and the one
+a launch's flags pick. `fsdpclip launch` looks them up here; a backend itself imports only `launch.launcher`.
+Nothing here imports torch."""
+
+from __future__ import annotations
+
+from fsdpclip.launch import launcher
+from fsdpclip.launch.launcher import LauncherBackend, LaunchFlags
+from fsdpclip.launch.local import LocalBackend
+from fsdpclip.launch.slurm import SlurmBackend
+
+BUILT_IN = (LocalBackend, SlurmBackend)  # registered as their modules load
+
+
+def backends() -> dict[str, type[LauncherBackend]]:
+    """Every launcher backend by name: the built-in ones and any registered since."""
+    return {backend.name: backend for backend in BUILT_IN} | launcher.BACKENDS
+
+
+def chosen_backend(flags: LaunchFlags) -> LauncherBackend:
+    """The backend `flags` picked, made for this launch."""
+    return backends()[flags.backend](flags)
