@@ -330,6 +330,36 @@ def test_every_save_records_how_long_training_waited(tmp_path):
     assert [saves[s]["checkpoint_staging"] for s in (4, 8, 12)] == ["host", "host", "synchronous"]  # at_end waits
 
 
+def test_saves_every_few_minutes_at_the_same_step_on_every_rank(tmp_path):
+    """checkpoint.every_minutes (0.025: 1.5 s) beside every_steps (12), steps of 0.3 s more each: rank 0's clock
+    decides at the stop checks (after step 1, then every 10 steps), so the timed saves come at steps 10 and 20
+    (3 s since the start, 2.4 s since the save at step 12), step 12 and 24 save by steps, and every rank
+    writes its part of each (a rank missing one would leave the save's collectives waiting)."""
+    run_dir = tmp_path / "runs" / "timed"
+    job = _plain_job(tmp_path, "timed", checkpoint={"every_steps": 12, "every_minutes": 0.025, "keep": 10},
+                     schedule={"steps": 25})
+    run = _with_fault(write_job(tmp_path, job), "slow:0.3")
+    assert run.returncode == 0, run.stdout[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "checkpoint" in r] == [10, 12, 20, 24, 25], records
+    for checkpoint in complete_checkpoints(run_dir):
+        assert sorted(p.name for p in checkpoint.glob("rank-*.pt")) == ["rank-00000.pt", "rank-00001.pt"]
+
+
+def test_every_minutes_is_a_positive_number():
+    """checkpoint.every_minutes takes a positive, finite number of minutes (fractions too) and makes saves
+    periodic, as every_steps does."""
+    from pydantic import ValidationError
+
+    from fsdpclip.spec.job import CheckpointSpec
+
+    assert CheckpointSpec(every_minutes=0.5).periodic and CheckpointSpec(every_steps=3).periodic
+    assert not CheckpointSpec().periodic
+    for refused in (0, -1, float("inf"), True, "often"):
+        with pytest.raises(ValidationError):
+            CheckpointSpec(every_minutes=refused)
+
+
 def test_asynchronous_saves_auto_where_the_host_copies_fit(monkeypatch):
     """checkpoint.async_save 'auto' (the default) is on for CUDA devices when the host copies of a node's ranks
     take at most a quarter of its memory; off on CPU devices, where the state already lives on the host; true

@@ -494,6 +494,10 @@ class EvalSpec(Section):
 # -------------------------------------------------------------------- checkpoint
 class CheckpointSpec(Section):
     every_steps: Optional[int] = Field(None, gt=0, description="Save a sharded checkpoint every N optimizer steps.")
+    every_minutes: Optional[float] = Field(
+        None, gt=0, description="Save a sharded checkpoint once N minutes of training (fractions allowed) have passed "
+                                "since the last save or the start, on rank 0's clock, at the next stop check (about "
+                                "10 s or 10 steps apart); with every_steps, whichever comes first.")
     at_end: bool = Field(True, description="Save after the last step.")
     keep: int = Field(2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
     resume: Optional[str] = Field(
@@ -502,6 +506,11 @@ class CheckpointSpec(Section):
     async_save: Union[bool, Literal["auto"]] = Field(
         "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
                             "when the host copies of a node's ranks take at most a quarter of its memory.")
+
+    @property
+    def periodic(self) -> bool:
+        """Whether checkpoints are saved during training, by steps or by minutes."""
+        return bool(self.every_steps or self.every_minutes)
 
 
 # ----------------------------------------------------------------------- logging

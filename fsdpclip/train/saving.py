@@ -17,6 +17,7 @@ from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_stat
 from fsdpclip.checkpoint.staging import asynchronous_saves, host_memory
 from fsdpclip.parallel.distributed import all_max
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
+from fsdpclip.spec.job import CheckpointSpec
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
 from fsdpclip.train.optim import Schedule
 from fsdpclip.train.stops import Stop
@@ -32,16 +33,22 @@ class Checkpointing:
         (`staging.asynchronous_saves`, the same on every rank); when they are, the host copy's memory is reserved
         now, while the first step compiles."""
         job, env = self.job, self.env
-        chosen = bool(job.checkpoint.every_steps) and asynchronous_saves(
+        chosen = job.checkpoint.periodic and asynchronous_saves(
             job.checkpoint.async_save, env.device.type, host_bytes, env.local_world_size)
         chosen = not all_max([int(not chosen)], env.device)[0]
-        if job.checkpoint.async_save == "auto" and job.checkpoint.every_steps and env.is_main:
+        if job.checkpoint.async_save == "auto" and job.checkpoint.periodic and env.is_main:
             log.info("checkpoint.async_save 'auto': %s (a host copy of %.1f GiB per rank, %d rank(s) on a node of "
                      "%.0f GiB)", "on" if chosen else "off", host_bytes / 2 ** 30, env.local_world_size,
                      host_memory() / 2 ** 30)
         if chosen:
             self.checkpointer.host.reserve(host_bytes)
         return chosen
+
+    def _minutes_passed(self) -> int:
+        """1 on rank 0 once checkpoint.every_minutes have passed since the last save (or the start of `fit`), else
+        0: the stop checks share it as a maximum over ranks, so that every rank saves at the same step."""
+        minutes = self.job.checkpoint.every_minutes
+        return int(bool(minutes) and self.env.is_main and time.monotonic() - self.saved_at >= 60 * minutes)
 
     def _save_due(self) -> None:
         """Make the checkpoint that is due. An asynchronous one waits, while training goes on, for the write
@@ -54,8 +61,8 @@ class Checkpointing:
                 return
             if self.save_due != self.step and not self.late_saves and self.env.is_main:
                 log.warning("the checkpoint due at step %d is saved at step %d: the write before it took longer than "
-                            "checkpoint.every_steps (%d steps), and saves wait for it without stopping training",
-                            self.save_due, self.step, job.checkpoint.every_steps)
+                            "the interval between saves (%s), and saves wait for it without stopping training",
+                            self.save_due, self.step, save_interval(job.checkpoint))
             self.late_saves += self.save_due != self.step
         self.save(asynchronous=self.async_saves)
 
@@ -80,7 +87,7 @@ class Checkpointing:
         began = time.perf_counter()
         with self._stop_when_save_fails():
             path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
-        self.last_saved = self.step
+        self.last_saved, self.saved_at = self.step, time.monotonic()
         if self.metrics is not None:  # what this rank's training waited for, a wait for the save before included
             record = {"step": self.step, "checkpoint": path.name,
                       "checkpoint_blocked_s": round(time.perf_counter() - began, 3),
@@ -162,3 +169,9 @@ class Checkpointing:
         self.scheduler.set_step(self.step)
         if self.scaler is not None and meta["scaler"] is not None:
             self.scaler.load_state_dict(meta["scaler"])
+
+
+def save_interval(spec: CheckpointSpec) -> str:
+    """checkpoint.every_steps and every_minutes in words, those set."""
+    return " or ".join(f"checkpoint.{name} {value:g}" for name, value in
+                       (("every_steps", spec.every_steps), ("every_minutes", spec.every_minutes)) if value)

@@ -71,7 +71,7 @@ class StopChecks:
         """Agree with the other ranks on a stop (a signal to any rank, a request file seen by rank 0, or a
         rank's launcher gone); if there is one, checkpoint and stop with EXIT_PREEMPTED. Otherwise set the
         interval to the next check from the slowest rank's step time since this one's last (the same on
-        every rank)."""
+        every rank), and mark a save due where rank 0 found checkpoint.every_minutes passed."""
         asked = self.signals.received if self.signals else 0
         if self.env.is_main and stop_requested(self.job.run_dir, launch_time()):
             asked = STOP_REQUEST
@@ -79,10 +79,12 @@ class StopChecks:
             asked = LAUNCHER_GONE
         now = time.perf_counter()
         step_ms = 1000 * (now - self.checked[1]) / max(1, self.step - self.checked[0])
-        reason, slowest_ms, writes = all_max([asked, math.ceil(step_ms), self.checkpointer.write_status()],
-                                             self.env.device)
+        reason, slowest_ms, writes, minutes_passed = all_max(
+            [asked, math.ceil(step_ms), self.checkpointer.write_status(), self._minutes_passed()], self.env.device)
         self.checked, self.stop_interval = (self.step, now), stop_check_interval(slowest_ms / 1000)
         self._raise_if_write_failed(writes)
+        if minutes_passed:
+            self.save_due = self.save_due or self.step
         if not reason:
             return
         path = self.save()

@@ -174,6 +174,7 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
             return EXIT_OK
         code = EXIT_CRASH  # unless the loop ends as planned
         self.stop_interval, self.checked = STOP_CHECK_STEPS, (self.step, time.perf_counter())
+        self.saved_at = time.monotonic()  # checkpoint.every_minutes count from here, then from each save
         first = self.step + 1  # a check after it sets the pace (its time includes the start-up's compiling)
         try:
             while self.step < self.total_steps:
