@@ -247,6 +247,25 @@ def init(
                   soft_wrap=True)
 
 
+@app.command("env")
+def environment(
+    run_root: Path = typer.Option(Path("runs"), "--run-root", help="Where run directories go (run.output_dir): "
+                                                                   "checked for writing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """Report this node for a bug report: versions, GPUs, InfiniBand, Slurm, cores, memory, the run root."""
+    from fsdpclip.cli.tables import environment_table
+    from fsdpclip.validate.environment import environment as collect
+
+    found = collect(run_root)
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    console.print(environment_table(found))
+    if found["gpu_topology"]:
+        console.print(escape(found["gpu_topology"]), highlight=False)
+
+
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of the job spec."""

@@ -128,3 +128,38 @@ def report_lines(info: dict) -> list[str]:
               for name, values in info.get(kind, {}).items()]
     lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")
     return lines
+
+
+def environment_table(found: dict) -> Table:
+    """`fsdpclip env`'s report (`validate.environment.environment`) as one table; the GPU topology is printed
+    below it."""
+    table = Table(title="fsdpclip env", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("found")
+    torch = found["torch"]
+    rows = [("fsdpclip", found["fsdpclip"]), ("python", f"{found['python']} ({found['platform']})"),
+            *found["packages"].items(), *found["extras"].items(),
+            ("CUDA (torch)", f"{torch['cuda'] or 'none'} ({'available' if torch['cuda_available'] else 'not available'})"),
+            ("NCCL (torch)", torch["nccl"] or "none")]
+    gpus = found["gpus"]
+    rows.append(("GPUs", f"{gpus['count']}: {gpus['source']}"))
+    rows += [(f"  GPU {gpu['index']}", f"{gpu['name']}, {gpu['memory_gib']:g} GiB, compute {gpu['capability']}")
+             for gpu in gpus["devices"]]
+    rows.append(("InfiniBand", ", ".join(_infiniband_device(device) for device in found["infiniband"]) or "none"))
+    slurm = found["slurm"]
+    rows.append(("Slurm", f"sbatch {slurm['sbatch'] or 'not on PATH'}, srun {slurm['srun'] or 'not on PATH'}"))
+    rows += [(f"  {name}", value) for name, value in slurm["job"].items()]
+    cores = found["cpu_cores"]
+    rows += [("CPU cores", f"{cores['usable']} usable of {cores['total']}"),
+             ("host memory", f"{found['host_memory_gib']:g} GiB")]
+    root = found["run_root"]
+    rows.append(("run root", f"{root['path']}: " + (f"writable, {root['free_gib']:g} GiB free" if root["writable"]
+                                                      else f"not writable ({root['why']})")))
+    for what, value in rows:
+        table.add_row(escape(what), escape(str(value)))
+    return table
+
+
+def _infiniband_device(device: dict) -> str:
+    ports = "; ".join(f"port {port['port']} {port['state']} {port['rate']}" for port in device["ports"])
+    return f"{device['name']} ({ports})"
