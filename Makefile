@@ -38,8 +38,10 @@ demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
 	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
+# The whole suite, on pytest-xdist workers that each take whole test modules (a module's fixtures are built once).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadscope tests
 
 schema: venv
 	$(BIN)/fsdpclip schema > schemas/job.schema.json

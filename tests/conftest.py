@@ -29,6 +29,15 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SUBPROCESS_TMP, ignore_errors=True)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`), each worker computes on one thread: the workers share the cores (torch's
+    spinning thread pools, one per core in each worker, would fight over them)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
     """The digits demo data, built once per test session."""
