@@ -4,10 +4,11 @@
         --label after --out /tmp/ckpt
 
 One run that logs every step and saves every --every steps in the background (checkpoint.async_save).
-Per save: `checkpoint_blocked_s` and `checkpoint_staging` where the trainer writes them, and for any
+Per asynchronous save: the step it was due at and the step it was made at (a save waits while the write before
+it goes on), `checkpoint_blocked_s`, its parts and `checkpoint_staging` where the trainer writes them, and for any
 version of the trainer the excess of the step that follows the save over the median step (the save's time
 falls into that step's log window), so a trainer before `checkpoint_blocked_s` existed is measured the same
-way. Appends one JSON row per save to OUT/async_checkpoint.jsonl and prints them; the fsdpclip that runs is
+way (its saves taken at the multiples of --every). Appends one JSON row per save to OUT/async_checkpoint.jsonl and prints them; the fsdpclip that runs is
 the one on PYTHONPATH (--label names it).
 """
 
@@ -51,13 +52,18 @@ def main() -> None:
     records = [json.loads(line) for line in (args.out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["step_time_s"] for r in records if "step_time_s" in r}
     saves = {r["step"]: r for r in records if "checkpoint_blocked_s" in r}
-    usual = statistics.median(t for s, t in steps.items() if s > 2 and s - 1 not in range(args.every, args.steps,
-                                                                                          args.every))
+    if not saves:  # a trainer before checkpoint_blocked_s: the saves are at the multiples of --every
+        saves = {step: {} for step in range(args.every, args.steps, args.every)}
+    usual = statistics.median(t for s, t in steps.items() if s > 2 and s - 1 not in saves)
     rows = []
-    for step in range(args.every, args.steps, args.every):
+    for step, save in sorted(saves.items()):
+        if save.get("checkpoint_staging") == "synchronous":
+            continue
         rows.append({"model": args.model, "batch_per_gpu": args.batch, "gpus": 1, "variant": args.label,
-                     "save_step": step, "checkpoint_blocked_s": saves.get(step, {}).get("checkpoint_blocked_s"),
-                     "checkpoint_staging": saves.get(step, {}).get("checkpoint_staging"),
+                     "save_step": step, "due_step": save.get("checkpoint_due_step", step),
+                     "checkpoint_blocked_s": save.get("checkpoint_blocked_s"),
+                     "checkpoint_phases_s": save.get("checkpoint_phases_s"),
+                     "checkpoint_staging": save.get("checkpoint_staging"),
                      "step_after_save_excess_s": round(steps[step + 1] - usual, 3) if step + 1 in steps else None,
                      "median_step_s": round(usual, 4), "samples_per_s_per_gpu": args.batch / usual,
                      "peak_memory_gib": max(r.get("peak_memory_gib", 0) for r in records), "exit": code,

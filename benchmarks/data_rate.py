@@ -47,7 +47,8 @@ import torch
 from fsdpclip.data.batches import PREFETCH, webdataset_batches
 from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
 from fsdpclip.model.build import build_tokenizer, image_transform, model_config, model_from_config
-from fsdpclip.spec.job import ModelSpec, WebDatasetSpec
+from fsdpclip.data.sources.webdataset import WebDatasetSpec
+from fsdpclip.spec.job import ModelSpec
 
 
 class EmulatedStep:

@@ -42,7 +42,7 @@ def job_spec(args, data: dict) -> dict:
 
 def launch(tree: Path, spec: Path, log: Path, timeout: float) -> dict:
     """`fsdpclip launch` of `spec` from `tree`; its first metrics record's start-up figures."""
-    from fsdpclip.launch.launcher import kill_tree
+    from fsdpclip.launch.local import kill_tree
 
     run_dir = Path(json.loads(spec.read_text())["run"]["output_dir"]) / "startup"
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -50,7 +50,7 @@ def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
 def run(command: list[str], log: Path, timeout: float) -> int:
     """Run `command` with its output in `log`; past `timeout` seconds it and every process under it
     (torchrun, the ranks, data workers) are killed and -1 is returned."""
-    from fsdpclip.launch.launcher import kill_tree
+    from fsdpclip.launch.local import kill_tree
 
     env = {**os.environ, "FSDPCLIP_LAUNCH_TIME": repr(time.time())}
     with open(log, "w") as out:

@@ -41,4 +41,5 @@ def json_result(command: list[str], timeout: float, env: dict | None = None) -> 
     it printed (its output also holds stderr: warnings, logs)."""
     result = run_group(command, timeout, env=env)
     assert result.returncode == 0, result.stdout[-3000:]
-    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    # stderr shares the pipe: a warning from another thread may precede the object on its line
+    return json.loads([line[line.index('{"'):] for line in result.stdout.splitlines() if '{"' in line][-1])

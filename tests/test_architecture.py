@@ -79,9 +79,11 @@ def test_subpackages_load_nothing_when_imported():
 
 
 def test_the_launcher_and_the_spec_load_without_torch():
-    """What the architecture page says: the spec, the run directory, the launcher and the URLs import no torch."""
+    """What the architecture page says: the spec, the run directory, the launcher backends, the URLs and the eval
+    tasks' modules import no torch."""
     light = [name for layer, names in layer_table() if layer == "foundations" for name in names
-             if name != "parallel/distributed"] + ["launch/launcher", "launch/torchrun"]
+             if name != "parallel/distributed"] + ["launch/launcher", "launch/local", "launch/slurm", "launch/torchrun",
+                                                   "eval/tasks", "eval/zeroshot", "eval/retrieval"]
     code = "import sys; " + "; ".join(f"import fsdpclip.{name.replace('/', '.')}" for name in light) + \
         "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

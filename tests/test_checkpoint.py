@@ -13,7 +13,7 @@ import torch
 
 from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
-from fsdpclip.checkpoint.sharded import complete_checkpoints, latest_checkpoint
+from fsdpclip.checkpoint.layout import complete_checkpoints, latest_checkpoint
 
 STEPS = 12
 
@@ -71,7 +71,7 @@ def test_slow_steps_are_checked_for_a_stop_more_often(tmp_path, digits_dir):
 
 def test_stop_check_interval():
     """Divisors of 10 steps, as many as fit in 10 s; every step once a step takes longer than 5 s."""
-    from fsdpclip.train.trainer import stop_check_interval
+    from fsdpclip.train.stops import stop_check_interval
 
     assert [stop_check_interval(s) for s in (0.01, 1.0, 1.5, 2.0, 3.0, 5.0, 6.0, 60.0)] == [10, 10, 5, 5, 2, 2, 1, 1]
 
@@ -341,6 +341,42 @@ def test_every_save_records_how_long_training_waited(tmp_path):
     assert [saves[s]["checkpoint_staging"] for s in (4, 8, 12)] == ["host", "host", "synchronous"]  # at_end waits
 
 
+def test_an_asynchronous_save_waits_for_a_slow_write_without_stopping_training(tmp_path):
+    """Background writes slower than the checkpoint interval (1.5 s more each, saves every 2 steps of 0.3 s): a due
+    save waits, while training goes on, until the write before it has ended on every rank, and is made then;
+    its record names the step it was due at, the log says so once, and every checkpoint is complete."""
+    run_dir = tmp_path / "runs" / "slowdisk"
+    job = _plain_job(tmp_path, "slowdisk", checkpoint={"async_save": True, "every_steps": 2, "keep": 10},
+                     schedule={"steps": 16})
+    run = _with_fault(write_job(tmp_path, job), "slow:0.3+slow-write:1.5")
+    assert run.returncode == 0, run.stdout[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r["step"] for r in records if "loss" in r]
+    saves = [r for r in records if "checkpoint" in r and r["checkpoint_staging"] != "synchronous"]
+    assert trained == list(range(1, 17)), trained
+    late = [r for r in saves if "checkpoint_due_step" in r]
+    assert late and all(r["checkpoint_due_step"] < r["step"] and r["checkpoint_due_step"] % 2 == 0 for r in late)
+    assert all(later["step"] - earlier["step"] > 2 for earlier, later in zip(saves, saves[1:])), saves
+    assert run.stdout.count("saves wait for it without stopping training") == 1, run.stdout[-4000:]
+    assert "reserved for its host copy" not in run.stdout  # the estimate made at the start held the state
+    assert [p.name for p in complete_checkpoints(run_dir)] == [f"step-{r['step']:08d}" for r in saves] + [
+        "step-00000016"]
+
+
+def test_a_failed_background_write_stops_every_rank_with_one_line(tmp_path):
+    """Rank 1's background writes fail: the ranks agree on it (DCP tells each at its own time) and stop at
+    one step with exit 1 and a line naming the failure, no traceback; the failed checkpoint is never
+    published."""
+    run_dir = tmp_path / "runs" / "failwrite"
+    job = _plain_job(tmp_path, "failwrite", checkpoint={"async_save": True, "every_steps": 3})
+    run = _with_fault(write_job(tmp_path, job), "fail-write:1")
+    report = json.loads((run_dir / "exit.json").read_text())
+    assert report["code"] == 1 and report["message"].startswith(
+        "checkpoint step-00000003 could not be written: OSError: the disk went away (injected)"), report
+    assert complete_checkpoints(run_dir) == [] and 3 < report["step"] < STEPS, report
+    assert not any(f"[rank{rank}]: Traceback" in run.stdout for rank in (0, 1)), run.stdout[-4000:]
+
+
 @pytest.mark.parametrize("device, nproc, headroom, staging", [
     ("cpu", 2, "", "host"),
     pytest.param("cuda", 1, "", "device", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
@@ -350,17 +386,17 @@ def test_every_save_records_how_long_training_waited(tmp_path):
 def test_asynchronous_saves_hold_their_own_step(tmp_path, device, nproc, headroom, staging):
     """Two asynchronous saves, each followed at once by a step that changes every parameter in place: each
     checkpoint holds its own step's values, staged in spare device memory when there is some (the copy
-    reused by the second save), else on the host."""
+    reused by the second save), else on the host, through a host copy carved out of the memory reserved for it."""
     result = torchrun(["tests/workers/async_save.py", str(tmp_path / "run"), device, headroom], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:]
     out = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    assert out == {"staging": staging, "holds_its_step": {"1": True, "2": True}}, out
+    assert out == {"staging": staging, "holds_its_step": {"1": True, "2": True}, "carved": True}, out
 
 
 def test_a_state_copy_reuses_its_tensors_when_the_layout_holds():
     """copy_state copies into the tensors of an earlier copy of the same layout (no new memory), and makes
     new ones when the layout changed; either way later in-place changes to the state do not reach it."""
-    from fsdpclip.checkpoint.sharded import copy_state
+    from fsdpclip.checkpoint.staging import copy_state
 
     state = {"model": {"w": torch.randn(4, 3)},
              "optim": {"state": {"w": {"exp_avg": torch.randn(4, 3), "step": torch.tensor(3.0)}},

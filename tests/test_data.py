@@ -16,11 +16,12 @@ import webdataset as wds
 
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
-from fsdpclip.checkpoint.sharded import CheckpointError
-from fsdpclip.data import batches as data_module
-from fsdpclip.data.batches import ShardStream, StreamPosition, WebDatasetBatches
+from fsdpclip.checkpoint.layout import CheckpointError
+from fsdpclip.data import stream as data_module
+from fsdpclip.data.batches import StreamPosition, WebDatasetBatches
+from fsdpclip.data.sources.webdataset import WebDatasetSpec
+from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
-from fsdpclip.spec.job import WebDatasetSpec
 
 
 def write_shards(directory, sizes: list[int], broken: dict[int, str] | None = None,

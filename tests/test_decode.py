@@ -17,10 +17,12 @@ from PIL import Image
 
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import transform as decode
-from fsdpclip.data.batches import ShardStream, WebDatasetBatches
-from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode,
-                             pooled_batch, read_header, resample_weights, rgb_pixels)
-from fsdpclip.spec.job import WebDatasetSpec
+from fsdpclip.data.batches import WebDatasetBatches
+from fsdpclip.data.sources.webdataset import WebDatasetSpec
+from fsdpclip.data.stream import ShardStream
+from fsdpclip.data.jpeg import read_header, rgb_pixels
+from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode, pooled_batch,
+                                     resample_weights)
 
 SIZE = 48  # the model's image size in these tests
 
@@ -369,7 +371,7 @@ def test_jpeg_headers_are_read_as_pil_reads_them():
     comment, optimised Huffman tables, Adobe RGB) as PIL would, and leaves CMYK, EXIF, MPO, PNG, segments PIL
     reads otherwise or refuses, and sizes past PIL's decompression-bomb limit to PIL, which reads them, warns
     or raises. Cut at every byte or damaged at random, a JPEG it reads itself is read as PIL reads it."""
-    from fsdpclip.data.transform import _plain_jpeg_header
+    from fsdpclip.data.jpeg import _plain_jpeg_header
 
     rng = np.random.default_rng(4)
     image = picture(rng, 37, 53)
@@ -489,7 +491,7 @@ def test_data_wait_is_what_the_step_waits_for(device):
     from collections import deque
     from types import SimpleNamespace
 
-    from fsdpclip.run.directory import StartupClock
+    from fsdpclip.run.lock import StartupClock
     from fsdpclip.train.metrics import Window
     from fsdpclip.train.trainer import Trainer
 

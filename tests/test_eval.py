@@ -393,7 +393,7 @@ def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
     exit (multiprocessing waits for them at exit)."""
     import multiprocessing
 
-    from fsdpclip.eval.evaluate import evaluate_set, load_eval_set
+    from fsdpclip.eval.tasks import evaluate_set, load_eval_set
     from fsdpclip.model.build import build_model, build_tokenizer, image_transform, model_config
     from fsdpclip.spec.job import ModelSpec, RetrievalSpec, ZeroShotSpec
 

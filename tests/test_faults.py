@@ -538,7 +538,7 @@ def test_a_rank_killed_by_a_signal_is_named(tmp_path, digits_dir):
 
 def test_lock_of_a_finished_process_is_taken_over(tmp_path):
     """A lock left by a process that is gone (same host) is taken over; a live holder's is not."""
-    from fsdpclip.run.directory import RunLocked, acquire_lock, lock_holder, release_lock
+    from fsdpclip.run.lock import RunLocked, acquire_lock, lock_holder, release_lock
 
     (tmp_path / "lock").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "token": "old",
                                                "since": time.time()}))
@@ -559,7 +559,7 @@ def _dead_pid() -> int:
 
 def _race_for_locks(run_dirs: list[Path], token: str, barrier, results) -> None:
     """One of two processes taking each run directory's lock at the same instant as the other."""
-    from fsdpclip.run.directory import RunLocked, acquire_lock
+    from fsdpclip.run.lock import RunLocked, acquire_lock
 
     outcomes = []
     for run_dir in run_dirs:
@@ -610,7 +610,7 @@ def test_a_lock_is_held_by_processes_not_pids(tmp_path):
     of the job (torchrun, a rank) runs is not, and the holder named says which still run; a job process that
     gives the lock back while another runs keeps it theirs; an unreaped (zombie) holder holds nothing; a
     requeued Slurm job on another node takes its own lock afresh."""
-    from fsdpclip.run.directory import HeldLock, RunLocked, acquire_lock, lock_holder, process_identity, release_lock
+    from fsdpclip.run.lock import HeldLock, RunLocked, acquire_lock, lock_holder, process_identity, release_lock
 
     pid, ticks = process_identity()
     host = socket.gethostname()
@@ -664,7 +664,7 @@ def test_every_fault_row_names_a_test():
 def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_nothing_behind(tmp_path):
     """write_atomically (exit reports, compile caches, locks): a write that fails half-way raises, keeps
     the previous file whole and leaves no partial file in the run directory."""
-    from fsdpclip.run.directory import write_atomically
+    from fsdpclip.run.files import write_atomically
 
     target = tmp_path / "exit.json"
     write_atomically(target, "old")

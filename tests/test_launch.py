@@ -16,8 +16,10 @@ import pytest
 
 from conftest import REPO, TINY_CONFIG, squeezed, write_job
 from ranks import run_group
-from fsdpclip.checkpoint.sharded import latest_checkpoint
-from fsdpclip.launch.launcher import render, resolve_paths, sbatch_script, torchrun_command
+from fsdpclip.checkpoint.layout import latest_checkpoint
+from fsdpclip.launch.launcher import render, resolve_paths
+from fsdpclip.launch.local import torchrun_command
+from fsdpclip.launch.slurm import sbatch_script
 from fsdpclip.spec.jobfile import load_job
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -137,7 +139,7 @@ def _wait(torchrun, limit: float = 60) -> int:
     """torchrun's exit status; past `limit` seconds it and everything under it are killed (the test fails)."""
     import threading
 
-    from fsdpclip.launch.launcher import kill_tree
+    from fsdpclip.launch.local import kill_tree
 
     watchdog = threading.Timer(limit, kill_tree, [torchrun.pid])
     watchdog.start()
@@ -150,7 +152,8 @@ def _wait(torchrun, limit: float = 60) -> int:
 def _probe_ranks(tmp_path, mode: str, forked_ranks: bool):
     """Two probe ranks under `launch.ForkedTorchrun` with the launcher's own torchrun command and one more variable;
     the ranks are new interpreters or forks of torchrun (--run-path --start-method=fork)."""
-    from fsdpclip.launch.launcher import TORCHRUN, ForkedTorchrun
+    from fsdpclip.launch.launcher import TORCHRUN
+    from fsdpclip.launch.local import ForkedTorchrun
 
     script = tmp_path / "probe.py"
     script.write_text(_PROBE_RANK)
@@ -184,7 +187,7 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
     everything under it."""
     import time
 
-    from fsdpclip.launch.launcher import kill_tree
+    from fsdpclip.launch.local import kill_tree
 
     torchrun = _probe_ranks(tmp_path, "wait", forked_ranks)
     ranks = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
@@ -237,7 +240,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     code = (
         "import os, sys\n"
         "from fsdpclip.spec.jobfile import load_job\n"
-        "from fsdpclip.launch.launcher import prepare_forked_ranks\n"
+        "from fsdpclip.launch.local import prepare_forked_ranks\n"
         f"job = load_job({str(_tiny(tmp_path / 'env', env={'FSDPCLIP_PROBE': 'x'}))!r})\n"
         "print(prepare_forked_ranks(job), os.environ.get('FSDPCLIP_PROBE'))\n"
         "import torch\n"
@@ -252,7 +255,7 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     """torchrun's agent asks whether there is a GPU; only NVML's answer leaves its forks able to use CUDA."""
     import torch
 
-    from fsdpclip.launch.launcher import cuda_forbids_forked_ranks, forking_environment, shown_command
+    from fsdpclip.launch.local import cuda_forbids_forked_ranks, forking_environment, shown_command
     from fsdpclip.spec.jobfile import load_job
 
     (tmp_path / "gpu").mkdir()

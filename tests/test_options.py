@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG
-from fsdpclip.spec.job import DATA_SOURCES, LOSS_KINDS, Job, ModelSpec
+from fsdpclip.spec.job import LOSS_KINDS, Job, ModelSpec
+from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.spec.jobfile import model_in
 
 OPTIONS = REPO / "docs" / "options.md"
@@ -17,7 +18,7 @@ OPTIONS = REPO / "docs" / "options.md"
 
 def spec_fields(model=Job, prefix: str = "") -> set[str]:
     """Every leaf field of the spec as a dotted path (`[]` for the members of a list of blocks)."""
-    unions = {"data": DATA_SOURCES, "loss": LOSS_KINDS}
+    unions = {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
     fields = set()
     for name, field in model.model_fields.items():
         path = prefix + (field.alias or name)

@@ -172,7 +172,9 @@ def trained(tmp_path_factory, digits_dir):
 
 def batch_source(job, rank_count: int):
     """The micro batches each rank's data source gives, read in this process: (rank, index) -> batch."""
-    from fsdpclip.data.batches import ShardStream, SyntheticBatches, WebDatasetBatches
+    from fsdpclip.data.batches import WebDatasetBatches
+    from fsdpclip.data.sources.synthetic import SyntheticBatches
+    from fsdpclip.data.stream import ShardStream
 
     if job.data.source == "synthetic":
         sources = [SyntheticBatches((3, 32, 32), 16, 49408, job.batch.per_gpu, torch.device("cpu"), job.run.seed,

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import PREEMPTIBLE_STEPS, REPO, TINY_CONFIG, assert_same_losses, preemptible_job, write_job
 from ranks import run_group
-from fsdpclip.checkpoint.sharded import latest_checkpoint
+from fsdpclip.checkpoint.layout import latest_checkpoint
 
 pytestmark = pytest.mark.slow  # a local Slurm cluster
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
 
-from fsdpclip.train.trainer import STOP_CHECK_STEPS
+from fsdpclip.train.stops import STOP_CHECK_STEPS
 
 STEPS = 3 * STOP_CHECK_STEPS  # two stop checks: the signal, sent after the first step, lands before the last
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES, lock_holder
+from fsdpclip.eval.tasks import eval_tasks
+from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES
+from fsdpclip.run.lock import lock_holder
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
-EVAL_KINDS = ("zeroshot/", "retrieval/")  # prefixes of the evaluation results in metrics.jsonl
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),
           ("samples_per_s_per_gpu", "samples/s per GPU"), ("mfu", "MFU"), ("data_wait_fraction", "data wait fraction"))
 RATE_WINDOW = 5  # log records the ETA's rate is taken over
@@ -54,10 +55,11 @@ def read_run(run_dir: Path) -> Run:
     exit_file = run_dir / EXIT_FILE
     ended = _json(_text(exit_file)) if exit_file.is_file() else None
     holder = lock_holder(run_dir)
-    from fsdpclip.checkpoint.sharded import complete_checkpoints
+    from fsdpclip.checkpoint.layout import complete_checkpoints
 
     checkpoints = complete_checkpoints(run_dir)
-    return Run(run_dir, [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith(EVAL_KINDS) for k in r)],
+    evaluated = tuple(f"{kind}/" for kind in eval_tasks())  # the prefixes of evaluation results
+    return Run(run_dir, [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith(evaluated) for k in r)],
                restarts, len(launches), ended if isinstance(ended, dict) and "code" in ended else None,
                f"pid {holder.pid} on {holder.host}" if holder else None,
                checkpoints[-1].name if checkpoints else None)
@@ -95,8 +97,8 @@ def summary(run: Run, now: Optional[float] = None) -> dict:
         per_step = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
         eta = max(0.0, (total - done) * per_step - ((now or time.time()) - timed[-1]["time"]))
     latest = run.evaluations[-1] if run.evaluations else {}
-    results = {kind.rstrip("/"): {k.removeprefix(kind): v for k, v in latest.items() if k.startswith(kind)}
-               for kind in EVAL_KINDS}
+    results = {kind: {k.removeprefix(f"{kind}/"): v for k, v in latest.items() if k.startswith(f"{kind}/")}
+               for kind in eval_tasks()}
     return {"run_dir": str(run.path), "state": state, "holder": run.running, "step": done, "total_steps": total,
             "eta_s": eta, "last_checkpoint": run.last_checkpoint, "launches": run.launches,
             "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), **results}
@@ -143,16 +145,14 @@ def plot(run: Run, png: Path) -> list[str]:
 
 
 def _evaluation_curves(run: Run) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
-    """(panel title, {label: [(step, value)]}): zero-shot acc1 per set, retrieval recall@1 per set and direction."""
-    from fsdpclip.eval.evaluate import recalls_by_direction
-
-    zeroshot, retrieval = {}, {}
+    """(panel title, {label: [(step, value)]}) per eval task, its curves as the task draws them (zero-shot acc1
+    per set, retrieval recall@1 per set and direction)."""
+    tasks = eval_tasks()
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {kind: {} for kind in tasks}
     for record in run.evaluations:
         for key, values in record.items():
-            if key.startswith("zeroshot/"):
-                zeroshot.setdefault(key.removeprefix("zeroshot/"), []).append((record["step"], values["acc1"]))
-            elif key.startswith("retrieval/"):
-                for direction, recalls in recalls_by_direction(values).items():
-                    label = f"{key.removeprefix('retrieval/')} {direction}"
-                    retrieval.setdefault(label, []).append((record["step"], recalls[0]))
-    return [("zero-shot acc1", zeroshot), ("retrieval recall@1", retrieval)]
+            kind, _, name = key.partition("/")
+            if name and kind in tasks:
+                for label, value in tasks[kind].curves(name, values).items():
+                    curves[kind].setdefault(label, []).append((record["step"], value))
+    return [(task.panel, curves[kind]) for kind, task in tasks.items()]

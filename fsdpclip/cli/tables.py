@@ -122,9 +122,9 @@ def report_lines(info: dict) -> list[str]:
     lines.append(f"launches: {info['launches']}{restarts}")
     if info["exit"] and not info["holder"]:
         lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
-    from fsdpclip.eval.evaluate import result_line
+    from fsdpclip.eval.tasks import eval_tasks
 
-    lines += [escape(result_line(f"{kind}/{name}", values)) for kind in ("zeroshot", "retrieval")
-              for name, values in info[kind].items()]
+    lines += [escape(task.line(name, values)) for kind, task in eval_tasks().items()
+              for name, values in info.get(kind, {}).items()]
     lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")
     return lines

@@ -38,11 +38,14 @@ import torch
 from torch import nn
 
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, refusal
-from fsdpclip.checkpoint.sharded import CheckpointError, complete_checkpoints, save_whole
+from fsdpclip.checkpoint.layout import CheckpointError, complete_checkpoints
+from fsdpclip.checkpoint.whole import save_whole
 from fsdpclip.model.build import SHARED_PARAMETERS, model_config, original_shapes
 from fsdpclip.model.trainable import DecayGroup, frozen_meta_model, rule_matches, trainable_decay_groups
 from fsdpclip.model.weights import load_weights, unwrapped
-from fsdpclip.run.directory import IMPORT_FILE, HeldLock, lock_token, write_atomically
+from fsdpclip.run.directory import IMPORT_FILE
+from fsdpclip.run.files import write_atomically
+from fsdpclip.run.lock import HeldLock, lock_token
 from fsdpclip.spec.job import DEFAULT_DECAY_RULES, Job
 from fsdpclip.train.optim import build_optimizer, lr_factor
 

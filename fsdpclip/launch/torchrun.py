@@ -21,9 +21,8 @@ import signal
 import sys
 from pathlib import Path
 
-from fsdpclip.run.directory import (
-    EXIT_CRASH, EXIT_NO_SPACE, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SPEC, JOB_FILE, record_killed_rank,
-)
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED, EXIT_SPEC, JOB_FILE
+from fsdpclip.run.reports import record_killed_rank
 
 DELIBERATE = {EXIT_SPEC, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED}
 TORN_DOWN = -signal.SIGTERM  # a rank torchrun stopped after another had exited

@@ -22,15 +22,12 @@ from torch import nn
 
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError
-from fsdpclip.run.directory import read_text_file
+from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import TOWERS, ModelSpec
+from fsdpclip.spec.registry import TOWER_FAMILIES
 
-# Repeated blocks of the tower families OpenCLIP can build (its own, timm and Hugging Face).
-KNOWN_BLOCK_CLASSES = (
-    "ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck", "BasicBlock",
-    "Block", "EvaBlock", "EvaBlockPostNorm", "ResPostBlock", "ConvNeXtBlock", "MbConvBlock", "MaxxVitBlock",
-    "SwinTransformerBlock", "T5Block", "MT5Block", "BertLayer", "RobertaLayer", "XLMRobertaLayer", "CLIPEncoderLayer",
-)
+# Repeated blocks of OpenCLIP's own towers; the tower families add theirs (`known_block_classes`).
+OPENCLIP_BLOCK_CLASSES = ("ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck", "BasicBlock")
 SHARED_PARAMETERS = ("logit_scale", "logit_bias")
 # Parameters outside the blocks that come before them (embeddings, stems); the rest are the head.
 EMBEDDING_RE = re.compile(
@@ -108,7 +105,7 @@ def hf_text_tower(spec: ModelSpec) -> bool:
     """Whether the model's text tower may be a Hugging Face one, read from the spec and the config file
     it names (its own, or OpenCLIP's bundled one) without importing OpenCLIP. True wherever that
     config cannot be read here: the answer only lets OpenCLIP's import leave transformers out."""
-    if spec.text.hf is not None:  # composed models always have one
+    if any("transformers" in family.imports for family, _ in filter(None, (spec.image.family, spec.text.family))):
         return True
     if spec.config is not None:
         path = Path(spec.config)
@@ -122,6 +119,12 @@ def hf_text_tower(spec: ModelSpec) -> bool:
         return "hf_model_name" in raw.get("model_cfg", raw)["text_cfg"]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return True
+
+
+def known_block_classes() -> tuple[str, ...]:
+    """The repeated blocks of every tower OpenCLIP and the registered tower families build (also those
+    OpenCLIP's own configs name: timm and Hugging Face towers)."""
+    return OPENCLIP_BLOCK_CLASSES + tuple(c for family in TOWER_FAMILIES for c in family.block_classes)
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Module:
@@ -294,7 +297,7 @@ def find_towers(model: nn.Module, block_classes: Optional[dict[str, Optional[lis
     for tower_name in TOWERS:
         wanted = overrides.get(tower_name)
         block_classes = tuple(wanted) if wanted is not None else tuple(
-            c for c in KNOWN_BLOCK_CLASSES if c in classes[tower_name])
+            c for c in known_block_classes() if c in classes[tower_name])
         towers[tower_name] = Tower(tower_name, block_classes, instances(modules.items(), tower_name, block_classes),
                                    classes=classes[tower_name])
     names = [name for name, _ in model.named_parameters()]

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from fsdpclip.problems import ModelError, closest
-from fsdpclip.run.directory import read_text_file, special_file
-from fsdpclip.spec.job import HfTowerSpec, ModelSpec, TimmTowerSpec
+from fsdpclip.run.files import read_text_file, special_file
+from fsdpclip.spec.job import ModelSpec
+
+if TYPE_CHECKING:
+    from fsdpclip.model.families.hf import HfTowerSpec
+    from fsdpclip.model.families.timm import TimmTowerSpec
 
 HF_INSTALL = "pip install 'fsdpclip[hf]'"
 TIMM_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -30,19 +34,18 @@ LOCAL_HINT = "fsdpclip never downloads: save the model (save_pretrained) or copy
 
 # ------------------------------------------------------------------------- configs
 def compose(cfg: dict, spec: ModelSpec) -> dict:
-    """The OpenCLIP config `cfg` with the spec's embed_dim and timm / Hugging Face towers put in;
-    every tower checked to be local."""
+    """The OpenCLIP config `cfg` with the spec's embed_dim and its tower families' towers (timm, Hugging Face)
+    put in; every tower checked to be local."""
     if spec.embed_dim is not None:
         cfg["embed_dim"] = spec.embed_dim
-    if spec.image.timm is not None:
-        cfg["vision_cfg"] = timm_vision_cfg(spec.image.timm)
-    if spec.text.hf is not None:
-        cfg["text_cfg"] = hf_text_cfg(spec.text.hf)
+    for tower, key in (("image", "vision_cfg"), ("text", "text_cfg")):
+        if (chosen := getattr(spec, tower).family) is not None:
+            family, block = chosen
+            cfg[key] = family.config(block)
     base = "model.name" if spec.name else "model.config"
-    if "hf_model_name" in cfg["text_cfg"]:
-        check_hf_dir(cfg["text_cfg"]["hf_model_name"], "model.text.hf.path" if spec.text.hf else base,
-                     from_spec=spec.text.hf is not None)
-    if "timm_model_name" in cfg["vision_cfg"] and spec.image.timm is None:
+    if "hf_model_name" in cfg["text_cfg"] and spec.text.family is None:
+        check_hf_dir(cfg["text_cfg"]["hf_model_name"], base, from_spec=False)
+    if "timm_model_name" in cfg["vision_cfg"] and spec.image.family is None:
         check_timm_name(cfg["vision_cfg"]["timm_model_name"], base)
     return cfg
 

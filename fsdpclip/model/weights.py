@@ -15,7 +15,6 @@ from torch import nn
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
 from fsdpclip.model.build import build_model, tower_of
 from fsdpclip.model.published import weights_file
-from fsdpclip.model.towers import hf_encoder_state, timm_trunk_state
 from fsdpclip.problems import ModelError
 from fsdpclip.spec.job import ModelSpec
 
@@ -137,11 +136,8 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
         load_weights(model, read_state_dict(spec.image.pretrained), spec.image.pretrained, tower="image")
     if spec.text.pretrained:
         load_weights(model, read_state_dict(spec.text.pretrained), spec.text.pretrained, tower="text")
-    if spec.image.timm is not None and spec.image.timm.pretrained:
-        state, file = timm_trunk_state(spec.image.timm, model.visual.trunk, read_state_dict)
-        load_weights(model, state, file, module="visual.trunk")
-    if spec.text.hf is not None and spec.text.hf.pretrained:
-        load_weights(model, hf_encoder_state(spec.text.hf), spec.text.hf.path, module="text.transformer")
+    for family, block in filter(None, (spec.image.family, spec.text.family)):
+        family.load_weights(block, model)
     return model
 
 

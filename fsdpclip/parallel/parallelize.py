@@ -21,7 +21,7 @@ from fsdpclip.model.build import SHARED_PARAMETERS, find_towers
 from fsdpclip.model.fast_modules import use_direct_attention, use_direct_patch_embedding
 from fsdpclip.parallel.cuda_graphs import uncapturable_modules
 from fsdpclip.parallel.units import Unit, checkpointed_modules, plan_units, whole_tower_wraps
-from fsdpclip.run.directory import write_atomically
+from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import FsdpSpec
 
 log = logging.getLogger("fsdpclip")

@@ -8,28 +8,26 @@ reads a file into a `Job` (structural problems as `Problem`s with JSON locations
 from __future__ import annotations
 
 import re
-import types
 import unicodedata
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     ValidationError,
     ValidationInfo,
     WrapValidator,
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from fsdpclip.problems import MAX_WORLD_SIZE
-from fsdpclip.run.directory import write_atomically
+from fsdpclip.run.files import write_atomically
+from fsdpclip.spec.registry import DATA_SOURCES, TOWER_FAMILIES, TowerFamily
+from fsdpclip.spec.section import Section, tagged_union
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")
@@ -73,41 +71,6 @@ InductorOptions = Annotated[dict[str, Annotated[Union[bool, int, float, str, Non
                             BeforeValidator(_dotted)]
 
 
-def _boolean_for_number(value: Any, annotation: Any) -> bool:
-    """Whether `value` puts true/false where `annotation` takes a number and no boolean (pydantic would read
-    true as 1), also inside lists, tuples and objects."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        return _boolean_for_number(value, args[0])
-    if origin in (Union, types.UnionType):
-        members = [get_args(a)[0] if get_origin(a) is Annotated else a for a in args]
-        if isinstance(value, bool):
-            return bool not in members and any(m in (int, float) for m in members)
-        return any(_boolean_for_number(value, m) for m in members if get_origin(m) in (list, tuple, dict))
-    if isinstance(value, bool):
-        return annotation in (int, float)
-    if origin in (list, tuple) and isinstance(value, (list, tuple)):
-        items = args[:1] * len(value) if origin is list or args[-1:] == (Ellipsis,) else args
-        return any(_boolean_for_number(item, kind) for item, kind in zip(value, items))
-    if origin is dict and isinstance(value, dict):
-        return any(_boolean_for_number(item, args[1]) for item in value.values())
-    return False
-
-
-class Section(BaseModel):
-    """Base of every spec block: unknown keys are errors, never ignored; numbers are finite (JSON's 1e400
-    and Python's Infinity would reach the ranks as inf, and job.json as null) and never true/false."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if _boolean_for_number(value, cls.model_fields[info.field_name].annotation):
-            raise ValueError("expected a number, not true/false")
-        return value
-
-
 def one_line(value: str) -> str:
     """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
     #SBATCH options at the first command, and a shell runs what follows), and no other control character is
@@ -144,56 +107,31 @@ class RunSpec(Section):
 
 
 # ------------------------------------------------------------------------- model
-class TimmTowerSpec(Section):
-    name: Optional[str] = Field(
-        None, description="timm architecture name, e.g. 'vit_base_patch16_224' (timm.list_models()); no hub ids.")
-    path: Optional[str] = Field(
-        None, description="Instead of `name`: a local directory in timm's format (config.json with 'architecture', "
-                          "'model_args' and 'pretrained_cfg'; its weights in model.safetensors or pytorch_model.bin).")
-    pretrained: Union[bool, str] = Field(
-        False, description="Initial trunk weights in timm's key layout: true loads the weights file in `path`; a "
-                           "string is a local weights file. The classifier is dropped. Default: random init.")
-    pool: str = Field("avg", description="Feature pooling of the trunk ('avg', 'token', '' or OpenCLIP's "
-                                         "'abs_attn'/'rot_attn').")
-    proj: Literal["linear", "mlp", "head", "none"] = Field(
-        "linear", description="Projection from the trunk's features to the joint embedding: OpenCLIP's 'linear' "
-                              "or 'mlp', 'head' (the trunk's classifier, resized to embed_dim) or 'none' (the "
-                              "trunk's features as they are).")
-    proj_bias: bool = Field(False, description="Give the projection a bias.")
-    drop_path: Optional[float] = Field(None, ge=0.0, lt=1.0, description="Stochastic depth rate of the trunk.")
+class TowerSpec(Section):
+    """A tower's options; each registered tower family of the tower adds its block as one optional field
+    (`declare_registered`), which replaces the model config's tower when given."""
+
+    tower: ClassVar[str]
+
+    @property
+    def family(self) -> Optional[tuple[TowerFamily, Section]]:
+        """The tower family given for this tower and its block; None: the model config's own tower."""
+        return next(iter(self._families()), None)
+
+    def _families(self) -> list[tuple[TowerFamily, Section]]:
+        return [(family, block) for family in TOWER_FAMILIES if family.tower == self.tower
+                for block in [getattr(self, family.name, None)] if block is not None]
 
     @model_validator(mode="after")
-    def _one_source(self) -> "TimmTowerSpec":
-        if (self.name is None) == (self.path is None):
-            raise ValueError("give exactly one of `name` (a timm architecture) or `path` (a local timm directory)")
-        if self.pretrained is True and self.path is None:
-            raise ValueError("`pretrained: true` loads the weights in `path`; with `name`, give a local weights file")
+    def _one_family(self) -> "TowerSpec":
+        given = [family.name for family, _ in self._families()]
+        if len(given) > 1:
+            raise ValueError(f"give one tower family for the {self.tower} tower, not {' and '.join(given)}")
         return self
 
-    @field_validator("name")
-    @classmethod
-    def _no_hub(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and (":" in value or "/" in value):
-            raise ValueError("a timm architecture name, not a hub id or a path (a local directory goes in `path`; "
-                             "nothing is downloaded)")
-        return value
 
-
-class HfTowerSpec(Section):
-    path: str = Field(
-        description="Local directory of a Hugging Face text model (T5/mT5 encoder, BERT, RoBERTa, XLM-R): its "
-                    "config.json and tokenizer files (and weights when `pretrained`). Hub ids are never downloaded.")
-    pretrained: bool = Field(
-        False, description="Load the weights in `path` (save_pretrained's files); false: random init.")
-    pooler: Literal["mean_pooler", "max_pooler", "cls_pooler", "cls_last_hidden_state_pooler"] = Field(
-        "mean_pooler", description="How token features become one text feature (OpenCLIP's poolers).")
-    proj: Literal["mlp", "linear"] = Field(
-        "mlp", description="Projection from the model's width to the joint embedding.")
-
-
-class ImageTowerSpec(Section):
-    timm: Optional[TimmTowerSpec] = Field(
-        None, description="Replace the image tower with a timm model (with OpenCLIP's pooling and projection).")
+class ImageTowerSpec(TowerSpec):
+    tower: ClassVar[str] = "image"
     image_size: Optional[int] = Field(None, gt=0, description="Override the image size of the model config.")
     patch_dropout: Optional[float] = Field(
         None, ge=0.0, lt=1.0, description="Fraction of patches dropped during training (ViT towers).")
@@ -204,10 +142,8 @@ class ImageTowerSpec(Section):
                           "default: the known block classes found in the tower.")
 
 
-class TextTowerSpec(Section):
-    hf: Optional[HfTowerSpec] = Field(
-        None, description="Replace the text tower with a Hugging Face encoder from a local directory "
-                          "(needs `pip install 'fsdpclip[hf]'`).")
+class TextTowerSpec(TowerSpec):
+    tower: ClassVar[str] = "text"
     context_length: Optional[int] = Field(None, gt=0, description="Override the text context length.")
     pretrained: Optional[str] = Field(
         None, description="Local weights file for the text tower only (OpenCLIP keys relative to the tower).")
@@ -266,16 +202,15 @@ class ModelSpec(Section):
 
     @property
     def composed(self) -> bool:
-        """Both towers come from timm and Hugging Face, with no OpenCLIP config underneath."""
-        return self.name is None and self.config is None and self.image.timm is not None and self.text.hf is not None
+        """Both towers come from tower families (timm, Hugging Face), with no OpenCLIP config underneath."""
+        return self.name is None and self.config is None and self.image.family is not None and \
+            self.text.family is not None
 
     @property
     def label(self) -> str:
         """A short name for logs and eval output."""
         base = self.name or (Path(self.config).stem if self.config else None)
-        towers = [Path(self.image.timm.path).name if self.image.timm and self.image.timm.path else
-                  self.image.timm.name if self.image.timm else None,
-                  Path(self.text.hf.path).name if self.text.hf else None]
+        towers = [family.label(block) for family, block in filter(None, (self.image.family, self.text.family))]
         return "+".join(p for p in [base] + towers if p)
 
     @property
@@ -467,61 +402,18 @@ class ScheduleSpec(Section):
 
 
 # -------------------------------------------------------------------------- data
-class WebDatasetSpec(Section):
-    source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
-    urls: Union[str, list[str]] = Field(
-        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at most "
-                    "2^20 (1,048,576) shards.")
-    samples: int = Field(
-        gt=0, description="Samples in one epoch (the sum over all shards). An epoch is samples ÷ (world size × "
-                          "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
-                          "workers; a worker whose shards hold fewer reads them again in another order (as "
-                          "OpenCLIP's with_epoch).")
-    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
-    shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
-    workers: int = Field(4, ge=0, description="DataLoader workers per rank; each reads its own shards, so "
-                                               "without `resampled` there must be ≥ world size × workers shards.")
-    image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
-    text_key: str = Field("txt", description="Sample key of the caption.")
-    decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
-        "auto", description="Where images are decoded and augmented. 'cpu': on the data workers (the batch crosses "
-                            "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
-                            "cropped and resized on the device ahead of the step; the workers read their headers "
-                            "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
-                            "the workers). 'mixed': the workers decode every image and cut its crop; the pinning "
-                            "thread copies the crops to the device and resizes them there, ahead of the step "
-                            "(nvJPEG's decode does not overlap a step that keeps the GPU busy; the crops cross "
-                            "unresized, padded to the batch's largest: for "
-                            "256-px JPEGs ~7× the shared memory of 'gpu' and 1.3× that of 'cpu', growing with "
-                            "the images: for images near the model's size). "
-                            "'auto' (the default): the path measured fastest where the run trains, 'mixed' on CUDA "
-                            "(ViT-B-32 on 256-px JPEG shards, 1×H200: 0.96× the synthetic rate, against 0.73× for "
-                            "'gpu' and 0.39× for 'cpu': benchmarks/results/2026-12-03-jpeg-default-1xh200.jsonl), "
-                            "'cpu' on the CPU.")
-
-
-class SyntheticSpec(Section):
-    source: Literal["synthetic"] = Field(description="Random images and tokens generated on the device (benchmarks).")
-    samples: Optional[int] = Field(None, gt=0, description="Samples in one epoch (needed only with `schedule.epochs`).")
-
-
-def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) -> Any:
-    """A block that is one of `members`, chosen by its `key` field (`default` when absent)."""
-
-    def tag(value: Any) -> str:
-        return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
-
-    return Annotated[Union[tuple(Annotated[m, Tag(t)] for t, m in members.items())], Discriminator(tag)]
-
-
 def batches_per_epoch(samples: int, world_size: int, per_gpu: int) -> int:
     """Micro batches every rank draws in an epoch of `samples`: as many as fill all ranks, the rest of
     the epoch left out (as OpenCLIP's with_epoch), so that each rank is in the same epoch at each step."""
     return samples // (world_size * per_gpu)
 
 
-DATA_SOURCES = {"webdataset": WebDatasetSpec, "synthetic": SyntheticSpec}
-DataSpec = tagged_union("source", "webdataset", DATA_SOURCES)
+def data_spec() -> Any:
+    """The `data` block: one of the registered data sources' blocks, chosen by `source` (default 'webdataset')."""
+    return tagged_union("source", "webdataset", DATA_SOURCES.specs())
+
+
+DataSpec = data_spec()
 
 
 # ------------------------------------------------------------------------- batch
@@ -772,6 +664,27 @@ class Job(Section):
         """Write the resolved spec atomically (readers never see half a file, and launches on
         several nodes sharing the run directory do not trip over each other)."""
         write_atomically(Path(path), self.to_json())
+
+
+def declare_registered() -> None:
+    """Declare the registered tower families (a field each, before a tower's own options) and data sources
+    (the `data` union) in the spec, and rebuild the models that hold them: done once here, again after each
+    registration."""
+    for model in (ImageTowerSpec, TextTowerSpec):
+        families = {family.name: FieldInfo.from_annotated_attribute(
+            Optional[family.spec], Field(None, description=family.description))
+            for family in TOWER_FAMILIES if family.tower == model.tower}
+        own = {name: field for name, field in model.__pydantic_fields__.items() if name in model.__annotations__}
+        model.__pydantic_fields__ = {**families, **own}
+    Job.__pydantic_fields__["data"] = FieldInfo.from_annotated_attribute(
+        data_spec(), Field(description=Job.model_fields["data"].description))
+    for model in (ImageTowerSpec, TextTowerSpec, ModelSpec, Job):
+        model.model_rebuild(force=True)
+
+
+declare_registered()
+DATA_SOURCES.on_register(declare_registered)
+TOWER_FAMILIES.on_register(declare_registered)
 
 
 def json_schema() -> dict:

@@ -11,8 +11,9 @@ from typing import Annotated, Any, Optional
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fsdpclip.problems import Problem, SpecError, closest
-from fsdpclip.run.directory import read_text_file
-from fsdpclip.spec.job import DATA_SOURCES, LOSS_KINDS, Job
+from fsdpclip.run.files import read_text_file
+from fsdpclip.spec.job import LOSS_KINDS, Job
+from fsdpclip.spec.registry import DATA_SOURCES
 
 
 def read_job_dict(path: Path) -> dict:
@@ -153,7 +154,9 @@ def _problem(error: dict) -> Problem:
     return Problem(_format_path(path), message, value=value, hint=hint)
 
 
-UNION_MEMBERS = {"data": DATA_SOURCES, "loss": LOSS_KINDS}
+def union_members() -> dict[str, dict[str, type[BaseModel]]]:
+    """The members of the spec's tagged unions by field of `Job`: the registered data sources, the losses."""
+    return {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
 
 
 def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
@@ -169,8 +172,8 @@ def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
         path.append(part)
         if model is None or isinstance(part, int) or part not in model.model_fields:
             continue
-        if model is Job and part in UNION_MEMBERS:
-            members, model = UNION_MEMBERS[part], None
+        if model is Job and part in union_members():
+            members, model = union_members()[part], None
         else:
             model = model_in(model.model_fields[part].annotation)
     return path, model

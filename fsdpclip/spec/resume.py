@@ -11,13 +11,12 @@ times. No torch: `validate` and `launch` use it.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from fsdpclip.spec.job import Job, WebDatasetSpec
+from fsdpclip.spec.job import Job
+from fsdpclip.spec.registry import DATA_SOURCES
 
 # Fields (dotted, prefixes end with '.') that a checkpoint fixes.
 FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules")
@@ -97,22 +96,9 @@ def _config_changes(saved: dict, config: dict) -> list[Change]:
 
 
 def shard_fingerprint(job: Job) -> Optional[dict]:
-    """The local shards of a webdataset spec, cheaply told apart: their count and a digest of their paths,
-    sizes and modification times (one stat each); None for other data or no local shard."""
-    from fsdpclip.data.urls import is_local, local_path, shard_urls
-
-    if not isinstance(job.data, WebDatasetSpec):
-        return None
-    digest, count = hashlib.sha256(), 0
-    for url in shard_urls(job.data.urls):
-        if is_local(url):
-            try:
-                found = os.stat(local_path(url))
-                digest.update(f"{url}\t{found.st_size}\t{found.st_mtime_ns}\n".encode())
-            except OSError:
-                digest.update(f"{url}\tmissing\n".encode())
-            count += 1
-    return {"local": count, "digest": digest.hexdigest()} if count else None
+    """What tells the data's local files apart cheaply (`DataSource.fingerprint`: a webdataset spec's shard
+    count and a digest of their paths, sizes and modification times); None for data without files."""
+    return DATA_SOURCES[job.data.source].fingerprint(job.data)
 
 
 def is_fixed(change: Change) -> bool:

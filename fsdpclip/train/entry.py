@@ -3,7 +3,7 @@
     python -m fsdpclip.train.entry RUN_DIR/job.json      (or: fsdpclip train RUN_DIR/job.json)
 
 `fsdpclip launch` on its own nodes has torchrun fork the ranks from it instead and run this file
-(`--run-path`): they start with everything below imported (fsdpclip.launch.launcher.torchrun_command).
+(`--run-path`): they start with everything below imported (fsdpclip.launch.local.torchrun_command).
 
 Exit codes (also written to RUN_DIR/exit.json by rank 0):
     0   finished
@@ -45,10 +45,10 @@ import torch.distributed as dist
 from fsdpclip.model.build import hf_text_tower, without_modules
 from fsdpclip.parallel.cuda_graphs import keep_nccl_capturable
 from fsdpclip.parallel.distributed import init_distributed, lost_peer
-from fsdpclip.run.directory import (
-    EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR, StartupClock, disk_free, keep_output, no_space_message,
-    write_crash_report, write_exit_report,
-)
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR
+from fsdpclip.run.files import disk_free, keep_output, no_space_message
+from fsdpclip.run.lock import StartupClock
+from fsdpclip.run.reports import write_crash_report, write_exit_report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
@@ -120,9 +120,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     job.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint.sharded's.
-        from fsdpclip.checkpoint.sharded import CheckpointError
+        from fsdpclip.checkpoint.layout import CheckpointError
         from fsdpclip.problems import ModelError
-        from fsdpclip.train.trainer import Stop, Trainer, run_lock
+        from fsdpclip.train.stops import Stop, run_lock
+        from fsdpclip.train.trainer import Trainer
 
         startup.mark("trainer_imported")
         try:
@@ -160,7 +161,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def adopt_rank_environment() -> None:
     """What a new interpreter under torchrun has, also in a rank forked from the launcher (`fsdpclip launch`
-    forks them where it can: fsdpclip.launch.launcher.torchrun_command): default actions for the signals torchrun's
+    forks them where it can: fsdpclip.launch.local.torchrun_command): default actions for the signals torchrun's
     agent catches (SIGHUP, SIGQUIT; StopSignals takes the others), OMP_NUM_THREADS as torch's thread count
     (torch read the variable when it was imported, in the launcher), and output written out at each line
     at the latest (PYTHONUNBUFFERED, which the launcher's own streams did not have)."""

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fsdpclip.model.build import fake_batch
-from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE, write_atomically
+from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE
+from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import WandbSpec
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.

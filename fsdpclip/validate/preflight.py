@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.launch.launcher import nvml_gpu_count
+from fsdpclip.launch.local import nvml_gpu_count
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import Job
 
@@ -71,7 +71,7 @@ def _check_port(port: int, report: Report) -> None:
 def already_finished(job: Job) -> Optional[str]:
     """Why relaunching `job` would train nothing (its checkpoint is at or past its last step, as the trainer
     would compute it from that checkpoint), else None."""
-    from fsdpclip.checkpoint.sharded import CheckpointError, read_meta, resume_candidates
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
 
     try:
         candidates, _ = resume_candidates(job.run_dir, job.checkpoint.resume)

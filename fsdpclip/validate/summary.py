@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fsdpclip.data.transform import decode_mode
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
@@ -15,6 +14,7 @@ from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree,
     traffic, valid_shard_degrees
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import TOWERS, Job
+from fsdpclip.spec.registry import DATA_SOURCES
 
 
 def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],
@@ -37,8 +37,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     world, batch = report.world_size, job.batch
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": job.samples_per_step(world), "steps": steps,
-                        "decode": decode_mode(job.data.decode, job.launch.device) if job.data.source == "webdataset"
-                        else None}
+                        "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback

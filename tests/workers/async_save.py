@@ -15,7 +15,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.checkpoint import sharded as checkpoint, staging
+from fsdpclip.checkpoint.layout import checkpoint_name
 from fsdpclip.parallel.distributed import init_distributed
 from fsdpclip.spec.job import CheckpointSpec
 
@@ -42,11 +43,12 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
     if headroom:
-        checkpoint.DEVICE_HEADROOM = float(headroom)
+        staging.DEVICE_HEADROOM = float(headroom)
     env = init_distributed(device_kind, timeout_s=60, cpu_collectives=device_kind == "cuda")
     model = sharded_model(env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     saver = checkpoint.Checkpointer(Path(run_dir), CheckpointSpec(keep=3), env.rank, env.world_size)
+    saver.host.reserve(staging.host_copy_bytes(model, list(model.parameters())))
     saved = {}
     for number in (1, 2):
         step(model, optimizer)
@@ -57,10 +59,11 @@ def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
     held = {}
     for number in (1, 2):
         fresh = sharded_model(env)
-        saver.load(saver.root / checkpoint.checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()))
+        saver.load(saver.root / checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()))
         held[number] = all(torch.equal(full_values(fresh)[k], v) for k, v in saved[number].items())
     if env.is_main:
-        print(json.dumps({"staging": saver.staging, "holds_its_step": held}), flush=True)
+        print(json.dumps({"staging": saver.staging, "holds_its_step": held,
+                          "carved": saver.host.buffer is not None and saver.host.state is not None}), flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -15,7 +15,9 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.parallel.distributed import init_distributed
+from fsdpclip.run.files import disk_free
 from fsdpclip.spec.job import CheckpointSpec
 
 FILLER_KEEPS_FREE = 2 ** 18  # bytes the filler leaves: room for the rank state, not for the shards
@@ -43,7 +45,7 @@ def fill_after_the_check(saver: checkpoint.Checkpointer, filler: Path) -> None:
         needed = check(final, state)
         with open(filler, "wb") as file:
             file.truncate(0)
-            room = checkpoint.disk_free(filler.parent) - FILLER_KEEPS_FREE
+            room = disk_free(filler.parent) - FILLER_KEEPS_FREE
             file.write(b"\0" * max(0, room))
         return needed
 
@@ -74,7 +76,7 @@ def main(run_dir: str) -> None:
     saver.save(3, model, optimizer, {"samples_seen": 0}, {}, asynchronous=True)
     ended["asynchronous"] = ended_with(lambda: saver.finish_pending(wait=True))
     ended["waited_again"] = ended_with(lambda: saver.finish_pending(wait=True))
-    latest = checkpoint.latest_checkpoint(Path(run_dir))
+    latest = latest_checkpoint(Path(run_dir))
     print(json.dumps({**ended, "latest": latest.name if latest else None}), flush=True)
     torch.distributed.destroy_process_group()
 

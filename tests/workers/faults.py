@@ -6,6 +6,8 @@
     faults.py JOB nan:STEP               the loss of STEP is NaN on every rank
     faults.py JOB crash-save:RANK:NTH    RANK is killed (SIGKILL) in its NTH checkpoint save
     faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
+    faults.py JOB slow-write:SECONDS     every background checkpoint write takes SECONDS longer (a slow disk)
+    faults.py JOB fail-write:RANK        RANK's background checkpoint writes fail (DCP tells every rank)
     faults.py JOB damage-rank-state:RANK RANK halves its state file in the checkpoint chosen to resume from, after
                                          rank 0 checked it (a filesystem damaging it between the check and the load)
 Several at once: FAULT+FAULT.
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.checkpoint import layout, sharded as checkpoint, staging
 from fsdpclip.train import entry as train, trainer
 
 
@@ -90,18 +92,38 @@ def inject(fault: str, rank: int) -> None:
             return write(self, partial, state)
 
         checkpoint.Checkpointer._write_rank_state = write_rank_state
+    elif kind == "slow-write":
+        seconds, write = float(args[0]), checkpoint.write_staged
+
+        def slow_write(*args_, **kwargs):
+            time.sleep(seconds)
+            return write(*args_, **kwargs)
+
+        checkpoint.write_staged = slow_write
+    elif kind == "fail-write":
+        target, write = int(args[0]), staging.write_dcp
+
+        class FailingWriter(staging.FileSystemWriter):
+            def write_data(self, plan, planner):
+                raise OSError("the disk went away (injected)")
+
+        def failing_write(state, checkpoint_id, group=None):
+            if rank != target:
+                return write(state, checkpoint_id, group)
+            staging.dcp.save(state, storage_writer=FailingWriter(checkpoint_id), process_group=group)
+
+        staging.write_dcp = failing_write
     elif kind == "stale-latest":
         target, step = int(args[0]), int(args[1])
         if rank == target:
-            checkpoint.latest_checkpoint = lambda run_dir: checkpoint.Path(run_dir) / checkpoint.CHECKPOINTS / \
-                checkpoint.checkpoint_name(step)
+            layout.latest_checkpoint = lambda run_dir: layout.Path(run_dir) / layout.CHECKPOINTS / layout.checkpoint_name(step)
     elif kind == "damage-rank-state":
         target, candidates = int(args[0]), checkpoint.Checkpointer.resume_candidates
 
         def damaging(self):
             chosen = candidates(self)
             if rank == target and chosen:
-                state = checkpoint.rank_file(chosen[0], rank)
+                state = layout.rank_file(chosen[0], rank)
                 state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
             return chosen
 

@@ -1,0 +1,103 @@
+"""Checkpoints read or written by one process that holds the whole model: OpenCLIP's format out of a
+sharded checkpoint (`export_checkpoint`), and a sharded checkpoint out of a model held whole (`save_whole`,
+which `fsdpclip import` uses)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from fsdpclip.checkpoint.layout import (
+    CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, checkpoint_problem, first_failure, publish,
+)
+from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
+from fsdpclip.run.files import write_atomically
+
+
+def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
+    """Write checkpoint `step` of a model and optimizer that this one process holds whole, without a
+    process group: the layout of a sharded save, which any world size resumes (`Checkpointer.load`
+    gives each rank its rows); no rank-local state. Returns its path; nothing is left on failure."""
+    final = Path(run_dir) / CHECKPOINTS / checkpoint_name(step)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), no_dist=True)
+        publish(partial, final, {**meta, "step": step, "world_size": 1, "saved_at": time.time()})
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state of a sharded checkpoint, read by this process alone onto the CPU.
+
+    `model` (usually on the meta device) gives the keys, shapes and dtypes.
+    """
+    problem = checkpoint_problem(checkpoint, rank_state=False)
+    if problem:
+        raise CheckpointError(f"{checkpoint} cannot be read: {problem}")
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
+                     no_dist=True)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise CheckpointError(f"{checkpoint} cannot be read: {first_failure(exc)}") from None
+    except Exception as exc:  # DCP reports a mismatch in many forms
+        raise CheckpointError(f"{checkpoint} does not match the model: {str(exc).strip()[:300]}") from None
+    return state
+
+
+def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False) -> Path:
+    """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.
+
+    `out` is a file (`.pt`, `.bin`, `.safetensors`) or a directory laid out for open_clip's
+    `local-dir:` (open_clip_config.json beside the weights). `model` is the unwrapped model on
+    the meta device: its full state is allocated once on the CPU, filled from the checkpoint
+    and written from the same tensors. Returns the weights file written. The destination is made
+    (and so checked) before anything is read; OSError when it cannot be.
+    """
+    from fsdpclip.model.build import SHARED_PARAMETERS
+
+    out = Path(out)
+    safetensors = safetensors or out.suffix == ".safetensors"
+    folder = out.suffix not in (".pt", ".bin", ".pth", ".safetensors")
+    (out if folder else out.parent).mkdir(parents=True, exist_ok=True)
+    weights = out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin") if folder else out
+    partial = weights.with_name(weights.name + PARTIAL_SUFFIX)
+    partial.touch()
+    try:
+        state = read_model_state(checkpoint, model)
+        for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
+            if name in state:
+                state[name] = state[name].reshape(())
+        if folder:
+            write_atomically(out / "open_clip_config.json", json.dumps(
+                {"model_cfg": config, "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
+        if safetensors:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items()}, str(partial))
+        else:
+            torch.save({"state_dict": state}, partial)
+        partial.replace(weights)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return weights

@@ -1,0 +1,166 @@
+"""`fsdpclip launch` and `fsdpclip fetch`: a job validated, checked on this node and started by the launcher
+backend its flag picks (`fsdpclip.launch.launcher.backends`), and published weights fetched before it."""
+
+from __future__ import annotations
+
+import inspect
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+from rich.markup import escape
+
+from fsdpclip.cli.console import (
+    WithRegisteredOptions, console, err_console, fail, model_error_line, option, problem_table, stop,
+)
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, SpecError
+
+if TYPE_CHECKING:
+    from fsdpclip.launch.launcher import LaunchFlags
+    from fsdpclip.spec.job import Job, ModelSpec
+
+
+def launch_command(
+    job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", "--nproc-per-node", min=1, max=MAX_WORLD_SIZE,
+                                                help="Processes per node (default: launch.gpus_per_node)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, max=MAX_WORLD_SIZE,
+                                        help="Number of nodes (default: launch.nodes)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition (default: launch.slurm)."),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit (default: launch.slurm)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0,
+                                            help="Without Slurm: this node's rank, 0 to --nodes - 1."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Without Slurm: the address of node 0."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
+                                              help="Rendezvous port on node 0 (default: launch.master_port)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run (or the batch script)."),
+    check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
+                                     help="Check that data, eval and weight files exist (off for cluster paths)."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+    **backend_flags,
+) -> None:
+    """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
+    from fsdpclip.launch.launcher import DEFAULT_BACKEND, LaunchError, LaunchFlags, chosen_backend, resolve_paths
+    from fsdpclip.spec.jobfile import load_job
+
+    picked = {name: value for name, value in backend_flags.items() if value not in (None, False)}
+    if len(picked) > 1:
+        stop(f"give one of {', '.join('--' + name for name in picked)}, not several")
+    name, value = next(iter(picked.items()), (DEFAULT_BACKEND, None))
+    flags = LaunchFlags(nodes, gpus_per_node, name, partition, time_limit, node_rank, master_addr, master_port, dry_run,
+                        None if isinstance(value, bool) else value)
+    backend = chosen_backend(flags)
+    try:
+        flags.check()
+        backend.check_flags()
+        job = load_job(job_file, [*overrides, *flags.overrides()])
+        backend.prepare(job)  # before the checks import torch
+        from fsdpclip.validate.checks import check_job
+
+        report = check_job(job, check_paths=check_paths)
+        if report.errors:
+            fail(report.problems)
+        if report.warnings:
+            problem_table(report.warnings, console)
+        backend.check_job(job)
+    except SpecError as exc:
+        fail(exc.problems)
+    except LaunchError as exc:
+        stop(str(exc))
+    job = resolve_paths(job, Path.cwd())
+    if backend.runs_here and not dry_run:
+        _preflight(job, flags)
+    if not dry_run:
+        _fetch_published(job.model)
+    try:
+        ended = backend.start(job, console)
+    except LaunchError as exc:
+        stop(str(exc))
+    if ended is not None:
+        _ending(ended["code"], ended["message"], job.run_dir)
+
+
+def backend_options() -> list[inspect.Parameter]:
+    """A flag per launcher backend but the default: `--NAME`, or `--NAME VALUE` for one with a metavar."""
+    from fsdpclip.launch.launcher import DEFAULT_BACKEND, backends
+
+    return [option(name.replace("-", "_"), bool, typer.Option(False, f"--{name}", help=backend.help))
+            if backend.metavar is None else
+            option(name.replace("-", "_"), Optional[str],
+                   typer.Option(None, f"--{name}", metavar=backend.metavar, help=backend.help))
+            for name, backend in backends().items() if name != DEFAULT_BACKEND]
+
+
+launch = WithRegisteredOptions(launch_command, backend_options, after="nodes")
+
+
+def _preflight(job: Job, flags: LaunchFlags) -> None:
+    """This node's checks before any process starts (`preflight`): errors end the launch (exit 2), warnings are
+    shown; a run already over ends it as finished, starting nothing."""
+    from fsdpclip.run.directory import EXIT_OK
+    from fsdpclip.validate.preflight import already_finished, preflight
+
+    static_rendezvous = job.launch.nodes > 1 or flags.master_addr is not None
+    report = preflight(job, flags.node_rank or 0, static_rendezvous)
+    if report.errors:
+        fail(report.problems)
+    if report.warnings:
+        problem_table(report.warnings, console)
+    finished = already_finished(job) if (flags.node_rank or 0) == 0 else None
+    if finished:
+        _ending(EXIT_OK, finished, job.run_dir)
+
+
+def _ending(code: int, message: str, run_dir: Path) -> None:
+    """How a launch ended, its run directory and the commands that come next; exits with `code`."""
+    from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, LOG_DIR
+
+    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(code, "[red]✗[/red]")
+    relaunch = shlex.join(["fsdpclip", *sys.argv[1:]])
+    report = f"fsdpclip report {shlex.quote(str(run_dir))}"
+    if code == EXIT_OK:
+        follow = [f"next: {report}", f"      fsdpclip eval {shlex.quote(str(run_dir))} --zeroshot folder --data DIR",
+                  f"      fsdpclip export {shlex.quote(str(run_dir))} OUT.safetensors --safetensors"]
+    elif code == EXIT_PREEMPTED:
+        follow = [f"resume: {relaunch}", f"progress: {report}"]
+    else:
+        follow = [f"logs: {run_dir / LOG_DIR}", f"run again (it resumes from the last checkpoint, if any): {relaunch}",
+                  f"progress: {report}"]
+    out = console if code == EXIT_OK else err_console
+    for line in [f"{mark} {escape(message)}", f"run directory: {escape(str(run_dir))}", *map(escape, follow)]:
+        out.print(line, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _fetch_published(model: ModelSpec) -> None:
+    """Published weights into the Hugging Face cache of this node, once, before any rank starts."""
+    from fsdpclip.model.published import fetch
+
+    if model.published_tag is None:
+        return
+    try:
+        with console.status(f"fetching the '{model.published_tag}' weights of {model.name}"):
+            file, downloaded = fetch(model.name, model.published_tag)
+    except ModelError as exc:
+        stop(f"{exc.location}: {model_error_line(exc)}")
+    if downloaded:
+        console.print(f"[green]✓[/green] fetched the '{model.published_tag}' weights of {model.name}: {escape(file)}",
+                      highlight=False, soft_wrap=True)
+
+
+def fetch(
+    name: str = typer.Argument(..., help="OpenCLIP architecture, e.g. ViT-B-32."),
+    tag: str = typer.Argument(..., help="Its published weights, e.g. laion2b_s34b_b79k (fsdpclip models --pretrained)."),
+) -> None:
+    """Download OpenCLIP's published weights into the Hugging Face cache (HF_HOME), for model.pretrained."""
+    from fsdpclip.model.published import fetch as fetch_weights
+
+    try:
+        with console.status(f"fetching the '{tag}' weights of {name}"):
+            file, downloaded = fetch_weights(name, tag)
+    except ModelError as exc:
+        stop(model_error_line(exc))
+    console.print(f"[green]✓[/green] {'fetched' if downloaded else 'already cached'}: {escape(file)}", highlight=False,
+                  soft_wrap=True)

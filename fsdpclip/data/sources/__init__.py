@@ -1,0 +1,1 @@
+"""Data sources: one module each, registered in fsdpclip.spec.registry.DATA_SOURCES."""

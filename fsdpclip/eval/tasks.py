@@ -1,0 +1,131 @@
+"""The eval task protocol and its registry: what `fsdpclip eval`, evaluation during training, `validate` and the
+report need of a kind of evaluation (zero-shot classification, image-text retrieval, ...).
+
+A task is a subclass of `EvalTask` registered with `register_task` (a class decorator); `eval_tasks()` lists the
+built-in ones and any registered since. Task modules import no torch when they load (their measuring does),
+so that the command line can offer each task's flag without it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from fsdpclip.problems import Report
+
+
+class DatasetError(Exception):
+    """An evaluation dataset that is missing or laid out wrongly (message meant for the user)."""
+
+
+class EvalTask:
+    """One kind of evaluation.
+
+    `kind` prefixes its results in metrics.jsonl ('zeroshot/NAME') and names its list in the spec's eval section
+    (if it has one) and its option of `fsdpclip eval` (`--KIND VALUE`, VALUE a `metavar` or one of `choices`;
+    `flag_help` that option's help, `usage` how the command's errors name it); `task` is CLIP_benchmark's
+    name for its results; `title` how logs and tables name it; `spec` its spec class (one set to evaluate,
+    with a `label`); `panel` the title of its curves in the report."""
+
+    kind: ClassVar[str]
+    task: ClassVar[str]
+    title: ClassVar[str]
+    spec: ClassVar[type]
+    flag_help: ClassVar[str]
+    metavar: ClassVar[str] = "VALUE"
+    choices: ClassVar[Optional[tuple[str, ...]]] = None
+    usage: ClassVar[str]
+    panel: ClassVar[str]
+
+    def spec_from_flags(self, value: str, data: Optional[str], classnames: Optional[str], templates: Optional[str],
+                        max_samples: Optional[int]) -> Any:
+        """The spec `fsdpclip eval --KIND VALUE` asks for, with the command's dataset options (ValueError: a flag
+        this task does not take, or one it misses; pydantic's ValidationError: a value the spec refuses)."""
+        raise NotImplementedError
+
+    def check(self, spec, where: str, report: Report) -> None:
+        """`validate`'s checks of one set that need no file (`where`: its JSON location, `eval.KIND[i]`)."""
+
+    def check_paths(self, spec, where: str, report: Report) -> None:
+        """`validate`'s checks of one set's files."""
+
+    def load(self, spec, transform: Optional[Callable]):
+        """The set a spec describes (`transform` None: its layout only, as `validate` reads it). The set has
+        `name`, `kind` and `size` (images, None where unknown before reading)."""
+        raise NotImplementedError
+
+    def measure(self, model, tokenizer: Callable, dataset, device, batch_size: int, workers: int = 2,
+                progress: Optional[Callable[[int], None]] = None) -> dict:
+        """The metrics of a set, identical on every rank (every rank calls it), with its counts (`samples`, and
+        `texts` where it embeds captions)."""
+        raise NotImplementedError
+
+    def line(self, name: str, values: dict) -> str:
+        """One result for the log and the report."""
+        raise NotImplementedError
+
+    def curves(self, name: str, values: dict) -> dict[str, float]:
+        """The report's points of one result: {curve label: value}."""
+        raise NotImplementedError
+
+    def table(self, metrics: dict) -> tuple[list[str], list[list[str]]]:
+        """A result's scores as `fsdpclip eval` shows them: (columns, rows). Default: one row of every score."""
+        return list(metrics), [[f"{v:.4f}" for v in metrics.values()]]
+
+    def notes(self, record: dict) -> list[str]:
+        """What `fsdpclip eval` says beside a result (plain text)."""
+        return []
+
+
+TASKS: dict[str, EvalTask] = {}
+
+
+def register_task(task: type[EvalTask]) -> type[EvalTask]:
+    """Make a task known to `fsdpclip eval`, training, `validate` and the report (a class decorator)."""
+    if task.kind in TASKS and type(TASKS[task.kind]) is not task:
+        raise ValueError(f"an eval task of kind {task.kind!r} is registered already")
+    TASKS[task.kind] = task()
+    return task
+
+
+def eval_tasks() -> dict[str, EvalTask]:
+    """Every eval task by kind: the built-in ones (zero-shot first) and any registered since."""
+    from fsdpclip.eval import retrieval, zeroshot  # the built-in tasks, registered as they load
+
+    return {kind: TASKS[kind] for kind in (zeroshot.ZeroShotTask.kind, retrieval.RetrievalTask.kind)} | TASKS
+
+
+def task_of(spec) -> EvalTask:
+    """The task whose spec class `spec` is."""
+    return next(task for task in eval_tasks().values() if isinstance(spec, task.spec))
+
+
+def load_eval_set(spec, transform: Optional[Callable]):
+    """The set a spec describes, loaded by its task."""
+    return task_of(spec).load(spec, transform)
+
+
+def evaluate_set(model, tokenizer: Callable, dataset, device, batch_size: int, workers: int = 2,
+                 progress: Optional[Callable[[int], None]] = None) -> dict:
+    """The metrics of a set, measured by its task (every rank calls it; every rank gets them)."""
+    return eval_tasks()[dataset.kind].measure(model, tokenizer, dataset, device, batch_size, workers, progress)
+
+
+def result_line(key: str, values: dict) -> str:
+    """One evaluation result for the log: 'zero-shot digits: acc1 ...' or 'retrieval digits: ...' (key: KIND/NAME)."""
+    kind, name = key.split("/", 1)
+    return eval_tasks()[kind].line(name, values)
+
+
+def without_grad(measure: Callable) -> Callable:
+    """`measure` run under torch.no_grad() (torch imported when it runs, not when its module loads)."""
+
+    @functools.wraps(measure)
+    def run(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return measure(*args, **kwargs)
+
+    return run

@@ -1,0 +1,323 @@
+"""The default launcher backend: torchrun on this node, run under the launcher's supervision.
+
+`torchrun_command` renders torchrun for this node (standalone on one node, a static rendezvous on
+several, where you start each node yourself with its --node-rank). `run_local` takes the run directory
+and runs torchrun under `supervise` (signals to the launcher become a checkpoint-and-stop request); torchrun
+runs in a fork of the launcher (`ForkedTorchrun`) and, where it can, forks the ranks too
+(`prepare_forked_ranks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from fsdpclip.launch.launcher import (
+    TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, LaunchFlags, register_backend, render,
+)
+from fsdpclip.run.directory import JOB_FILE, LAUNCHER_ENV, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
+from fsdpclip.run.files import keep_output
+from fsdpclip.run.lock import HeldLock, RunLocked, process_identity
+from fsdpclip.run.reports import finish_exit_report, request_stop
+from fsdpclip.spec.job import Job
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+STOPPED_AT_ONCE = 130  # the exit status of a launch stopped by a second Ctrl-C or SIGTERM
+LAUNCHER_LOG = "launch.out"  # RUN_DIR/logs/: the launcher's and torchrun's output once their terminal is gone
+
+
+@register_backend
+class LocalBackend(LauncherBackend):
+    """torchrun on this node; a job of several nodes is one launch per node (--node-rank, --master-addr)."""
+
+    name = "local"
+    help = "Run torchrun on this node (the default)."
+    runs_here = True
+
+    def __init__(self, flags: LaunchFlags):
+        super().__init__(flags)
+        self.new_interpreters: Optional[str] = None  # why the ranks cannot be forked from this launcher
+
+    def check_flags(self) -> None:
+        flags = self.flags
+        if flags.partition is not None or flags.time_limit is not None:
+            raise LaunchError("--partition and --time are Slurm options: add --slurm")
+        if flags.node_rank is not None and flags.master_addr is None:
+            raise LaunchError("--node-rank needs --master-addr, the address of node 0")
+
+    def prepare(self, job: Job) -> None:
+        self.new_interpreters = prepare_forked_ranks(job)
+
+    def check_job(self, job: Job) -> None:
+        """A launch on several nodes needs one launch per node with its rank (or another backend)."""
+        nodes, node_rank = job.launch.nodes, self.flags.node_rank
+        if nodes > 1 and node_rank is None:
+            raise LaunchError(f"{nodes} nodes without Slurm: run `fsdpclip launch` on each node with --node-rank R "
+                              "and --master-addr (node 0's address), or add --slurm")
+        if node_rank is not None and node_rank >= nodes:
+            raise LaunchError(f"--node-rank {node_rank} is not below the number of nodes ({nodes})")
+
+    def start(self, job: Job, console: Console) -> Optional[dict]:
+        from rich.markup import escape
+
+        console.print(f"[bold]run directory[/bold] {escape(str(job.run_dir))}", highlight=False, soft_wrap=True)
+        new_interpreters = self.new_interpreters or cuda_forbids_forked_ranks(job)
+        fork_ranks = new_interpreters is None
+        if new_interpreters:
+            console.print(f"[dim]the ranks start as new interpreters: {escape(new_interpreters)}[/dim]",
+                          highlight=False)
+        console.print(escape(shown_command(node_torchrun(job, self.flags, fork_ranks),
+                                           forking_environment(job, fork_ranks))), highlight=False, soft_wrap=True)
+        return None if self.flags.dry_run else run_local(job, self.flags, fork_ranks)
+
+
+def node_torchrun(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> list[str]:
+    """The torchrun command for this node (`fork_ranks`: see `torchrun_command`)."""
+    return torchrun_command(job.run_dir / JOB_FILE, job.launch.gpus_per_node, job.launch.nodes,
+                            flags.node_rank or 0, flags.master_addr, job.launch.master_port, fork_ranks=fork_ranks)
+
+
+def torchrun_command(job_file: Path, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+                     master_addr: Optional[str] = None, master_port: Optional[int] = None,
+                     python: str = sys.executable, fork_ranks: bool = False) -> list[str]:
+    """torchrun for this node: standalone on one node, a static rendezvous on several. Each rank is a new
+    interpreter running `-m fsdpclip.train.entry`, or with `fork_ranks` a fork of torchrun running that module's
+    file (torchrun's `--run-path --start-method=fork`): forked from a launcher that has imported torch
+    and OpenCLIP, the ranks need not import them again."""
+    command = [python, "-m", TORCHRUN, f"--nproc-per-node={nproc_per_node}"]
+    if nnodes == 1 and master_addr is None:
+        command.append("--standalone")
+    else:
+        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+                    f"--master-port={master_port}"]
+    if fork_ranks:
+        return command + ["--run-path", "--start-method=fork", train_module_file(), str(job_file)]
+    return command + ["-m", TRAIN_MODULE, str(job_file)]
+
+
+def train_module_file() -> str:
+    """The path of the rank entry's source file (what torchrun's --run-path runs)."""
+    import importlib.util
+
+    return importlib.util.find_spec(TRAIN_MODULE).origin
+
+
+# Variables that act when an interpreter or its shared libraries load (glibc's allocator included): ranks
+# forked from the launcher could not honour them from the spec's launch.env.
+LOAD_TIME_VARIABLES = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
+
+
+def prepare_forked_ranks(job: Job) -> Optional[str]:
+    """Make this launcher what its ranks are to be forked from, before it imports torch; returns why they
+    cannot be forked (None: they can): the spec asks for new interpreters (launch.fork_ranks false), torch
+    was imported already (what it reads at import would not hold), or the spec sets one of
+    LOAD_TIME_VARIABLES. Otherwise it takes the job's launch.env, so that the ranks start as new
+    interpreters with that environment would, and imports OpenCLIP as they do (without transformers where
+    the model has no Hugging Face tower: `model.import_open_clip_as_the_ranks_do`). What torchrun gives
+    each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
+    (fsdpclip.train.entry.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
+    (`ForkedTorchrun`)."""
+    if not job.launch.fork_ranks:
+        return "launch.fork_ranks is false"
+    if "torch" in sys.modules:
+        return "this process had imported torch before it could take launch.env"
+    loading = [key for key in job.launch.env if key.startswith(LOAD_TIME_VARIABLES)]
+    if loading:
+        return f"launch.env sets {', '.join(loading)}, read when a process loads"
+    os.environ.update(job.launch.env)
+    from fsdpclip.model.build import import_open_clip_as_the_ranks_do
+
+    import_open_clip_as_the_ranks_do(job.model)
+    return None
+
+
+# What the ranks' parents (this launcher, torchrun's agent) may do with CUDA: ask NVML whether there is a GPU.
+# torchrun's agent asks (torch >= 2.9, for NUMA binding); through the CUDA driver, that would leave every
+# process forked from it unable to use CUDA. The ranks inherit it too, where it only changes how
+# torch.cuda.is_available() looks (NVML first).
+FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
+def forking_environment(job: Job, fork_ranks: bool) -> dict[str, str]:
+    """What torchrun's environment needs beyond the job's own: FORK_SAFE_CUDA_CHECK where it forks GPU ranks."""
+    return dict(FORK_SAFE_CUDA_CHECK) if fork_ranks and job.launch.device == "cuda" else {}
+
+
+def shown_command(command: list[str], environment: dict[str, str]) -> str:
+    """The torchrun command as `launch` prints it, behind the `environment` it needs (`forking_environment`)."""
+    return render([*(f"{key}={value}" for key, value in environment.items()), *command])
+
+
+def cuda_forbids_forked_ranks(job: Job) -> Optional[str]:
+    """Why ranks forked from this launcher could not use CUDA (None: they can): it has initialised CUDA, or
+    for a GPU job NVML sees no GPU (with one, the agent's check under FORK_SAFE_CUDA_CHECK stays away from
+    the driver)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "this process has initialised CUDA"
+    if job.launch.device != "cuda":
+        return None
+    gpus = nvml_gpu_count()
+    if gpus is None:
+        return "this torch cannot ask NVML for the GPUs"
+    return None if gpus > 0 else "NVML sees no GPU"
+
+
+def nvml_gpu_count() -> Optional[int]:
+    """The GPUs NVML sees, CUDA_VISIBLE_DEVICES applied (negative where NVML fails), asked without the CUDA
+    driver (which would leave later forks unable to use CUDA); None where this torch cannot ask."""
+    import torch
+
+    try:
+        return torch.cuda._device_count_nvml()
+    except Exception:  # a private torch function
+        return None
+
+
+def job_environment(job: Job) -> dict[str, str]:
+    """The environment every rank starts with: ours, the spec's, and when the launch began."""
+    env = dict(os.environ)
+    env.update(job.launch.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env[LAUNCH_TIME_ENV] = repr(time.time())
+    return env
+
+
+def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
+    """Take the run directory (node 0), write RUN_DIR/job.json, run torchrun for this node under
+    supervision and wait; returns the exit report, written to exit.json however the job ended
+    (torchrun reports any failure of its ranks as 1: the code is the trainer's own where it left one).
+    `fork_ranks`: see `torchrun_command` and `prepare_forked_ranks`. The ranks learn this launcher
+    (LAUNCHER_ENV) and stop as on a stop request once it is gone; the lock stays held while torchrun or
+    rank 0 runs, whatever became of the launcher.
+    """
+    token, started = uuid.uuid4().hex, time.time()
+    env = {**job_environment(job), LOCK_TOKEN_ENV: token, LAUNCHER_ENV: "%d:%d" % process_identity(),
+           **forking_environment(job, fork_ranks)}
+    lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else None
+    try:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        with lock or contextlib.nullcontext():
+            job.save(job.run_dir / JOB_FILE)
+            keep_output(job.run_dir / LOG_DIR / LAUNCHER_LOG)
+            status = supervise(node_torchrun(job, flags, fork_ranks), env, job.run_dir, lock)
+    except RunLocked as exc:
+        raise LaunchError(str(exc)) from None
+    except OSError as exc:
+        raise LaunchError(f"cannot use the run directory {job.run_dir}: {exc.strerror or exc}") from None
+    return finish_exit_report(job.run_dir, started, status)
+
+
+def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Optional[HeldLock] = None) -> int:
+    """Run `command` (torchrun) in its own session with inherited output (`ForkedTorchrun`), and return its
+    exit status; torchrun joins `lock`.
+
+    A first SIGTERM, SIGHUP (the terminal or ssh connection gone) or Ctrl-C to this process (or to its
+    process group: the terminal's Ctrl-C, a scheduler's `kill -TERM -PGID`) becomes a stop request in
+    RUN_DIR/stop: the ranks checkpoint and exit 75 (no signal reaches torchrun, which would give them
+    only 30 s on torch < 2.12). A second SIGTERM or Ctrl-C stops everything at once: SIGKILL to torchrun
+    and every process under it (status 130).
+    """
+    process = ForkedTorchrun(command, env)
+    if lock is not None:
+        lock.add(process.pid)
+    received: list[int] = []
+
+    def handle(signum, frame) -> None:
+        if signum == signal.SIGHUP and received:
+            return  # a hang-up reaches us from the terminal and from the shell alike: it never stops at once
+        received.append(signum)
+        if len(received) == 1:
+            request_stop(run_dir)
+            print(f"fsdpclip: {signal.Signals(signum).name}: the ranks checkpoint and stop at their "
+                  "next stop check (again to stop at once)", file=sys.stderr, flush=True)
+        else:
+            kill_tree(process.pid)
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        status = process.wait()
+        return STOPPED_AT_ONCE if len(received) > 1 else status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class ForkedTorchrun:
+    """torchrun's command (`python -m fsdpclip.launch.torchrun ARGS`, this interpreter) run in a forked child of this
+    process, not a new interpreter: the launcher has imported torch already, which a new one would import
+    again before torchrun's agent could start (1.7 s on a 2-core machine, 3.5-5 s on the GPU hosts). The
+    child has a session of its own, `env` as its environment and a fresh interpreter's signal handlers, and
+    never returns into the launcher's code. `pid` and `wait()` as a Popen's."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        if command[:3] != [sys.executable, "-m", TORCHRUN]:
+            raise ValueError(f"not this interpreter's torchrun command: {render(command)}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os._exit(self._run(command[3:], env))
+
+    @staticmethod
+    def _run(args: list[str], env: dict[str, str]) -> int:
+        code = 1
+        try:
+            os.setsid()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            tempfile.tempdir = None  # as a new interpreter: the temporary directory from `env` (TMPDIR)
+            sys.argv = [TORCHRUN, *args]
+            from fsdpclip.launch.torchrun import main
+
+            code = main()
+        except SystemExit as exc:  # as the interpreter ends on it: an int is the code, anything else printed
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+        return code
+
+    def wait(self) -> int:
+        """The child's exit status: its code, or minus the signal that ended it."""
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it (Linux: their parents read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [pid], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            tree.append(child)
+            todo.append(child)
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,1 @@
+"""Tower families: one module each, registered in fsdpclip.spec.registry.TOWER_FAMILIES."""

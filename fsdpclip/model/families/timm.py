@@ -1,0 +1,98 @@
+"""The timm tower family: an image tower from a timm architecture or a local timm directory (`model.image.timm`).
+
+Nothing is downloaded; the trunk gets OpenCLIP's pooling and projection. The spec block, its checks and
+its path fields load without torch; building it goes through `fsdpclip.model.towers`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from fsdpclip.spec.registry import TOWER_FAMILIES, TowerFamily
+from fsdpclip.spec.section import Section
+
+if TYPE_CHECKING:
+    from fsdpclip.problems import Report
+
+
+class TimmTowerSpec(Section):
+    name: Optional[str] = Field(
+        None, description="timm architecture name, e.g. 'vit_base_patch16_224' (timm.list_models()); no hub ids.")
+    path: Optional[str] = Field(
+        None, description="Instead of `name`: a local directory in timm's format (config.json with 'architecture', "
+                          "'model_args' and 'pretrained_cfg'; its weights in model.safetensors or pytorch_model.bin).")
+    pretrained: Union[bool, str] = Field(
+        False, description="Initial trunk weights in timm's key layout: true loads the weights file in `path`; a "
+                           "string is a local weights file. The classifier is dropped. Default: random init.")
+    pool: str = Field("avg", description="Feature pooling of the trunk ('avg', 'token', '' or OpenCLIP's "
+                                         "'abs_attn'/'rot_attn').")
+    proj: Literal["linear", "mlp", "head", "none"] = Field(
+        "linear", description="Projection from the trunk's features to the joint embedding: OpenCLIP's 'linear' "
+                              "or 'mlp', 'head' (the trunk's classifier, resized to embed_dim) or 'none' (the "
+                              "trunk's features as they are).")
+    proj_bias: bool = Field(False, description="Give the projection a bias.")
+    drop_path: Optional[float] = Field(None, ge=0.0, lt=1.0, description="Stochastic depth rate of the trunk.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TimmTowerSpec":
+        if (self.name is None) == (self.path is None):
+            raise ValueError("give exactly one of `name` (a timm architecture) or `path` (a local timm directory)")
+        if self.pretrained is True and self.path is None:
+            raise ValueError("`pretrained: true` loads the weights in `path`; with `name`, give a local weights file")
+        return self
+
+    @field_validator("name")
+    @classmethod
+    def _no_hub(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and (":" in value or "/" in value):
+            raise ValueError("a timm architecture name, not a hub id or a path (a local directory goes in `path`; "
+                             "nothing is downloaded)")
+        return value
+
+
+class TimmFamily(TowerFamily):
+    name, tower, spec = "timm", "image", TimmTowerSpec
+    description = "Replace the image tower with a timm model (with OpenCLIP's pooling and projection)."
+    block_classes = ("Block", "EvaBlock", "EvaBlockPostNorm", "ResPostBlock", "ConvNeXtBlock", "MbConvBlock",
+                     "MaxxVitBlock", "SwinTransformerBlock")
+
+    def config(self, spec: TimmTowerSpec) -> dict:
+        from fsdpclip.model.towers import timm_vision_cfg
+
+        return timm_vision_cfg(spec)
+
+    def load_weights(self, spec: TimmTowerSpec, model) -> None:
+        from fsdpclip.model.towers import timm_trunk_state
+        from fsdpclip.model.weights import load_weights, read_state_dict
+
+        if spec.pretrained:
+            state, file = timm_trunk_state(spec, model.visual.trunk, read_state_dict)
+            load_weights(model, state, file, module="visual.trunk")
+
+    def check(self, spec: TimmTowerSpec, report: Report, check_paths: bool) -> None:
+        from fsdpclip.model.towers import TIMM_WEIGHT_FILES
+        from fsdpclip.run.files import special_file
+
+        location = "model.image.timm.pretrained"
+        if not check_paths or spec.pretrained is False:
+            return
+        if isinstance(spec.pretrained, str):
+            if not Path(spec.pretrained).exists():
+                report.error(location, "file not found", spec.pretrained)
+            elif kind := special_file(Path(spec.pretrained)):
+                report.error(location, f"not a regular file but {kind}", spec.pretrained)
+        elif spec.path and not any((Path(spec.path) / f).is_file() for f in TIMM_WEIGHT_FILES):
+            report.error(location, f"no weights in {spec.path}", True,
+                         hint=f"expected one of {', '.join(TIMM_WEIGHT_FILES)}")
+
+    def paths(self, spec: TimmTowerSpec) -> tuple[str, ...]:
+        return ("path", "pretrained")
+
+    def label(self, spec: TimmTowerSpec) -> str:
+        return Path(spec.path).name if spec.path else spec.name
+
+
+TOWER_FAMILIES.register(TimmFamily())

@@ -1,0 +1,109 @@
+"""Stop requests and how each launch ended: RUN_DIR/stop, exit.json (completed from crash reports when the
+trainer could not write it), and the launch history in launches/. No torch."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from fsdpclip.run.directory import EXIT_FILE, LAUNCHES, LOG_DIR, STOP_FILE
+from fsdpclip.run.files import write_atomically
+
+
+def request_stop(run_dir: Path) -> None:
+    """Ask the running job to checkpoint and stop (its ranks look every few steps)."""
+    write_atomically(Path(run_dir) / STOP_FILE, f"{time.time()}\n")
+
+
+def stop_requested(run_dir: Path, since: float) -> bool:
+    """Whether a stop was requested after `since` (an older request was another launch's)."""
+    try:
+        return (Path(run_dir) / STOP_FILE).stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def write_exit_report(run_dir: Path, code: int, message: str, step: Optional[int], checkpoint: str) -> None:
+    """Record how the run ended (rank 0 of the trainer, or the launcher when the trainer could not)."""
+    report = {"code": code, "message": message, "step": step, "checkpoint": checkpoint, "time": time.time()}
+    write_atomically(Path(run_dir) / EXIT_FILE, json.dumps(report, indent=2) + "\n")
+
+
+def exit_report(run_dir: Path, since: float) -> Optional[dict]:
+    """How the run ended, if it was reported after `since` (an older report is another launch's)."""
+    try:
+        report = json.loads((Path(run_dir) / EXIT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return report if report.get("time", 0) >= since else None
+
+
+def write_crash_report(run_dir: Path, rank: int, error: BaseException) -> None:
+    """What killed a rank, for the launcher's last line (each rank its own file: no race)."""
+    _write_crash(run_dir, {"rank": rank, "error": " ".join(f"{type(error).__name__}: {error}".split())[:500]})
+
+
+def record_killed_rank(run_dir: Path, rank: int, signal_name: str) -> None:
+    """A rank that a signal killed (torchrun saw it go): the cause the launcher names before the other ranks'
+    errors, which are then only their lost connection to it."""
+    _write_crash(run_dir, {"rank": rank, "signal": signal_name})
+
+
+def _write_crash(run_dir: Path, record: dict) -> None:
+    path = Path(run_dir) / LOG_DIR / f"crash-rank-{record['rank']:05d}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps({**record, "time": time.time()}) + "\n")
+    except OSError:
+        pass  # the report is a courtesy; the rank's own traceback still reaches its log
+
+
+def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
+    """The report of a launch that ended with exit `status`: the trainer's own, or, when the trainer
+    could not write one (a rank crashed or was killed), one made from the crash reports (a rank killed by a
+    signal first: the others' errors follow from it) or the status. Written to exit.json either way."""
+    report = exit_report(run_dir, since)
+    if report is not None:
+        return report
+    crashes = []
+    for path in (Path(run_dir) / LOG_DIR).glob("crash-rank-*.json"):
+        try:
+            crash = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if crash.get("time", 0) >= since:
+            crashes.append(crash)
+    killed = [crash for crash in crashes if "signal" in crash]
+    if killed:
+        first = min(killed, key=lambda c: c["time"])
+        others = " (the other ranks lost their connection to it)" if len(crashes) > len(killed) else ""
+        message = f"rank {first['rank']} was killed by {first['signal']}{others}"
+    elif crashes:
+        first = min(crashes, key=lambda c: c["time"])
+        message = f"rank {first['rank']} failed: {first['error']}"
+    elif status == 130:
+        message = "stopped at once (a second interrupt): the steps since the last checkpoint are lost"
+    elif status < 0 or status > 128:
+        message = f"the job was killed (exit status {status}) before the trainer could report"
+    else:
+        message = f"the job ended with exit status {status} before the trainer could report (see the output above)"
+    code = status if status > 0 else 1
+    write_exit_report(run_dir, code, message, None, "")
+    return exit_report(run_dir, since) or {"code": code, "message": message}
+
+
+def record_launch(run_dir: Path, job_json: str, changes: list[str], resumed_from: Optional[str]) -> Path:
+    """Keep this start's resolved spec and what it changed against its checkpoint (history, never
+    overwritten)."""
+    folder = Path(run_dir) / LAUNCHES
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    number = len(list(folder.glob("*.json"))) + 1
+    path = folder / f"{number:04d}-{stamp}.json"
+    write_atomically(path, json.dumps({"time": time.time(), "resumed_from": resumed_from, "changes": changes,
+                                       "job": json.loads(job_json)}, indent=2) + "\n")
+    return path
+
+

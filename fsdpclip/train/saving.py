@@ -1,0 +1,147 @@
+"""The trainer's checkpoint hooks: saves when due (asynchronous ones paced by the writes), their records, and
+resuming with this spec's settings."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, latest_checkpoint
+from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_state
+from fsdpclip.parallel.distributed import all_max
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
+from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
+from fsdpclip.train.optim import Schedule
+from fsdpclip.train.stops import Stop
+
+log = logging.getLogger("fsdpclip")
+
+
+class Checkpointing:
+    """The part of `Trainer` that saves, resumes and reports checkpoint failures."""
+
+    def _save_due(self) -> None:
+        """Make the checkpoint that is due. An asynchronous one waits, while training goes on, for the write
+        before it to end on every rank: saves then follow the disk's pace instead of stopping training."""
+        job = self.job
+        if job.checkpoint.async_save:
+            writes, = all_max([self.checkpointer.write_status()], self.env.device)
+            self._raise_if_write_failed(writes)
+            if writes == WRITING:
+                return
+            if self.save_due != self.step and not self.late_saves and self.env.is_main:
+                log.warning("the checkpoint due at step %d is saved at step %d: the write before it took longer than "
+                            "checkpoint.every_steps (%d steps), and saves wait for it without stopping training",
+                            self.save_due, self.step, job.checkpoint.every_steps)
+            self.late_saves += self.save_due != self.step
+        self.save(asynchronous=job.checkpoint.async_save)
+
+    def _raise_if_write_failed(self, writes: int) -> None:
+        """The ranks agreed that an asynchronous write failed: each stops (with its own failure where it had one)."""
+        if writes != FAILED:
+            return
+        with self._stop_when_save_fails():
+            if self.checkpointer.write_status() == FAILED:
+                self.checkpointer.finish_pending(wait=True)
+            raise CheckpointError("an asynchronous checkpoint write failed on another rank")
+
+    def save(self, asynchronous: bool = False) -> Path:
+        """Checkpoint this step (once), every rank taking part; the resolved spec goes with it."""
+        if self.last_saved == self.step:
+            return self.checkpointer.root / checkpoint_name(self.step)
+        meta = {"samples_seen": self.samples_seen, "skipped_steps": int(self.skipped_steps.item()),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "model": {"label": self.job.model.label, "open_clip_config": self.model_config},
+                "job": json.loads(self.job.to_json()), "shards": self.shards}
+        rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
+        began = time.perf_counter()
+        with self._stop_when_save_fails():
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
+        self.last_saved = self.step
+        if self.metrics is not None:  # what this rank's training waited for, a wait for the save before included
+            record = {"step": self.step, "checkpoint": path.name,
+                      "checkpoint_blocked_s": round(time.perf_counter() - began, 3),
+                      "checkpoint_phases_s": self.checkpointer.phases,
+                      "checkpoint_staging": self.checkpointer.staging if asynchronous else "synchronous"}
+            if asynchronous and self.save_due not in (None, self.step):
+                record["checkpoint_due_step"] = self.save_due
+            self.metrics.write(record)
+        self.save_due = None
+        return path
+
+    def finish_saving(self, wait: bool) -> None:
+        """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`)."""
+        with self._stop_when_save_fails():
+            self.checkpointer.finish_pending(wait)
+
+    @contextlib.contextmanager
+    def _stop_when_save_fails(self):
+        """A checkpoint that could not be written as a Stop naming the one kept: exit 74 when it did not fit on
+        its disk (DiskFull), else EXIT_CRASH."""
+        try:
+            yield
+        except CheckpointError as exc:
+            latest = latest_checkpoint(self.job.run_dir)
+            full = isinstance(exc, DiskFull)
+            raise Stop(EXIT_NO_SPACE if full else EXIT_CRASH,
+                       f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, is kept: "
+                       f"{'make room and ' if full else ''}launch again to resume from it") from None
+
+    def _resume(self, candidates: list[Path]) -> None:
+        """Continue from the newest candidate that loads, with this spec's settings from its step on."""
+        for checkpoint in candidates:
+            try:
+                meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
+                break
+            except CheckpointError as exc:
+                log.warning("%s: trying the checkpoint before it", exc)
+        else:
+            raise CheckpointError(f"none of {', '.join(str(c) for c in candidates)} could be loaded")
+        changes = checkpoint_changes(meta, self.job, self.model_config, lambda: self.shards)
+        fixed = [str(c) for c in changes if is_fixed(c)]
+        if fixed:
+            raise CheckpointError(f"{checkpoint} was trained with another model or optimizer layout "
+                                  f"({'; '.join(fixed)}): resume it with its own, or start a new run")
+        self.resumed_from, self.changes = str(checkpoint), [str(c) for c in changes]
+        self.step, self.samples_seen, self.last_saved = meta["step"], meta["samples_seen"], meta["step"]
+        self.skipped_steps.fill_(meta["skipped_steps"])
+        self._apply_spec(meta)
+        if rank_state is not None and keeps_data_position(changes):
+            set_rng_state(rank_state["rng"], self.env.device)
+            self.batches.load_state_dict(rank_state["data"])
+        else:
+            why = "data or batch changed" if rank_state is not None else \
+                f"imported from {meta['imported']['source']}" if "imported" in meta else \
+                f"saved by {meta['world_size']} ranks, this run has {self.env.world_size}"
+            log.warning("%s: the data stream restarts at its epoch (%s)", checkpoint, why)
+            epoch_samples = self.job.epoch_samples(self.env.world_size)
+            self.batches.restart(self.step * self.job.batch.grad_accum,
+                                 self.samples_seen // epoch_samples if epoch_samples else 0)
+        for change in self.changes:
+            log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
+        log.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def _shard_fingerprint(self) -> Optional[dict]:
+        """`resume.shard_fingerprint` of this run's shards, taken by rank 0 (one stat per shard) and given to
+        every rank: all must agree on whether a saved data position still holds."""
+        found = [shard_fingerprint(self.job) if self.env.is_main else None]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def _apply_spec(self, meta: dict) -> None:
+        """This spec's optimizer settings, schedule and length from the resumed step on (a checkpoint
+        carries state, never settings): the length in samples for epochs, the scaler's state kept."""
+        job = self.job
+        for group, decay in zip(self.optimizer.param_groups, self.decay_groups):
+            group.update(betas=job.optimizer.betas, eps=job.optimizer.eps, weight_decay=decay.weight_decay)
+        self.total_steps = job.total_steps(self.env.world_size, self.step, self.samples_seen)
+        self.scheduler = Schedule(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
+        self.scheduler.set_step(self.step)
+        if self.scaler is not None and meta["scaler"] is not None:
+            self.scaler.load_state_dict(meta["scaler"])
