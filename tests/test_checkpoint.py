@@ -341,6 +341,7 @@ def test_every_save_records_how_long_training_waited(tmp_path):
     assert [saves[s]["checkpoint_staging"] for s in (4, 8, 12)] == ["host", "host", "synchronous"]  # at_end waits
 
 
+@pytest.mark.slow
 def test_an_asynchronous_save_waits_for_a_slow_write_without_stopping_training(tmp_path):
     """Background writes slower than the checkpoint interval (1.5 s more each, saves every 2 steps of 0.3 s): a due
     save waits, while training goes on, until the write before it has ended on every rank, and is made then;
@@ -363,6 +364,7 @@ def test_an_asynchronous_save_waits_for_a_slow_write_without_stopping_training(t
         "step-00000016"]
 
 
+@pytest.mark.slow
 def test_a_failed_background_write_stops_every_rank_with_one_line(tmp_path):
     """Rank 1's background writes fail: the ranks agree on it (DCP tells each at its own time) and stop at
     one step with exit 1 and a line naming the failure, no traceback; the failed checkpoint is never
