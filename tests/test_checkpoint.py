@@ -341,6 +341,22 @@ def test_every_save_records_how_long_training_waited(tmp_path):
     assert [saves[s]["checkpoint_staging"] for s in (4, 8, 12)] == ["host", "host", "synchronous"]  # at_end waits
 
 
+def test_asynchronous_saves_auto_where_the_host_copies_fit(monkeypatch):
+    """checkpoint.async_save 'auto' (the default) is on for CUDA devices when the host copies of a node's ranks
+    take at most a quarter of its memory; off on CPU devices, where the state already lives on the host; true
+    and false are kept."""
+    from fsdpclip.checkpoint import staging
+    from fsdpclip.spec.job import CheckpointSpec
+
+    monkeypatch.setattr(staging, "host_memory", lambda: 128 * 2 ** 30)
+    assert CheckpointSpec().async_save == "auto"
+    assert staging.asynchronous_saves("auto", "cuda", 4 * 2 ** 30, 8)
+    assert not staging.asynchronous_saves("auto", "cuda", 5 * 2 ** 30, 8)
+    assert not staging.asynchronous_saves("auto", "cpu", 2 ** 20, 1)
+    assert staging.asynchronous_saves(True, "cpu", 2 ** 40, 8) is True
+    assert staging.asynchronous_saves(False, "cuda", 1, 1) is False
+
+
 @pytest.mark.slow
 def test_an_asynchronous_save_waits_for_a_slow_write_without_stopping_training(tmp_path):
     """Background writes slower than the checkpoint interval (1.5 s more each, saves every 2 steps of 0.3 s): a due

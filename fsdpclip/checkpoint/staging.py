@@ -170,6 +170,23 @@ class HostCopy:
         self.locked, self.state, self.buffer, self.reserving = [], None, None, None
 
 
+HOST_SHARE = 0.25  # of a node's memory that 'auto' lets the host copies of its ranks take
+
+
+def host_memory() -> int:
+    """Bytes of memory this node has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def asynchronous_saves(setting, device_type: str, host_bytes: int, local_ranks: int) -> bool:
+    """checkpoint.async_save resolved: 'auto' is on for CUDA devices when the host copies of a node's ranks
+    (`host_bytes` each) take at most HOST_SHARE of its memory (elsewhere the state already lives on the host, and
+    a save is a write)."""
+    if setting != "auto":
+        return setting
+    return device_type == "cuda" and host_bytes * local_ranks <= HOST_SHARE * host_memory()
+
+
 def write_threads() -> int:
     """Files each rank writes a checkpoint to at once: its share of the node's cores, 1 to 8."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -498,7 +498,9 @@ class CheckpointSpec(Section):
     resume: Optional[str] = Field(
         "latest", description="'latest': resume from the newest complete checkpoint of the run, if any; "
                               "a path: resume from that checkpoint; null: always start fresh.")
-    async_save: bool = Field(False, description="Write checkpoints in the background while training goes on.")
+    async_save: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
+                            "when the host copies of a node's ranks take at most a quarter of its memory.")
 
 
 # ----------------------------------------------------------------------- logging

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, latest_checkpoint
 from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_state
+from fsdpclip.checkpoint.staging import asynchronous_saves, host_memory
 from fsdpclip.parallel.distributed import all_max
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
@@ -26,11 +27,25 @@ log = logging.getLogger("fsdpclip")
 class Checkpointing:
     """The part of `Trainer` that saves, resumes and reports checkpoint failures."""
 
+    def _asynchronous_saves(self, host_bytes: int) -> bool:
+        """checkpoint.async_save with 'auto' decided (`staging.asynchronous_saves`, the same on every rank); when
+        on, the host copy's memory is reserved now, while the first step compiles."""
+        job, env = self.job, self.env
+        chosen = asynchronous_saves(job.checkpoint.async_save, env.device.type, host_bytes, env.local_world_size)
+        chosen = not all_max([int(not chosen)], env.device)[0]
+        if job.checkpoint.async_save == "auto" and env.is_main:
+            log.info("checkpoint.async_save 'auto': %s (a host copy of %.1f GiB per rank, %d rank(s) on a node of "
+                     "%.0f GiB)", "on" if chosen else "off", host_bytes / 2 ** 30, env.local_world_size,
+                     host_memory() / 2 ** 30)
+        if chosen:
+            self.checkpointer.host.reserve(host_bytes)
+        return chosen
+
     def _save_due(self) -> None:
         """Make the checkpoint that is due. An asynchronous one waits, while training goes on, for the write
         before it to end on every rank: saves then follow the disk's pace instead of stopping training."""
         job = self.job
-        if job.checkpoint.async_save:
+        if self.async_saves:
             writes, = all_max([self.checkpointer.write_status()], self.env.device)
             self._raise_if_write_failed(writes)
             if writes == WRITING:
@@ -40,7 +55,7 @@ class Checkpointing:
                             "checkpoint.every_steps (%d steps), and saves wait for it without stopping training",
                             self.save_due, self.step, job.checkpoint.every_steps)
             self.late_saves += self.save_due != self.step
-        self.save(asynchronous=job.checkpoint.async_save)
+        self.save(asynchronous=self.async_saves)
 
     def _raise_if_write_failed(self, writes: int) -> None:
         """The ranks agreed that an asynchronous write failed: each stops (with its own failure where it had one)."""

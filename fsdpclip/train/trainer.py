@@ -83,8 +83,7 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
-        if job.checkpoint.async_save:  # the host copy's memory, made while the first step compiles
-            self.checkpointer.host.reserve(host_copy_bytes(self.model, self.trained))
+        self.async_saves = self._asynchronous_saves(host_copy_bytes(self.model, self.trained))
         self.scaler = build_grad_scaler(job.fsdp, env.device)
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph \
