@@ -78,9 +78,10 @@ def test_stop_check_interval():
 
 @pytest.mark.slow
 def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):
-    """SIGUSR1 on rank 1 alone at step 5: the ranks agree at step 10, checkpoint and exit 75. Resumed in
-    the same run directory while rank 1 sees a stale `latest` (rank 0 chooses for all), the run ends
-    with the losses of one never stopped; the same checkpoint also resumes on one rank (resharded)."""
+    """SIGUSR1 on rank 1 alone at step 5: the ranks agree at their next stop check (step 10; step 5 where a
+    loaded machine makes steps take over a second), checkpoint and exit 75. Resumed in the same run directory
+    while rank 1 sees an older checkpoint as `latest` (rank 0 chooses for all), the run ends with the losses of
+    one never stopped; the same checkpoint also resumes on one rank (resharded)."""
     job = preemptible_job(tmp_path / "runs", digits_dir, "split")
     job["checkpoint"] = {"every_steps": 4, "keep": 3}
     path = write_job(tmp_path, job)
@@ -88,12 +89,14 @@ def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):
     run_dir = tmp_path / "runs" / "split"
     report = json.loads((run_dir / "exit.json").read_text())
     assert report["code"] == 75, first.stdout[-4000:]
-    assert "SIGUSR1 received" in report["message"] and "step-00000010" in report["message"]
-    assert latest_checkpoint(run_dir).name == "step-00000010"  # the ranks agree every 10 steps
+    stopped = report["step"]
+    assert stopped in (5, 10), report  # the stop checks' multiples (`stop_check_interval`)
+    assert "SIGUSR1 received" in report["message"] and f"step-{stopped:08d}" in report["message"]
+    assert latest_checkpoint(run_dir).name == f"step-{stopped:08d}"
     shutil.copytree(run_dir, tmp_path / "copy")
-    second = _with_fault(path, "stale-latest:1:8")
+    second = _with_fault(path, f"stale-latest:1:{(stopped - 1) // 4 * 4}")  # the periodic save before the stop
     assert second.returncode == 0, second.stdout[-4000:]
-    assert "resumed from" in second.stdout and "step-00000010" in second.stdout
+    assert "resumed from" in second.stdout and f"step-{stopped:08d}" in second.stdout
     assert_same_losses(run_dir, straight_losses)
 
     one = json.loads(path.read_text())  # the same checkpoint on one rank (global batch kept)
