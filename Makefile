@@ -1,4 +1,4 @@
-# Set-up and the two entry points of the README: `make demo` and `make test`.
+# Set-up and the entry points of the README: `make demo`, `make test` and `make test-fast`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 DEMO_DATA ?= data/digits
 
-.PHONY: venv demo test schema clean
+.PHONY: venv demo test test-fast schema clean
 
 venv: $(VENV)/.demo-installed
 
@@ -38,8 +38,14 @@ demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
 	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
+# The whole suite, on pytest-xdist workers that each take whole test modules (a module's fixtures are built once).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadscope tests
+
+# The inner loop: every test but those marked slow (training runs, processes that import torch).
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 schema: venv
 	$(BIN)/fsdpclip schema > schemas/job.schema.json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -29,6 +30,28 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SUBPROCESS_TMP, ignore_errors=True)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`), each worker computes on one thread: the workers share the cores (torch's
+    spinning thread pools, one per core in each worker, would fight over them)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def once_per_session(tmp_path_factory, name: str, compute):
+    """`compute(directory)`, a JSON value, computed once per test session: pytest-xdist's workers share it (the first
+    to ask computes it under a lock, in a directory that every worker sees; the others wait and read it)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' basetemps are its children
+    result = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.is_file():
+            result.write_text(json.dumps(compute(Path(tempfile.mkdtemp(prefix=name, dir=root)))))
+        return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
     """The digits demo data, built once per test session."""
@@ -44,12 +67,16 @@ def demo_run(tmp_path_factory, digits_dir):
     """The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps on
     the session's digits, evaluated (zero-shot and retrieval) at step 20 and at the end (37 images per
     forward), units kept gathered after forward, MFU against 1 TFLOP/s, checkpointed at the end: (run
-    directory, launch output)."""
+    directory, launch output). Run once per session, its directory only read by the tests."""
+    run_dir, output = once_per_session(tmp_path_factory, "demo", lambda tmp: _launch_demo(tmp, digits_dir))
+    return Path(run_dir), output
+
+
+def _launch_demo(tmp: Path, digits_dir: Path) -> tuple[str, str]:
     import sys
 
     from ranks import run_group
 
-    tmp = tmp_path_factory.mktemp("demo")
     overrides = {
         "run.output_dir": str(tmp / "runs"),
         "schedule": json.dumps({"warmup_steps": 10, "steps": 40}),
@@ -66,7 +93,7 @@ def demo_run(tmp_path_factory, digits_dir):
         command += ["--set", f"{key}={value}"]
     proc = run_group(command, timeout=300)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    return tmp / "runs" / "tiny-cpu", proc.stdout
+    return str(tmp / "runs" / "tiny-cpu"), proc.stdout
 
 
 PREEMPTIBLE_STEPS = 24
@@ -108,16 +135,18 @@ def assert_same_losses(run_dir: Path, straight: dict[int, float]) -> None:
 
 @pytest.fixture(scope="session")
 def straight_losses(tmp_path_factory, digits_dir) -> dict[int, float]:
-    """The preemptible job run straight through: its loss at every step."""
+    """The preemptible job run straight through: its loss at every step (run once per session)."""
     import sys
 
     from ranks import run_group
 
-    tmp = tmp_path_factory.mktemp("straight")
-    path = write_job(tmp, preemptible_job(tmp / "runs", digits_dir, "straight"))
-    proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return logged_losses(tmp / "runs" / "straight")
+    def launch(tmp: Path) -> list[tuple[int, float]]:
+        path = write_job(tmp, preemptible_job(tmp / "runs", digits_dir, "straight"))
+        proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        return list(logged_losses(tmp / "runs" / "straight").items())
+
+    return dict(once_per_session(tmp_path_factory, "straight", launch))
 
 
 @pytest.fixture

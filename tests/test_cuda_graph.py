@@ -51,6 +51,7 @@ def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
     assert (undecided.cuda_graph, undecided.compile) == ("auto", False)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("accum", [1, 2])
 def test_a_graphed_step_trains_as_the_eager_step(accum, tmp_path):
@@ -66,6 +67,7 @@ def test_a_graphed_step_trains_as_the_eager_step(accum, tmp_path):
     assert result["parameter_difference"] < 1e-4
 
 
+@pytest.mark.slow
 def test_a_trainer_without_cuda_refuses_cuda_graph_true(tiny_job, tmp_path):
     """Started without `fsdpclip validate` (which refuses it first), the rank stops before building anything,
     with the spec's exit code and one line, not a failure inside CUDA."""

@@ -386,6 +386,7 @@ def test_validate_wants_a_shard_for_every_worker(cli, tiny_job, tmp_path):
     assert "fewer samples than one micro batch on every rank" in out["errors"][0]["message"]
 
 
+@pytest.mark.slow
 def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     """Shards of 3, 60, 5 and 40 samples over 2 ranks, 108 samples an epoch, 4 per rank and step: both
     ranks run 13 steps an epoch, 39 in 3 epochs, the one whose shards hold fewer than its 52 samples

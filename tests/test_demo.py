@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_job_learns_digits(demo_run):
     run_dir, output = demo_run
     accuracy = float(re.findall(r"step 40 zero-shot digits: acc1 ([0-9.]+)", output)[-1])

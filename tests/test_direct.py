@@ -174,6 +174,7 @@ def test_only_openclips_causal_masks_are_taken_as_causal():
     assert use_direct_attention(tower) == 1 and not tower.transformer[0].mask_is_causal
 
 
+@pytest.mark.slow
 def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
     """`fsdp.wrap` and `activation_checkpointing` name the classes validation sees (Conv2d, MultiheadAttention);
     the direct forwards swap those classes afterwards, so the units and checkpointed modules are planned first.
@@ -189,6 +190,7 @@ def test_wrap_and_checkpoint_classes_are_named_as_validation_saw_them():
     assert result["compiled"] == [{"coordinate_descent_tuning": True}] * (len(result["sharded"]) - 1)
 
 
+@pytest.mark.slow
 def test_compile_auto_and_eager_evaluation(monkeypatch):
     """compile 'auto': whole towers (their `Transformer` as the unit, kept gathered unless the spec says
     otherwise) for OpenCLIP towers up to WHOLE_TOWER_MAX_PARAMETERS (ViT-H-14's too); in larger towers

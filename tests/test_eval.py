@@ -62,6 +62,7 @@ def _assert_same(record: dict, reference: dict):
         assert record["metrics"][key] == pytest.approx(reference[key], abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
     from torchvision.datasets import ImageFolder
 
@@ -95,6 +96,7 @@ def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
         assert logged[key] == pytest.approx(value, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_with_one(trained, digits_dir, tmp_path, cli):
     run_dir, _ = trained
     one = _ours(cli, tmp_path, run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
@@ -131,6 +133,7 @@ def wds_digits(digits_dir, tmp_path_factory):
     return root, shards
 
 
+@pytest.mark.slow
 def test_clip_benchmark_webdataset_layout(trained, wds_digits, tmp_path, cli):
     """CLIP_benchmark's wds layout (test/nshards.txt, .cls labels, classnames.txt, templates.txt)."""
     from fsdpclip.data.digits import CLASSNAMES
@@ -150,6 +153,7 @@ def test_clip_benchmark_webdataset_layout(trained, wds_digits, tmp_path, cli):
     _assert_same(record, _reference(weights, loader, list(CLASSNAMES)))
 
 
+@pytest.mark.slow
 def test_max_samples_is_exact(trained, wds_digits, digits_dir, cli):
     """--max-samples N evaluates N images whatever the data workers and ranks (CLIP_benchmark's wds
     layout, whose shards are read by workers, and the folder layout)."""
@@ -174,6 +178,7 @@ def _webp(image) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
     run_dir, weights = trained
     cases = [
@@ -283,6 +288,7 @@ def wds_retrieval(digits_dir, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_retrieval_matches_clip_benchmark(trained, digits_dir, wds_retrieval, tmp_path, cli):
     """Recall@1/5/10 both ways on the digits test split with its captions, as a folder of image/caption pairs
     and in CLIP_benchmark's retrieval shards, equal CLIP_benchmark's own numbers; the trainer's evaluation of
@@ -327,6 +333,7 @@ def _assert_same_recalls(record: dict, reference: dict):
         assert record["metrics"][key] == pytest.approx(reference[key], abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_retrieval_bad_inputs_are_clear(trained, digits_dir, wds_digits, wds_retrieval, tmp_path, cli):
     """A retrieval set that is missing or misshapen, or flags that do not go with --retrieval: exit 2 and
     one line that says where."""
@@ -378,6 +385,7 @@ def test_retrieval_spec_is_checked(tiny_job, digits_dir, tmp_path, cli):
     assert problems[1][1] == "a second set named 'nowhere'"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zeroshot", "retrieval"])
 def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
     """An evaluation that fails mid-set (a CUDA out-of-memory, a collective timing out) stops its data

@@ -109,6 +109,7 @@ def _report(cli, run_dir: Path, tmp_path: Path) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses, cli):
     """SIGTERM to the whole process group of `fsdpclip launch` (a scheduler's `kill -TERM -PGID`), with
     2 data workers per rank: a checkpoint, exit 75, no process left, no traceback nor torchrun's error line, the
@@ -139,6 +140,7 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     assert finished["launches"] == 2 and finished["restarts_at"] == [10]
 
 
+@pytest.mark.slow
 def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     """While a job runs, a second launch into its run directory is refused (exit 2, naming the holder)
     and changes nothing; two Ctrl-C to the first stop it at once (exit 130), leaving no process."""
@@ -219,6 +221,7 @@ def _pause(pids: list[int], signum: int) -> None:
             os.kill(pid, signum)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["hangup", "sigkill"])
 def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, digits_dir, fault):
     """The launcher's terminal hangs up (SIGHUP to it, EIO to every process writing to the terminal), or the
@@ -274,6 +277,7 @@ def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, dig
     assert steps == list(range(1, PREEMPTIBLE_STEPS + 1))  # one job at a time wrote them
 
 
+@pytest.mark.slow
 def test_ranks_outlive_a_closed_output_pipe(tmp_path, digits_dir):
     """`fsdpclip launch` piped into a reader that goes away while the ranks train: they do not die of EPIPE
     but train to the end, their output going on in RUN_DIR/logs/rank-NNNNN.out and the launcher's in
@@ -327,6 +331,7 @@ def _truncate(checkpoint: Path) -> str:
     return shard.name
 
 
+@pytest.mark.slow
 def test_relaunches_of_one_run(tmp_path, cli):
     """One run (its checkpoints saved in the background) relaunched as users do. Another model: refused
     before any rank starts, job.json kept. A truncated shard in the newest checkpoint: export names the
@@ -382,6 +387,7 @@ def test_relaunches_of_one_run(tmp_path, cli):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == kept
 
 
+@pytest.mark.slow
 def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_dir, cli):
     """Checkpoint files planted with a pickle that would create a file (the newest DCP .metadata, a rank's state
     in the one before): validate, launch and eval refuse them, naming each file (exit 2, no traceback), and
@@ -425,6 +431,7 @@ def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_di
         [f"skipping {run_dir / 'checkpoints' / 'step-00000006'}: rank-00000.pt is missing"]
 
 
+@pytest.mark.slow
 def test_a_relaunch_compares_files_by_content(tmp_path, digits_dir, cli):
     """What a relaunch finds in the files its spec names, compared with what its checkpoint saw: the model
     config copied elsewhere unchanged is the same model (accepted); edited in place it is another (refused,
@@ -458,6 +465,7 @@ def test_a_relaunch_compares_files_by_content(tmp_path, digits_dir, cli):
     assert "the data stream restarts at its epoch (data or batch changed)" in relaunched.stdout
 
 
+@pytest.mark.slow
 def test_a_crashing_rank_is_reported(tmp_path):
     """A rank that fails (here: its shard is no tar, so it holds no sample to read) ends the launch with one
     ✗ line naming it and its error, written to exit.json over the previous launch's report."""
@@ -501,6 +509,7 @@ def _ranks(launcher: int) -> list[int]:
     return children(torchrun[0]) if torchrun else []
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_a_signal_is_named(tmp_path, digits_dir):
     """SIGKILL to one rank of a 2-rank launch (the kernel's out-of-memory killer, a user's kill -9), data workers
     on: the launch ends with exit 1 and one line naming that rank and the signal (exit.json too), not the
@@ -692,6 +701,7 @@ except RuntimeError as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_crashing_rank_stops_its_children_and_exits(tmp_path, tiny_job):
     """A rank that crashes while a child that ignores the stop signals runs (a data worker) kills it and
     ends: multiprocessing would otherwise wait for it at exit forever, the rank keeping SIGTERM for itself."""
@@ -700,6 +710,7 @@ def test_a_crashing_rank_stops_its_children_and_exits(tmp_path, tiny_job):
     assert result == {"error": "crashed on purpose", "children": 0}
 
 
+@pytest.mark.slow
 def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_dir):
     """Both ranks fail in their first evaluation (an out-of-memory on the first batch) while the training's
     and the evaluation's data workers run (they ignore SIGTERM): each rank reports its crash and ends, and
@@ -743,6 +754,7 @@ def _small_disk(path: Path, megabytes: int):
         subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
     """A run directory on a 64 MB disk where the second checkpoint (~41 MB) does not fit beside the first: the
     ranks agree on it before writing anything of it, the launch ends with exit 74 and one line naming the device,
@@ -769,6 +781,7 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
         assert "resumed from" in resumed.stdout and _exit_report(run_dir)["step"] == 8
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_during_the_write_is_named_like_a_full_one(tmp_path):
     """Another writer fills the disk after the ranks agreed that a checkpoint fits: the failed write, synchronous
     or asynchronous (reported when it is waited for, once), is DiskFull naming the disk, not DCP's

@@ -163,6 +163,7 @@ def _probe_ranks(tmp_path, mode: str, forked_ranks: bool):
     return ForkedTorchrun(command, {**os.environ, "FSDPCLIP_PROBE": "from the spec"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forked_ranks", [False, True], ids=["new-interpreter-ranks", "forked-ranks"])
 def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path, capfd, forked_ranks):
     """The launcher forks torchrun (no second import of torch); the ranks get the job's environment, the
@@ -179,6 +180,7 @@ def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path, capfd, forked_
     assert "exitcode: 75" not in output.err and "Traceback" not in output.out + output.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forked_ranks", [False, True], ids=["new-interpreter-ranks", "forked-ranks"])
 def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path, forked_ranks):
     """The forked torchrun has a session of its own; the launcher's second Ctrl-C is SIGKILL to it and
@@ -202,6 +204,7 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
+@pytest.mark.slow
 def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again), takes the spec's
     launch.env before it imports torch and imports OpenCLIP as the ranks do (without transformers here); a
@@ -291,6 +294,7 @@ os.waitpid(pid, 0)
 """
 
 
+@pytest.mark.slow
 def test_a_forked_rank_takes_what_torchrun_gives_a_new_interpreter():
     """torch read OMP_NUM_THREADS when the launcher imported it, and the agent's signal handlers and the
     launcher's buffered output come with the fork: the rank resets all three (without it, a rank killed
@@ -374,6 +378,7 @@ def test_slurm_without_sbatch_is_a_user_error(cli, tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_two_nodes_without_slurm(tmp_path):
     """What a user types on each of two machines (here both on this one): a static rendezvous on node 0.
     With memory to spare, 'auto' shards inside each node (one rank) and replicates across the two; rank

@@ -19,6 +19,7 @@ def _adam_state(optimizer, param) -> list[torch.Tensor]:
     return [state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", [1.0, 2.0], ids=["one-rank", "summed-over-two-ranks"])
 def test_overflow_skips_the_step_under_a_grad_scaler(flag):
     """An inf gradient under the fp16 loss scaler: the weights and AdamW's moments and step count stay
@@ -93,6 +94,7 @@ print(json.dumps({"norm": norm.item(), "want": want.item(), "autograd_calls": le
 """
 
 
+@pytest.mark.slow
 def test_clip_gradients_matches_torch_and_stays_off_autograd():
     """The global norm and the clipped DTensor gradients equal torch's clip_grad_norm_ on plain tensors,
     and no gradient goes through DTensor.to_local's autograd function (host time in every step)."""

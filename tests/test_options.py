@@ -154,6 +154,7 @@ def test_tensorboard_and_peak_tflops(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_parallel_init_is_deterministic_and_draws_the_same_distributions(monkeypatch):
     """model.init 'parallel': the same weights for a seed whatever the core count (chunks forced small
     so the tiny model's tensors are split), other weights for another seed, OpenCLIP's distributions

@@ -21,6 +21,8 @@ from conftest import TINY_CONFIG
 from ranks import torchrun
 from reference import open_clip_model, open_clip_train_no_decay, reference_run
 
+pytestmark = pytest.mark.slow  # torchrun process groups
+
 SEED, WORLD, PER_GPU, STEPS = 7, 2, 8, 6
 # fp32: the same arithmetic up to summation order (measured: losses within 2e-6, gradient norms 5e-6
 # relative). Weights are compared per tensor as |trained - reference| / |reference - initial|: rounding

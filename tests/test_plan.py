@@ -65,6 +65,7 @@ def plan_batch(path) -> int:
     return job.batch.per_gpu * job.batch.grad_accum
 
 
+@pytest.mark.slow
 def test_auto_shards_what_does_not_fit(cli):
     """ViT-bigG-14 over 2 nodes of 8: replicated it needs ~42 GiB per GPU, sharded over a node ~15.
     On 40 GiB GPUs 'auto' shards over a node; on 16 GiB GPUs (14.4 usable) over both nodes."""

@@ -10,6 +10,8 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY_CONFIG, squeezed, write_job
 from ranks import run_group
 
@@ -25,6 +27,7 @@ def _launch(path: Path, *extra: str, timeout: float = 120):
     return run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), *extra], timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_gpu_job_on_a_machine_without_one_stops_before_torchrun(tmp_path):
     """A spec without launch.device ('cuda') on a machine with no GPU: one row naming launch.device, exit 2,
     no torchrun started and nothing written (before: torchrun started and died with two tracebacks, exit 1)."""
@@ -49,6 +52,7 @@ def test_fewer_gpus_than_ranks_is_a_located_error(tmp_path, cli, monkeypatch):
     assert not (tmp_path / "runs" / "pre").exists()
 
 
+@pytest.mark.slow
 def test_a_busy_rendezvous_port_and_too_many_workers(tmp_path, digits_dir):
     """Node 0 of a 2-node launch whose rendezvous port is taken on this host: an error row for
     launch.master_port (exit 2, before torchrun would wait for the other node), beside one warning row (not one
@@ -71,6 +75,7 @@ def test_a_busy_rendezvous_port_and_too_many_workers(tmp_path, digits_dir):
     assert not (tmp_path / "runs" / "pre").exists()
 
 
+@pytest.mark.slow
 def test_relaunching_a_finished_run_starts_nothing(tmp_path):
     """A run that trained all its steps, launched again: it says so with the run directory and the next commands,
     exit 0, and starts no rank (no torchrun, no new launch record, metrics untouched)."""

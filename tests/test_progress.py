@@ -7,6 +7,7 @@ import io
 import json
 import sys
 
+import pytest
 from rich.console import Console
 
 from conftest import REPO, write_job
@@ -52,6 +53,7 @@ def test_validate_weighs_every_ranks_workers_against_the_cores(cli, tiny_job, tm
     assert not [w for w in out["warnings"] if w["location"] == "data.workers"]
 
 
+@pytest.mark.slow
 def test_the_launch_output_holds_no_banner_or_warning_a_user_cannot_act_on(digits_dir, tmp_path):
     """The tiny CPU job, without OMP_NUM_THREADS, with more data workers per rank than the machine has cores:
     no torchrun banner, no FutureWarning from OpenCLIP's losses, no DataLoader warning from the ranks."""

@@ -121,6 +121,7 @@ def test_a_tag_is_kept_where_launch_makes_paths_absolute(tiny_job, tmp_path):
     assert resolve_paths(job, tmp_path).model.pretrained == str(tmp_path / "weights.pt")
 
 
+@pytest.mark.slow
 def test_published_weights_load_into_the_initial_model(hf_home):
     """The smallest architecture with a published tag: its cached file is what the run starts from."""
     import torch
@@ -162,6 +163,7 @@ def test_fetch_asks_the_hub_only_for_what_the_cache_lacks(hf_home, monkeypatch):
     assert fetch("RN50-quickgelu", "openai") == (file, False) and len(asked) == 1
 
 
+@pytest.mark.slow
 def test_a_rank_whose_cache_lacks_the_weights_stops_in_one_line(hf_home, tmp_path):
     """A node that launch's fetch did not reach (another node's HF_HOME): the rank building the initial
     weights says which weights and how to fetch them, and the job ends with the spec's exit code, no traceback."""

@@ -55,6 +55,7 @@ def workdir(tmp_path_factory, digits_dir):
     return root
 
 
+@pytest.mark.slow
 def test_every_readme_command_runs(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     cli, ran = Cli(), []

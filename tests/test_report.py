@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from PIL import Image
 
 
+@pytest.mark.slow
 def test_report_of_the_demo_run(demo_run, cli, tmp_path):
     run_dir, _ = demo_run
     result = cli("report", run_dir, "--json", "--png", tmp_path / "report.png")

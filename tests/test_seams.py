@@ -140,6 +140,7 @@ def test_a_registered_tower_family_builds_and_is_validated(cli, tiny_job, tmp_pa
     assert [e["location"] for e in out["errors"]] == ["model.image.small_vit.width"]
 
 
+@pytest.mark.slow
 def test_a_rank_trains_on_a_registered_source(tiny_job, tmp_path):
     """A short CPU run of the rank entry in a process that imported this module (as a plugin's is)."""
     from ranks import run_group

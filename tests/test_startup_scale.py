@@ -21,6 +21,7 @@ def _counts(world: int) -> dict:
     return json_result([sys.executable, "tests/workers/setup_calls.py", str(world), "ViT-B-32"], timeout=300)
 
 
+@pytest.mark.slow
 def test_setup_work_does_not_grow_with_world_size():
     small, large = _counts(8), _counts(1024)
     for stage in OURS:  # Python calls of each stage, counted by cProfile: equal up to a small margin
@@ -50,6 +51,7 @@ print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]
 """
 
 
+@pytest.mark.slow
 def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
     from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache
 
@@ -117,6 +119,7 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
         raise AssertionError("the broken module imported")
 
 
+@pytest.mark.slow
 def test_rank_entry_imports_only_what_the_process_group_needs():
     """`python -m fsdpclip.train.entry` imports torch and the spec, not the trainer's libraries (DTensor and
     sympy, webdataset, OpenCLIP, dynamo): those are imported on a thread while the process group forms."""
@@ -128,6 +131,7 @@ def test_rank_entry_imports_only_what_the_process_group_needs():
     assert json.loads(proc.stdout) == []
 
 
+@pytest.mark.slow
 def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face_parts():
     """A model without a Hugging Face text tower has OpenCLIP imported without transformers (its slowest
     import), builds, and transformers still imports afterwards; in a fresh interpreter, as on a rank."""
@@ -221,6 +225,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fresh", "resumed", "late"])
 def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, tiny_job, case):
     """A fresh run's data workers are running while the model is built (they fill their queues

@@ -67,6 +67,7 @@ def _job(tmp_path, model: dict, **extra) -> dict:
 
 
 # ------------------------------------------------------------------------- training
+@pytest.mark.slow
 def test_t5_and_timm_towers_train_only_their_last_blocks(tmp_path):
     """embed_dim + a local T5 (3 blocks) + a local timm EVA (3 blocks), both from their own weights,
     in bf16, activation-checkpointed; all but the last block of each tower and their embeddings frozen."""
@@ -123,6 +124,7 @@ def _error(out: dict, location: str) -> dict:
     return match[0]
 
 
+@pytest.mark.slow
 def test_giant_spec_on_the_meta_device(cli):
     """mT5-XXL's encoder + EVA02-E-14's image tower: ~10B parameters, checked on the meta device.
     Unsharded (what DDP keeps per GPU) it cannot fit a 141 GiB H200; sharded over 2 it does."""

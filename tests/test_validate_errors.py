@@ -220,6 +220,7 @@ def test_world_size_flags_change_the_batch_check(cli, tiny_job, tmp_path):
     assert code == 2 and out["errors"][0]["location"] == "batch.global_batch"
 
 
+@pytest.mark.slow
 def test_no_traceback_from_the_real_command(tiny_job, tmp_path):
     """The installed entry point prints a table and exits 2, without a Python traceback."""
     path = write_job(tmp_path, _set(tiny_job, "freeze", {"image": {"blocks": "0:40"}}))
@@ -458,6 +459,7 @@ def test_files_the_spec_names_are_regular_bounded_utf8(cli, tiny_job, tmp_path):
     assert "character device" in errors["model.pretrained"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", [None, b'{"model": {"name": "ViT-B-32", "note": "\xe9"}}'])
 def test_a_job_file_that_is_no_text_file(tiny_job, tmp_path, content):
     """The job file itself as a FIFO (the command hung) or in Latin-1 (a traceback): a located error, exit 2."""

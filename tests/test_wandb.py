@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from conftest import TINY_CONFIG, write_job
 from ranks import run_group
 
@@ -72,6 +74,7 @@ def _scalars(record: dict, prefix: str = "") -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir, monkeypatch):
     """A run preempted as schedulers do it (SIGTERM to its whole process group, W&B's own service process
     included) stops at a stop check (exit 75) and, started again (to step 30) writes two offline pieces of one W&B
