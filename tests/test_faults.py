@@ -126,18 +126,20 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     assert "Traceback" not in output and "killed by signal" not in output and "exitcode: 75" not in output
     assert f"run directory: {run_dir}\nresume: fsdpclip launch {path}\nprogress: fsdpclip report {run_dir}" in output
     report = _exit_report(run_dir)
-    assert report["code"] == 75 and "a stop was requested: stopped after step 10" in report["message"]
+    at = report["step"]  # the ranks' next stop check: step 10, or 5 where a loaded machine makes steps slow
+    assert report["code"] == 75 and at in (5, 10) and f"a stop was requested: stopped after step {at}" in \
+        report["message"], report
     _none_left(run_dir, path)
     stopped = _report(cli, run_dir, tmp_path)
-    assert stopped["state"].startswith("stopped") and stopped["step"] == 10
-    assert stopped["last_checkpoint"] == "step-00000010" and stopped["exit"]["code"] == 75
+    assert stopped["state"].startswith("stopped") and stopped["step"] == at
+    assert stopped["last_checkpoint"] == f"step-{at:08d}" and stopped["exit"]["code"] == 75
     again = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
     assert again.returncode == 0, again.stdout[-4000:]
-    assert "resumed from" in again.stdout and "step-00000010" in again.stdout
+    assert "resumed from" in again.stdout and f"step-{at:08d}" in again.stdout
     assert_same_losses(run_dir, straight_losses)
     finished = _report(cli, run_dir, tmp_path)
     assert finished["state"] == "finished" and finished["step"] == finished["total_steps"] == max(straight_losses)
-    assert finished["launches"] == 2 and finished["restarts_at"] == [10]
+    assert finished["launches"] == 2 and finished["restarts_at"] == [at]
 
 
 @pytest.mark.slow
