@@ -378,6 +378,20 @@ def test_every_minutes_is_a_positive_number():
             CheckpointSpec(every_minutes=refused)
 
 
+def test_a_host_copy_that_cannot_be_reserved_is_said_and_saves_still_copy(caplog):
+    """A reservation the host has no room for is a warning (not an error lost with its thread); the host copy is
+    then made at the save, with every value of the state."""
+    from fsdpclip.checkpoint.staging import HostCopy
+
+    host = HostCopy()
+    host.reserve(2 ** 62)
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"step": torch.tensor(3.0), "lr": 0.1}}
+    copied = host.copy(state)
+    assert "could not be reserved" in caplog.text and host.buffer is None
+    assert torch.equal(copied["model"]["w"], state["model"]["w"]) and copied["optim"]["lr"] == 0.1
+    assert copied["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
+
+
 def test_asynchronous_saves_auto_where_the_host_copies_fit(monkeypatch):
     """checkpoint.async_save 'auto' (the default) is on for CUDA devices when the host copies of a node's ranks
     take at most a quarter of its memory; off on CPU devices, where the state already lives on the host; true

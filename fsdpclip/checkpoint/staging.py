@@ -104,7 +104,13 @@ class HostCopy:
         self.reserving.start()
 
     def _reserve(self, nbytes: int) -> None:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:  # the host has no room: said here, not lost with the thread
+            log.warning("asynchronous checkpoints: %.1f GiB for the host copy could not be reserved (%s); each "
+                        "save makes its copy, and training waits while the first one is page-locked",
+                        nbytes / 2 ** 30, str(exc).splitlines()[0])
+            return
         if torch.cuda.is_available():  # in one piece: a copy may not span two registrations
             self._lock([(buffer.data_ptr(), buffer.data_ptr() + nbytes)])
         self.buffer = buffer
