@@ -590,6 +590,10 @@ class LaunchSpec(Section):
     device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
     gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
                                             "and to choose fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
+    host_memory_gib: Optional[float] = Field(
+        None, gt=0, description="Host memory of one node, to check the host estimate against (rank processes, "
+                                "offloaded state, initial weights); default: the memory of the machine validating, "
+                                "when it checks paths (it is then taken to be a node).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
     collective_timeout_s: int = Field(
         1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 from fsdpclip.eval.registry import EvalTask
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
-from fsdpclip.model.weights import usable_cores
+from fsdpclip.parallel.node import usable_cores
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.run.files import special_file
 from fsdpclip.spec.job import Job, world_size_problem

@@ -55,7 +55,7 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     groups = if_parsed(_check_decay, job, model, report)
     if_parsed(_check_loss_fits, job, model, report)
     if classes_ok and text_ok and groups is not None and report.world_size:
-        if_parsed(summarise, job, model, towers, frozen, groups, steps, report)
+        if_parsed(summarise, job, model, towers, frozen, groups, steps, report, check_paths)
 
 
 def _check_uncapturable(job: Job, model, report: Report) -> None:
