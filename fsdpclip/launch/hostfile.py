@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -104,7 +105,10 @@ def pick_hosts(hosts: dict[str, list[int]], include: Optional[str], exclude: Opt
             picked[host] = picked.get(host, set()) | slots
         else:
             picked[host] -= slots
-    return {host: sorted(picked[host]) for host in hosts if picked.get(host)}
+    left = {host: sorted(picked[host]) for host in hosts if picked.get(host)}
+    if not left:
+        raise LaunchError(f"--exclude {exclude!r} leaves no host")
+    return left
 
 
 @register_backend
@@ -128,12 +132,12 @@ class HostfileBackend(LauncherBackend):
         if flags.node_rank is not None or flags.master_addr is not None:
             raise LaunchError("--hostfile starts every node itself, the first host the rendezvous: no --node-rank "
                               "or --master-addr")
+        if not flags.dry_run and shutil.which(SSH[0]) is None:
+            raise LaunchError("--hostfile needs ssh on the PATH (use --dry-run to only print the ssh commands)")
         hosts = pick_hosts(read_hostfile(Path(flags.backend_value)), flags.include, flags.exclude)
-        if not hosts:
-            raise LaunchError(f"--exclude {flags.exclude!r} leaves no host of {flags.backend_value}")
         if flags.nodes is not None:
             if flags.nodes > len(hosts):
-                raise LaunchError(f"--nodes {flags.nodes}: {flags.backend_value} gives {len(hosts)} host(s)")
+                raise LaunchError(f"--nodes {flags.nodes}: there are {len(hosts)} host(s) to run on")
             hosts = dict(list(hosts.items())[:flags.nodes])
         if flags.gpus_per_node is not None:
             short = [host for host, slots in hosts.items() if len(slots) < flags.gpus_per_node]
@@ -171,8 +175,8 @@ class HostfileBackend(LauncherBackend):
             with lock:
                 job.save(job.run_dir / JOB_FILE)
                 keep_output(job.run_dir / LOG_DIR / LAUNCHER_LOG)
-                nodes = SshNodes(list(self.hosts), commands, job.run_dir / LOG_DIR)
-                status = nodes.wait()
+                nodes = SshNodes(list(self.hosts), job.run_dir / LOG_DIR)
+                status = nodes.run(commands)
         except RunLocked as exc:
             raise LaunchError(str(exc)) from None
         except OSError as exc:
@@ -189,7 +193,8 @@ def ssh_command(job: Job, host: str, node_rank: int, slots: list[int], head: str
                 launched: float) -> list[str]:
     """ssh to `host` running its node's launcher there: in this directory, with this launcher's environment that
     the run needs (EXPORTED), the launch's lock token and start time, and its slots as the visible GPUs."""
-    env = {key: value for key, value in os.environ.items() if key.startswith(EXPORTED) and key != "CUDA_VISIBLE_DEVICES"}
+    env = {key: value for key, value in os.environ.items()
+           if key.startswith(EXPORTED) and key != "CUDA_VISIBLE_DEVICES"}
     if job.launch.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     env.update({LOCK_TOKEN_ENV: token, LAUNCH_TIME_ENV: repr(launched)})
@@ -201,19 +206,53 @@ def ssh_command(job: Job, host: str, node_rank: int, slots: list[int], head: str
 class SshNodes:
     """The ssh connections of a launch, one per host, each in a session of its own (a terminal's signals reach
     only this launcher, which passes them on) with its output appended to RUN_DIR/logs/node-R.log; node 0's
-    output is copied to the console as it comes. While `wait` runs, a first SIGTERM, SIGHUP or Ctrl-C becomes a
+    output is copied to the console as it comes. While `run` runs, a first SIGTERM, SIGHUP or Ctrl-C becomes a
     TERM line to every node's launcher (a stop request there), a second a KILL line (everything stopped at once);
     the first node that ends with a failure has the others killed."""
 
-    def __init__(self, hosts: list[str], commands: list[list[str]], logs: Path):
+    def __init__(self, hosts: list[str], logs: Path):
         self.hosts, self.logs = hosts, [logs / f"node-{rank}.log" for rank in range(len(hosts))]
         self.received: list[int] = []
         self.failed: Optional[int] = None  # the node whose failure ended the launch
         self.processes: list[subprocess.Popen] = []
-        for command, log in zip(commands, self.logs):
-            with open(log, "ab") as out:
-                self.processes.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out,
-                                                       stderr=subprocess.STDOUT, start_new_session=True))
+
+    def run(self, commands: list[list[str]]) -> int:
+        """Start every node and wait for all; the launch's exit status: STOPPED_AT_ONCE after a second signal,
+        else the failed node's, else the first non-zero one, else 0."""
+        previous = {signum: signal.signal(signum, self._signalled)
+                    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        self.logs[0].touch()
+        console = threading.Thread(target=copy_output, daemon=True,
+                                   args=(self.logs[0], self.logs[0].stat().st_size, self.processes))
+        try:
+            for command, log in zip(commands, self.logs):
+                with open(log, "ab") as out:
+                    self.processes.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out,
+                                                           stderr=subprocess.STDOUT, start_new_session=True))
+            console.start()
+            told = 0  # the signals passed on so far (here, not in the handler: a node started since gets them too)
+            while any(process.poll() is None for process in self.processes):
+                for rank, process in enumerate(self.processes):
+                    if process.poll() not in (None, 0, *DELIBERATE) and self.failed is None and told < 2:
+                        self.failed, told = rank, 2
+                        self.tell(KILL)
+                while told < min(len(self.received), 2):
+                    self.tell(KILL if told else TERM)
+                    told += 1
+                time.sleep(0.2)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for process in self.processes:
+                with contextlib.suppress(OSError):  # a line it never read
+                    process.stdin.close()
+        if console.is_alive():
+            console.join()
+        if len(self.received) > 1:
+            return STOPPED_AT_ONCE
+        if self.failed is not None:
+            return self.processes[self.failed].returncode
+        return next((process.returncode for process in self.processes if process.returncode), 0)
 
     def tell(self, line: str) -> None:
         """A line to every node's launcher that still runs."""
@@ -232,36 +271,6 @@ class SshNodes:
         if len(self.received) == 1:
             print(f"fsdpclip: {signal.Signals(signum).name}: every node's ranks checkpoint and stop at their next "
                   "stop check (again to stop at once)", file=sys.stderr, flush=True)
-        self.tell(TERM if len(self.received) == 1 else KILL)
-
-    def wait(self) -> int:
-        """Wait for every node; the launch's exit status: STOPPED_AT_ONCE after a second signal, else the failed
-        node's, else the first non-zero one, else 0."""
-        console = threading.Thread(target=copy_output, args=(self.logs[0], self.processes[0]), daemon=True)
-        console.start()
-        previous = {signum: signal.signal(signum, self._signalled)
-                    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
-            while any(process.poll() is None for process in self.processes):
-                for rank, process in enumerate(self.processes):
-                    ended = process.poll()
-                    if ended is not None and ended not in (0, *DELIBERATE) and self.failed is None \
-                            and len(self.received) < 2:
-                        self.failed = rank
-                        self.tell(KILL)
-                time.sleep(0.2)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-            for process in self.processes:
-                with contextlib.suppress(OSError):  # a line it never read
-                    process.stdin.close()
-            console.join()
-        if len(self.received) > 1:
-            return STOPPED_AT_ONCE
-        if self.failed is not None:
-            return self.processes[self.failed].returncode
-        return next((process.returncode for process in self.processes if process.returncode), 0)
 
     def exit_report(self, run_dir: Path, since: float, status: int) -> dict:
         """How the launch ended (written to exit.json): a host ssh could not reach or lost, by name and ssh's
@@ -276,12 +285,12 @@ class SshNodes:
         return exit_report(run_dir, since)
 
 
-def copy_output(log: Path, process: subprocess.Popen) -> None:
-    """Copy what is appended to `log` to this process's stdout until `process` has ended."""
+def copy_output(log: Path, offset: int, processes: list[subprocess.Popen]) -> None:
+    """Copy what `log` holds from `offset` on to this process's stdout until the first of `processes` has ended."""
     with open(log, "rb") as source:
-        source.seek(0, os.SEEK_END)
+        source.seek(offset)
         while True:
-            ended = process.poll() is not None
+            ended = processes[0].poll() is not None
             chunk = source.read()
             if chunk:
                 sys.stdout.write(chunk.decode(errors="replace"))
