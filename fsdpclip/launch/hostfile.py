@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Optional
 from fsdpclip.launch.launcher import LaunchError, LauncherBackend, LaunchFlags, register_backend, render
 from fsdpclip.launch.local import (
     LAUNCHER_LOG, STOPPED_AT_ONCE, cuda_forbids_forked_ranks, kill_tree, node_torchrun, prepare_forked_ranks,
-    shown_command, supervise, torchrun_environment,
+    supervise, torchrun_environment,
 )
 from fsdpclip.launch.torchrun import DELIBERATE
 from fsdpclip.run.directory import EXIT_CRASH, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
@@ -322,7 +322,7 @@ def run_node(job_file: Path, node_rank: int, master_addr: str) -> int:
     command = node_torchrun(job, flags, fork_ranks=new_interpreters is None)
     env = {**torchrun_environment(job, os.environ[LOCK_TOKEN_ENV], new_interpreters is None),
            LAUNCH_TIME_ENV: os.environ[LAUNCH_TIME_ENV]}
-    print(f"fsdpclip: node {node_rank} on {socket.gethostname()}: {shown_command(command, {})}", flush=True)
+    print(f"fsdpclip: node {node_rank} on {socket.gethostname()}: {render(command)}", flush=True)
     lines.starting()
     status = supervise(command, env, job.run_dir, started=lines.started)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the run is over: the connection's end changes nothing
