@@ -604,6 +604,9 @@ class LaunchSpec(Section):
                           "to validate the spec: they start without importing them again (~10 s sooner on the GPU "
                           "hosts). New interpreters (as under Slurm) when false, and where env sets a variable read "
                           "when a process loads (PYTHON*, LD_*, GLIBC_TUNABLES, MALLOC_*) or NVML sees no GPU.")
+    ssh_options: list[OneLine] = Field(
+        default_factory=list, description="Options of the ssh that `launch --hostfile` starts each host with, before "
+                                          "the host (~/.ssh/config applies too), e.g. ['-p', '2222'].")
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
 
     @field_validator("env")
