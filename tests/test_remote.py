@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,43 @@ def test_a_remote_that_cannot_be_read_at_the_start_is_one_error(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read s3://runs/t to resume from it: "):
         fetch_resume(tmp_path, spec)
     assert fetch_resume(tmp_path, CheckpointSpec()) == "latest"  # no remote: nothing read
+
+
+@pytest.mark.slow
+def test_uploads_downloads_and_resume_urls(tmp_path, s3):
+    """A checkpoint uploads whole (its hidden DCP metadata too) and `latest` names it; `prune` keeps the newest
+    complete ones and drops incomplete ones; a resume URL, of a checkpoint or of a folder (its latest), is
+    downloaded whole into RUN_DIR/downloads/; 'latest' downloads the remote copy into an empty run's checkpoints/
+    and names it there, and leaves a run with a checkpoint as new alone; `--check-remote`'s probe leaves nothing."""
+    from fsdpclip.checkpoint.layout import latest_checkpoint
+    from fsdpclip.checkpoint.remote import RemoteFolder, fetch_resume
+    from fsdpclip.spec.job import CheckpointSpec
+
+    url = "s3://runs/urls"
+    folder = RemoteFolder(url, s3)
+    for step in (4, 8, 12):
+        local = tmp_path / "saved" / f"step-{step:08d}"
+        local.mkdir(parents=True)
+        for name, text in ((".metadata", "index"), ("__0_0.distcp", f"shard {step}"), ("meta.json", "{}")):
+            (local / name).write_text(text)
+        folder.upload(local)
+    died = local.rename(local.with_name("step-00000016"))  # an upload that died: its data, no meta.json
+    folder.put([died / "__0_0.distcp"], died)
+    assert folder.latest() == "step-00000012" and len(folder.names()) == 4
+    assert folder.prune(keep=2) == ["step-00000004", "step-00000016"] and folder.access_problem() is None
+    assert folder.names() == ["step-00000008", "step-00000012"]
+
+    for resume in (f"{url}/step-00000008", url):
+        path = fetch_resume(tmp_path / "other", CheckpointSpec(resume=resume, remote_options=s3))
+        step = resume.rsplit("-", 1)[1] if resume != url else "00000012"
+        assert path == str(tmp_path / "other" / "downloads" / f"step-{step}")
+        assert sorted(p.name for p in Path(path).iterdir()) == [".metadata", "__0_0.distcp", "meta.json"]
+        assert (Path(path) / "__0_0.distcp").read_text() == f"shard {int(step)}"
+    spec = CheckpointSpec(remote=url, remote_options=s3)
+    assert fetch_resume(tmp_path / "fresh", spec) == "latest"
+    assert latest_checkpoint(tmp_path / "fresh") == tmp_path / "fresh" / "checkpoints" / "step-00000012"
+    newer = tmp_path / "ahead" / "checkpoints" / "step-00000020"
+    newer.mkdir(parents=True)
+    (newer / "meta.json").write_text("{}")
+    fetch_resume(tmp_path / "ahead", spec)
+    assert [p.name for p in (tmp_path / "ahead" / "checkpoints").iterdir()] == ["step-00000020"]
