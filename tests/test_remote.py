@@ -15,8 +15,10 @@ from ranks import run_group, torchrun
 @pytest.fixture
 def s3(monkeypatch):
     """An S3-compatible server (moto's, on a thread of this process) holding an empty bucket 'runs': the
-    remote_options that reach it. Credentials come from the environment, as they would on a cluster."""
+    remote_options that reach it. Credentials come from the environment, as they would on a cluster. Moto keeps
+    its buckets in the process, for every server it starts: emptied when the test ends."""
     import logging
+    import urllib.request
 
     import fsspec
     from moto.server import ThreadedMotoServer
@@ -31,6 +33,7 @@ def s3(monkeypatch):
     options = {"endpoint_url": f"http://{host}:{port}"}
     fsspec.filesystem("s3", **options).mkdir("runs")
     yield options
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     server.stop()
 
 
