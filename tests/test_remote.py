@@ -144,7 +144,6 @@ def test_a_remote_that_cannot_be_read_at_the_start_is_one_error(tmp_path):
     assert fetch_resume(tmp_path, CheckpointSpec()) == "latest"  # no remote: nothing read
 
 
-@pytest.mark.slow
 def test_uploads_downloads_and_resume_urls(tmp_path, s3):
     """A checkpoint uploads whole (its hidden DCP metadata too) and `latest` names it; `prune` keeps the newest
     complete ones and drops incomplete ones; a resume URL, of a checkpoint or of a folder (its latest), is

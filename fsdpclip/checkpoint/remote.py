@@ -50,7 +50,8 @@ def backend_problem(url: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def _error_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
+    """An exception of any backend on one line: its type and message."""
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
@@ -141,12 +142,12 @@ class RemoteFolder:
         try:
             self.names()
         except Exception as exc:  # noqa: BLE001  (each backend fails in its own exception types)
-            return f"cannot be listed: {_error_line(exc)}"
+            return f"cannot be listed: {error_line(exc)}"
         try:
             self.fs.pipe_file(self._path(PROBE), b"")
             self.fs.rm_file(self._path(PROBE))
         except Exception as exc:  # noqa: BLE001
-            return f"cannot be written: {_error_line(exc)}"
+            return f"cannot be written: {error_line(exc)}"
         return None
 
 
@@ -171,7 +172,7 @@ def _reading(url: str):
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001  (each backend fails in its own exception types)
-        raise CheckpointError(f"cannot read {url} to resume from it: {_error_line(exc)}") from None
+        raise CheckpointError(f"cannot read {url} to resume from it: {error_line(exc)}") from None
 
 
 def fetch_resume(run_dir: Path, spec: CheckpointSpec) -> Optional[str]:
@@ -232,7 +233,7 @@ class Uploads:
             self.folder.upload(checkpoint)
             self.folder.prune(self.keep)
         except Exception as exc:  # noqa: BLE001  (each backend fails in its own exception types)
-            self.failure = f"{checkpoint.name} was not uploaded to {self.folder.url}: {_error_line(exc)}"
+            self.failure = f"{checkpoint.name} was not uploaded to {self.folder.url}: {error_line(exc)}"
             log.warning("%s; the remote latest stays the last checkpoint uploaded whole", self.failure)
             return
         self.failure = None

@@ -186,7 +186,7 @@ def _check_remote(job: Job, report: Report, check_remote: bool) -> None:
     """checkpoint.remote and a resume URL: the fsspec package each needs installed; with `check_remote`, the
     remote folder listed and written, and the resume URL's checkpoint found (nothing is downloaded)."""
     from fsdpclip.checkpoint.layout import CheckpointError
-    from fsdpclip.checkpoint.remote import RemoteFolder, backend_problem, remote_checkpoint
+    from fsdpclip.checkpoint.remote import RemoteFolder, backend_problem, error_line, remote_checkpoint
 
     spec = job.checkpoint
     for location, url in (("checkpoint.remote", spec.remote), ("checkpoint.resume", spec.resume)):
@@ -206,7 +206,7 @@ def _check_remote(job: Job, report: Report, check_remote: bool) -> None:
         except CheckpointError as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001  (fsspec's backends fail in their own exception types)
-            problem = " ".join(f"cannot be read: {type(exc).__name__}: {exc}".split())[:300]
+            problem = f"cannot be read: {error_line(exc)}"
         if problem is not None:
             report.error(location, problem, url, hint="checkpoint.remote_options and the credentials in the "
                                                       "environment (AWS_*, Google's default credentials)")
