@@ -100,10 +100,14 @@ class Checkpointing:
         self.save_due = None
         return path
 
-    def finish_saving(self, wait: bool) -> None:
-        """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`)."""
+    def finish_saving(self, wait: bool) -> str:
+        """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`).
+        Waiting, rank 0 also waits for the uploads (checkpoint.remote); returns what the exit message adds where
+        the last one failed, else ''."""
         with self._stop_when_save_fails():
             self.checkpointer.finish_pending(wait)
+        failure = self.checkpointer.finish_uploads() if wait else None
+        return f"; {failure} (it is complete in {self.checkpointer.root})" if failure else ""
 
     @contextlib.contextmanager
     def _stop_when_save_fails(self):

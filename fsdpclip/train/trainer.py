@@ -213,13 +213,13 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
                     self._save_due()
             if job.checkpoint.at_end:
                 self.save()
-            self.finish_saving(wait=True)
-            self._report_exit(EXIT_OK, f"finished {self.step} steps")
+            not_uploaded = self.finish_saving(wait=True)
+            self._report_exit(EXIT_OK, f"finished {self.step} steps{not_uploaded}")
             code = EXIT_OK
         except Stop as stop:
-            self.finish_saving(wait=True)
-            metrics.announce(stop.message, style="bold red")
-            self._report_exit(stop.code, stop.message)
+            message = stop.message + self.finish_saving(wait=True)
+            metrics.announce(message, style="bold red")
+            self._report_exit(stop.code, message)
             code = stop.code
         finally:
             metrics.close(code)
