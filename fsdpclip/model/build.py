@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -380,4 +381,6 @@ def image_transform(model: nn.Module, train: bool):
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
     augmentation = getattr(model.visual, "augmentation_cfg", None) if train else None
-    return image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train, aug_cfg=augmentation)
+    with warnings.catch_warnings():  # OpenCLIP calls the jitter's and grayscale's keys unused, and uses them
+        warnings.filterwarnings("ignore", "Unused augmentation cfg items")
+        return image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train, aug_cfg=augmentation)
