@@ -60,7 +60,22 @@ def summary_tables(summary: dict) -> list:
                   f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
-    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line]
+    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line,
+            preprocess_line(summary["preprocess"])]
+
+
+def preprocess_line(preprocess: dict) -> str:
+    """The resolved data.preprocess in one line: normalisation, evaluation's resize, training's augmentation."""
+    numbers = lambda values: "(" + ", ".join(f"{v:.4g}" for v in values) + ")"  # noqa: E731
+    size = preprocess["size"] if isinstance(preprocess["size"], list) else [preprocess["size"]] * 2
+    jitter = preprocess["color_jitter"]
+    low, high = preprocess["crop_scale"]
+    return (f"images: {size[0]}×{size[1]}, mean {numbers(preprocess['mean'])}, std {numbers(preprocess['std'])}; "
+            f"evaluation resizes {preprocess['interpolation']} ('{preprocess['resize_mode']}'); training crops "
+            f"{low:g}–{high:g} of the area" +
+            (f", colour jitter p {jitter['prob']:g} (brightness {jitter['brightness']:g}, contrast "
+             f"{jitter['contrast']:g}, saturation {jitter['saturation']:g}, hue {jitter['hue']:g})" if jitter else "") +
+            (f", grayscale p {preprocess['grayscale_prob']:g}" if preprocess["grayscale_prob"] else ""))
 
 
 def mesh_line(world: int, mesh: dict) -> str:

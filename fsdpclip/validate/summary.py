@@ -42,6 +42,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": job.samples_per_step(world), "steps": steps,
                         "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
+    summary["preprocess"] = preprocess_summary(model)
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
@@ -64,6 +65,20 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     report.summary = summary
     _check_memory(job, estimate, report)
     _check_host_memory(job, host, report, this_node)
+
+
+def preprocess_summary(model) -> dict:
+    """The model's resolved preprocessing (data.preprocess over its own), named as data.preprocess names it."""
+    preprocess, augmentation = model.visual.preprocess_cfg, model.visual.augmentation_cfg
+    jitter = augmentation.get("color_jitter")
+    return {"size": list(preprocess["size"]) if isinstance(preprocess["size"], (list, tuple)) else preprocess["size"],
+            **{key: list(preprocess[key]) if isinstance(preprocess[key], tuple) else preprocess[key]
+               for key in ("mean", "std", "interpolation", "resize_mode")},
+            "crop_scale": list(augmentation["scale"]),
+            "color_jitter": None if not augmentation.get("color_jitter_prob") else
+            {"prob": augmentation["color_jitter_prob"],
+             **dict(zip(("brightness", "contrast", "saturation", "hue"), jitter))},
+            "grayscale_prob": augmentation.get("gray_scale_prob") or 0.0}
 
 
 def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
