@@ -141,12 +141,13 @@ def test_giant_spec_on_the_meta_device(cli):
     assert summary["towers"]["image"]["blocks"] == 64
     assert summary["parameters"]["parameters"] > 9_900_000_000
     sharded = summary["memory_gib"]
-    assert out["warnings"] == [] and sharded["total"] < 141
+    on_gpus = [w for w in out["warnings"] if "host memory" not in w["message"]]  # a small machine validating
+    assert on_gpus == [] and sharded["total"] < 141
     code, out = cli.validate_json(GIANT, "--world-size", "1")
     assert code == 0
     assert out["summary"]["memory_gib"]["total"] > 141
     assert out["summary"]["memory_gib"]["parameters"] == pytest.approx(2 * sharded["parameters"], rel=1e-3)
-    assert [w["location"] for w in out["warnings"]] == ["launch.gpu_memory_gib"]
+    assert [w["location"] for w in out["warnings"] if "host memory" not in w["message"]] == ["launch.gpu_memory_gib"]
 
 
 def test_t5_freeze_and_decay_counts(cli, tmp_path):

@@ -65,7 +65,7 @@ def launch_command(
         backend.prepare(job)  # before the checks import torch
         from fsdpclip.validate.checks import check_job
 
-        report = check_job(job, check_paths=check_paths)
+        report = check_job(job, check_paths=check_paths, on_this_node=backend.runs_here and not dry_run)
         if report.errors:
             fail(report.problems)
         if report.warnings:

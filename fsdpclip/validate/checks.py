@@ -33,13 +33,15 @@ def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] =
 
 
 def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optional[int] = None,
-              check_paths: bool = True, check_remote: bool = False) -> Report:
+              check_paths: bool = True, check_remote: bool = False, on_this_node: bool = False) -> Report:
     """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
 
     The world defaults to the spec's launch section; `check_paths=False` skips the existence of data,
     eval and weight files (paths of another machine); `check_remote` reaches the object storage the
-    checkpoints go to (credentials, reachability). Where the launch section did not parse and no world
-    is given, the checks that count ranks are skipped (the report's world size is 0).
+    checkpoints go to (credentials, reachability); `on_this_node`: the job's first node is this machine (a
+    launch here), whose memory then bounds the host estimate (else a warning where paths are checked here).
+    Where the launch section did not parse and no world is given, the checks that count ranks are skipped
+    (the report's world size is 0).
     """
     if world_size is None:
         world_size, gpus_per_node = if_parsed(layout_of, job) or (0, 0)
@@ -65,7 +67,8 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
             if_parsed(_check_resume, job, report)
     if_parsed(_check_logging, job, report)
-    if_parsed(check_model, job, report, steps, check_paths)
+    if_parsed(check_model, job, report, steps, check_paths,
+              "error" if on_this_node else "warning" if check_paths else None)
     return report
 
 

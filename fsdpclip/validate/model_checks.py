@@ -33,8 +33,10 @@ def if_parsed(check: Callable[..., T], job: Job, *args) -> Optional[T]:
         raise
 
 
-def check_model(job: Job, report: Report, steps: Optional[int], check_paths: bool) -> None:
-    """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary."""
+def check_model(job: Job, report: Report, steps: Optional[int], check_paths: bool,
+                this_machine: Optional[str] = None) -> None:
+    """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary
+    (`this_machine`: how a host estimate over this machine's memory is reported, 'error' or 'warning')."""
     try:
         cfg = training_config(job)
         model = model_from_config(cfg, device="meta")
@@ -55,7 +57,7 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     groups = if_parsed(_check_decay, job, model, report)
     if_parsed(_check_loss_fits, job, model, report)
     if classes_ok and text_ok and groups is not None and report.world_size:
-        if_parsed(summarise, job, model, towers, frozen, groups, steps, report, check_paths)
+        if_parsed(summarise, job, model, towers, frozen, groups, steps, report, this_machine)
 
 
 def _check_uncapturable(job: Job, model, report: Report) -> None:

@@ -20,9 +20,10 @@ from fsdpclip.spec.registry import DATA_SOURCES
 
 
 def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],
-               steps: Optional[int], report: Report, this_node: bool = False) -> None:
-    """The summary into `report.summary`, and the memory problems; `this_node`: this machine is one of the
-    job's nodes (validate checks paths here), so its memory is the host's limit unless the spec gives one."""
+               steps: Optional[int], report: Report, this_machine: Optional[str] = None) -> None:
+    """The summary into `report.summary`, and the memory problems; `this_machine` ('error', 'warning' or None):
+    how a host estimate over this machine's memory is reported where the spec gives no launch.host_memory_gib
+    (an error where this machine is the first node, a launch here)."""
     params = dict(model.named_parameters())
     summary: dict = {"model": job.model.label, "class": type(model).__name__, "world_size": report.world_size}
     tower_rows = {}
@@ -64,7 +65,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["host_memory_gib"] = host.as_gib()
     report.summary = summary
     _check_memory(job, estimate, report)
-    _check_host_memory(job, host, report, this_node)
+    _check_host_memory(job, host, report, this_machine)
 
 
 def preprocess_summary(model) -> dict:
@@ -124,12 +125,12 @@ def _check_memory(job: Job, estimate: MemoryEstimate, report: Report) -> None:
                     f"{limit:g} GiB", limit, hint="more GPUs, activation checkpointing, CPU offload or a smaller batch")
 
 
-def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_node: bool) -> None:
-    """A node whose host memory the estimate exceeds: launch.host_memory_gib's, else this machine's."""
-    limit = job.launch.host_memory_gib
-    where = "launch.host_memory_gib"
-    if limit is None and this_node:
-        limit, where = host_memory() / GIB, "this machine's memory"
+def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_machine: Optional[str]) -> None:
+    """A node whose host memory the estimate exceeds: launch.host_memory_gib's (an error), else this machine's
+    (reported as `this_machine` says)."""
+    limit, where, severity = job.launch.host_memory_gib, "launch.host_memory_gib", "error"
+    if limit is None and this_machine:
+        limit, where, severity = host_memory() / GIB, "this machine's memory", this_machine
     if limit is None or host.total <= limit * GIB:
         return
     gib = host.as_gib()
@@ -137,9 +138,9 @@ def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_node: 
         "fsdp.cpu_offload" if job.fsdp.cpu_offload else "launch.gpus_per_node"
     hint = "more nodes (fewer ranks per node)" + (", or without fsdp.cpu_offload if the GPUs hold the state"
                                                   if job.fsdp.cpu_offload else "")
-    if job.launch.host_memory_gib is None:
-        hint += "; validating elsewhere than on the nodes: set launch.host_memory_gib to their memory"
-    report.error(location, f"estimated host memory of the first node {gib['total']:.1f} GiB ({gib['ranks']} rank "
+    if severity == "warning":
+        hint += "; where the nodes are other machines, set launch.host_memory_gib to their memory"
+    (report.error if severity == "error" else report.warn)(location, f"estimated host memory of the first node {gib['total']:.1f} GiB ({gib['ranks']} rank "
                  f"processes {gib['processes']:.1f}, offloaded state {gib['offloaded_state']:.1f}, initial weights "
                  f"{gib['initial_weights']:.1f}) exceeds {where} {limit:.1f} GiB", job.launch.host_memory_gib,
                  hint=hint)
