@@ -54,9 +54,20 @@ def summary_tables(summary: dict) -> list:
     steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
     batch_line = (f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
                   f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+    if "auto" in batch:
+        batch_line += "; " + auto_batch_note(batch["auto"])
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line]
+
+
+def auto_batch_note(auto: dict) -> str:
+    """What `batch.per_gpu: "auto"` starts from, as `validate` shows it."""
+    if auto["start"] is None:
+        return ("per_gpu 'auto': searched at start from the estimate for its GPU (set launch.gpu_memory_gib to see "
+                "it here; shown at 1 per GPU)")
+    return (f"per_gpu 'auto': searched at start from the estimate {auto['start']} per GPU for "
+            f"{auto['capacity_gib']:g} GiB, keeping 90% of the largest that fits (shown at the estimate)")
 
 
 def mesh_line(world: int, mesh: dict) -> str:

@@ -419,11 +419,22 @@ DataSpec = data_spec()
 
 # ------------------------------------------------------------------------- batch
 class BatchSpec(Section):
-    per_gpu: int = Field(gt=0, description="Micro batch per GPU (per process) and forward.")
-    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step.")
+    per_gpu: AutoOrCount = Field(
+        description="Micro batch per GPU (per process) and forward. 'auto' (CUDA only): at start the trainer probes "
+                    "real steps from the memory estimate `validate` shows, keeps 90% of the largest batch that fits "
+                    "on every rank (a multiple of 8) and records it in the run directory (auto_batch.json) for "
+                    "relaunches.")
+    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step (with per_gpu 'auto' "
+                                                 "and global_batch: set by the search).")
     global_batch: Optional[int] = Field(
         None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
-                                "per_gpu × grad_accum × world size.")
+                                "per_gpu × grad_accum × world size (per_gpu 'auto': a divisor of global_batch ÷ world "
+                                "size, the rest accumulated).")
+
+    @property
+    def searched(self) -> bool:
+        """Whether the trainer searches per_gpu at start ('auto')."""
+        return self.per_gpu == "auto"
 
 
 # -------------------------------------------------------------------------- loss
@@ -644,6 +655,11 @@ class Job(Section):
     def run_dir(self) -> Path:
         """Where this run's job.json, metrics and checkpoints live: <output_dir>/<name>."""
         return Path(self.run.output_dir) / self.run.name
+
+    def with_batch(self, per_gpu: int, grad_accum: int) -> "Job":
+        """This job with its batch settled (what `batch.per_gpu: "auto"` chose)."""
+        return self.model_copy(update={"batch": self.batch.model_copy(update={"per_gpu": per_gpu,
+                                                                                "grad_accum": grad_accum})})
 
     def samples_per_step(self, world_size: int) -> int:
         """The global batch: samples of one optimizer step over all ranks."""
