@@ -38,10 +38,11 @@ def summary_tables(summary: dict) -> list:
                       f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", escape(row["first"]))
 
     decay = Table(title="Weight decay groups (original parameter names)")
-    for column in ("rule", "weight decay", "tensors", "parameters"):
+    for column in ("rule", "weight decay", "lr scale", "tensors", "parameters"):
         decay.add_column(column, justify="left" if column == "rule" else "right")
     for row in summary["decay_groups"]:
-        decay.add_row(escape(row["rule"]), f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
+        decay.add_row(escape(row["rule"]), f"{row['weight_decay']:g}", f"{row['lr_scale']:.4g}", str(row["tensors"]),
+                      f"{row['parameters']:,}")
 
     memory = summary["memory_gib"]
     mem = Table(title="Estimated memory per GPU (GiB)")

@@ -360,6 +360,14 @@ DEFAULT_DECAY_RULES = [
 ]
 
 
+class LayerDecaySpec(Section):
+    image: Optional[float] = Field(
+        None, gt=0, le=1, description="Layer-wise LR decay of the image tower (open_clip_train's --image-layer-decay): "
+                                      "each layer's LR is the schedule's × decay^(its depth below the head).")
+    text: Optional[float] = Field(
+        None, gt=0, le=1, description="Layer-wise LR decay of the text tower (open_clip_train's --text-layer-decay).")
+
+
 class OptimizerSpec(Section):
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
     betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
@@ -375,6 +383,11 @@ class OptimizerSpec(Section):
         description="Ordered weight-decay rules over the original parameter names; the first match wins, "
                     "unmatched parameters get `weight_decay`. Default: open_clip_train's, no decay for tensors of "
                     "fewer than 2 dims and names containing 'bn', 'ln', 'bias' or 'logit_scale'.")
+    layer_decay: LayerDecaySpec = Field(
+        default_factory=LayerDecaySpec,
+        description="Layer-wise LR decay per tower, as OpenCLIP main's layer_groups: embeddings at the bottom, then "
+                    "each block (the final norm with the last), the projection on top at the schedule's LR; "
+                    "the temperature and an undecayed tower keep it.")
 
     @field_validator("betas")
     @classmethod

@@ -19,7 +19,7 @@ from fsdpclip.spec.job import Job
 from fsdpclip.spec.registry import DATA_SOURCES
 
 # Fields (dotted, prefixes end with '.') that a checkpoint fixes.
-FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules")
+FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules", "optimizer.layer_decay.")
 # Fields that describe where to resume from, not what to train.
 IGNORED = ("checkpoint.resume", "$schema")
 # Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
