@@ -99,6 +99,7 @@ def test_validate_refuses_what_auto_cannot_do(tmp_path):
     assert [p.location for p in several_nodes.errors] == ["fsdp.shard_degree"]
 
 
+@pytest.mark.slow  # starts the benchmark and its launch
 def test_the_benchmark_reports_the_cpu_refusal(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "auto_batch.py"), "--out", str(tmp_path),
                            "--model", TINY, "--device", "cpu", "--steps", "2"], capture_output=True, text=True,
@@ -106,3 +107,14 @@ def test_the_benchmark_reports_the_cpu_refusal(tmp_path):
     row = json.loads(done.stdout.splitlines()[-1])
     assert done.returncode == row["exit"] == 2 and "per_gpu" not in row
     assert "batch.per_gpu" in row["output_tail"] and "launch.device is 'cpu'" in row["output_tail"]
+
+
+def test_a_relaunch_does_not_report_the_settled_batch_as_a_change(tmp_path):
+    """The checkpoint records the batch the search settled; the spec still says 'auto' (the trainer compares what
+    it settles, reusing the record)."""
+    from fsdpclip.spec.resume import spec_changes
+
+    job = auto_job(tmp_path)
+    saved = json.loads(job.with_batch(96, 1).to_json())
+    assert spec_changes(saved, job) == []
+    assert [c.field for c in spec_changes(saved, job.with_batch(64, 1))] == ["batch.per_gpu"]

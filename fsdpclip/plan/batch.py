@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdpclip.run.directory import AUTO_BATCH_FILE
 from fsdpclip.run.files import read_text_file, write_atomically
 from fsdpclip.spec.job import Job
+
+if TYPE_CHECKING:
+    from fsdpclip.plan.mesh import MemoryModel
 
 SAFETY = 0.9  # of the largest batch that fit: room for fragmentation, longer captions, evaluation, a CUDA graph
 MAX_PER_GPU = 2 ** 15  # the search's ceiling without a global batch (or `data.samples` per rank)
@@ -82,6 +85,13 @@ def search_limit(job: Job, world: int) -> int:
         return job.batch.global_batch // world
     samples = job.data.samples
     return max(1, min(MAX_PER_GPU, samples // world)) if samples else MAX_PER_GPU
+
+
+def search_start(memory: "MemoryModel", job: Job, world: int, degree: int, capacity: float) -> int:
+    """Where the search starts (and what `validate` shows): the memory model's largest batch whose estimated peak
+    fits `capacity` bytes, up to `search_limit`, counting the accumulation's cached features where it accumulates."""
+    accumulates = job.batch.global_batch is not None or job.batch.grad_accum > 1
+    return memory.largest_batch(world, degree, capacity, search_limit(job, world), 2 if accumulates else 1)
 
 
 def micro_batches_probed(job: Job, world: int, per_gpu: int) -> int:

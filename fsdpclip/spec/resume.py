@@ -26,6 +26,8 @@ IGNORED = ("checkpoint.resume", "$schema")
 # less those that change how the same samples are made, not which (the crops are drawn alike either way).
 DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
 SAME_STREAM = ("data.decode",)
+# Fields `batch.per_gpu: "auto"` settles at start: the trainer compares what it settled (a relaunch reuses its record).
+SEARCHED = ("batch.per_gpu", "batch.grad_accum")
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,12 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def spec_changes(saved: dict, job: Job) -> list[Change]:
-    """Every field of the new spec that differs from the saved one (its resolved JSON)."""
+    """Every field of the new spec that differs from the saved one (its resolved JSON); with per_gpu 'auto', not
+    the batch it settles at start."""
     before, after = flatten(saved), flatten(json.loads(job.to_json()))
+    unsettled = SEARCHED if job.batch.searched else ()
     return [Change(field, before.get(field), after.get(field)) for field in sorted(set(before) | set(after))
-            if before.get(field) != after.get(field) and not field.startswith(IGNORED)]
+            if before.get(field) != after.get(field) and not field.startswith(IGNORED) and field not in unsettled]
 
 
 def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fsdpclip.model.build import image_shape, text_shape
 from fsdpclip.plan.batch import (
     BatchRecord, Probe, kept_batch, largest_fitting, micro_batches_probed, recorded_batch, search_basis, search_limit,
+    search_start,
 )
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import memory_model
@@ -55,10 +56,7 @@ class BatchSizing:
             if record is None:
                 memory, _ = memory_model(job, model, towers)
                 capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else properties.total_memory
-                accumulates = job.batch.global_batch is not None or job.batch.grad_accum > 1
-                start = memory.largest_batch(env.world_size, self.shard_degree, capacity,
-                                             search_limit(job, env.world_size), 2 if accumulates else 1)
-                decided = [None, start]
+                decided = [None, search_start(memory, job, env.world_size, self.shard_degree, capacity)]
             else:
                 decided = [record, None]
         dist.broadcast_object_list(decided, src=0)

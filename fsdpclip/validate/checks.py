@@ -50,7 +50,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         return report
     for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval):
         if_parsed(check, job, report)
-    steps, searched, auto = None, if_parsed(lambda job: job.batch.searched, job), None
+    steps, searched, auto, spec_job = None, if_parsed(lambda job: job.batch.searched, job), None, job
     if world_size and searched:
         job, auto = if_parsed(_auto_batch_start, job, report) or (job.with_batch(1, job.batch.grad_accum), None)
     if world_size and not (searched and auto is None):
@@ -65,7 +65,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         if_parsed(_check_workers_against_cores, job, report)
         if_parsed(_check_eval_paths, job, report)
         if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
-            if_parsed(_check_resume, job, report)
+            if_parsed(_check_resume, spec_job, report)
     if_parsed(_check_logging, job, report)
     if_parsed(check_model, job, report, steps, check_paths)
     if searched and "batch" in report.summary:
@@ -96,7 +96,7 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
     largest that fits launch.gpu_memory_gib, else this node's GPU; 1 per GPU where neither is known), for the
     checks and summary that count samples, and what `validate` shows of it; (the job at 1 per GPU, None)
     where 'auto' cannot run (a located problem) or the model does not build (check_model says why)."""
-    from fsdpclip.plan.batch import largest_divisor, search_limit
+    from fsdpclip.plan.batch import largest_divisor, search_start
     from fsdpclip.plan.mesh import memory_model
 
     batch, world, per_node = job.batch, report.world_size, report.gpus_per_node
@@ -122,9 +122,7 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
         return unsettled
     degree = job.fsdp.shard_degree if job.fsdp.shard_degree != "auto" else world
     capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else _local_gpu_bytes()
-    accumulates = batch.global_batch is not None or batch.grad_accum > 1  # the estimate counts the cached features
-    start = memory.largest_batch(world, degree, capacity, search_limit(job, world), 2 if accumulates else 1) \
-        if capacity else None
+    start = search_start(memory, job, world, degree, capacity) if capacity else None
     shown = {"start": start, "capacity_gib": round(capacity / GIB, 1) if capacity else None}
     if batch.global_batch is None:
         return job.with_batch(start or 1, batch.grad_accum), shown
