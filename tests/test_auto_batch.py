@@ -79,6 +79,7 @@ def test_a_record_is_reused_only_for_the_same_spec_world_and_gpu(tmp_path):
     assert recorded_batch(tmp_path, basis) is None
 
 
+@pytest.mark.slow  # two validations of a model's memory, ~4-6 s on 2 cores
 def test_validate_shows_the_estimate_the_search_starts_from(tmp_path):
     report = check_job(auto_job(tmp_path, global_batch=1024), check_paths=False)
     assert not report.errors, report.errors
