@@ -13,7 +13,8 @@ compute the ViT's patch embedding as the trainer does (`fsdp.direct_patch_embedd
 function as OpenCLIP's convolution by tests/test_direct.py, rounded differently in bf16). The learned
 temperature and bias are the master's own fp32 parameters in every copy, as OpenCLIP keeps them
 under autocast. What the spec's freeze ranges and decay rules mean is given by the caller, written
-independently of fsdpclip.
+independently of fsdpclip; layer-wise LR decay is OpenCLIP main's, copied below (`open_clip_main_lr_scales`)
+because the installed OpenCLIP predates it.
 """
 
 from __future__ import annotations
@@ -123,23 +124,39 @@ def schedule(job, optimizer, total_steps: int) -> Callable[[int], float]:
     return floored
 
 
+def scaled(adjust: Callable[[int], float], optimizer) -> Callable[[int], float]:
+    """The schedule with each group's LR times its `lr_scale`, as OpenCLIP main's `assign_learning_rate`
+    (src/open_clip_train/scheduler.py) sets it."""
+    def step(index: int) -> float:
+        lr = adjust(index)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        return lr
+
+    return step
+
+
 def reference_run(job, model: torch.nn.Module, world: int, batch: Callable[[int, int], tuple],
                   frozen: Callable[[str], bool], weight_decay: Callable[[str, torch.Tensor], float],
-                  steps: int, poison: Optional[tuple[int, int]] = None) -> Reference:
+                  steps: int, poison: Optional[tuple[int, int]] = None,
+                  lr_scales: Optional[dict[str, float]] = None) -> Reference:
     """Train `model` (OpenCLIP's, with its initial weights) as the spec asks, on `world` simulated ranks.
 
     `batch(rank, index)` gives a rank's micro batch `index`; `poison` = (step, rank) makes that rank's
-    loss infinite at that step (1-based), as an fp16 overflow would.
+    loss infinite at that step (1-based), as an fp16 overflow would; `lr_scales` (name -> scale, 1 where
+    absent) splits the groups further and scales each group's LR, as OpenCLIP main's layer decay does.
     """
     dtype, reduce_dtype = DTYPES[job.fsdp.param_dtype], DTYPES[job.fsdp.reduce_dtype]
     accum, spec = job.batch.grad_accum, job.optimizer
     for name, param in model.named_parameters():
         param.requires_grad_(not frozen(name))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decays = sorted({weight_decay(n, p) for n, p in trainable})
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in trainable if weight_decay(n, p) == d], "weight_decay": d}
-                                   for d in decays], lr=spec.lr, betas=spec.betas, eps=spec.eps, fused=True)
-    adjust = schedule(job, optimizer, steps)
+    scale_of = lambda name: (lr_scales or {}).get(name, 1.0)  # noqa: E731
+    keys = sorted({(weight_decay(n, p), scale_of(n)) for n, p in trainable})
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in trainable if (weight_decay(n, p), scale_of(n)) == key],
+                                    "weight_decay": key[0], "lr_scale": key[1]} for key in keys],
+                                  lr=spec.lr, betas=spec.betas, eps=spec.eps, fused=True)
+    adjust = scaled(schedule(job, optimizer, steps), optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=job.fsdp.grad_scaler.init_scale,
                                   growth_interval=job.fsdp.grad_scaler.growth_interval) \
         if job.fsdp.param_dtype == "fp16" else None
@@ -239,3 +256,83 @@ def open_clip_model(config_path: Path, seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return open_clip.CLIP(**json.loads(Path(config_path).read_text()))
+
+
+# OpenCLIP main's layer-wise LR decay, copied from mlfoundations/open_clip at 89fb801f (2026-06-27):
+# src/open_clip/transformer.py (VisionTransformer.layer_groups, _text_layer_groups) and
+# src/open_clip_train/optim.py (lr_scales_for_groups, _assign_group_scales, layer_decay_param_groups' default 1.0).
+def _vision_layer_groups(visual):
+    embed = [
+        m for m in (
+            visual.conv1,
+            getattr(visual, "class_embedding", None),
+            getattr(visual, "positional_embedding", None),
+            visual.ln_pre,
+        )
+        if m is not None
+    ]
+    groups = [("embeddings", embed)]
+    resblocks = visual.transformer.resblocks
+    n = len(resblocks)
+    for i, block in enumerate(resblocks):
+        members = [block]
+        if i == n - 1:
+            members.append(visual.ln_post)
+        groups.append((f"layer.{i}", members))
+    if visual.proj is not None:
+        groups.append(("proj", [visual.proj]))
+    return groups
+
+
+def _text_layer_groups(module):
+    embed = [
+        m for m in (
+            getattr(module, "token_embedding", None),
+            getattr(module, "positional_embedding", None),
+            getattr(module, "cls_emb", None),
+        )
+        if m is not None
+    ]
+    groups = []
+    if embed:
+        groups.append(("embeddings", embed))
+    transformer = getattr(module, "transformer", None)
+    resblocks = transformer.resblocks if (transformer is not None and hasattr(transformer, "resblocks")) else []
+    ln_final = getattr(module, "ln_final", None)
+    n = len(resblocks)
+    for i, block in enumerate(resblocks):
+        layer_members = [block]
+        if (i == n - 1) and (ln_final is not None):
+            layer_members.append(ln_final)
+        groups.append((f"layer.{i}", layer_members))
+    text_projection = getattr(module, "text_projection", None)
+    if text_projection is not None:
+        groups.append(("proj", [text_projection]))
+    return groups
+
+
+def _lr_scales_for_groups(layer_groups, layer_decay):
+    n = len(layer_groups)
+    return {name: layer_decay ** (n - 1 - idx) for idx, (name, _) in enumerate(layer_groups)}
+
+
+def _assign_group_scales(groups, layer_decay, param_scale):
+    scales = _lr_scales_for_groups(groups, layer_decay)
+    for name, members in groups:
+        scale = scales[name]
+        for member in members:
+            params = [member] if isinstance(member, torch.nn.Parameter) else member.parameters()
+            for p in params:
+                param_scale[id(p)] = scale
+
+
+def open_clip_main_lr_scales(model: torch.nn.Module, image_decay: Optional[float],
+                             text_decay: Optional[float]) -> dict[str, float]:
+    """Each parameter's `lr_scale` under OpenCLIP main's layer decay of an OpenCLIP CLIP (its text tower on the
+    model, or `model.text`): name -> scale, 1.0 outside the decayed towers."""
+    param_scale: dict[int, float] = {}
+    if text_decay:
+        _assign_group_scales(_text_layer_groups(getattr(model, "text", model)), text_decay, param_scale)
+    if image_decay:
+        _assign_group_scales(_vision_layer_groups(model.visual), image_decay, param_scale)
+    return {name: param_scale.get(id(p), 1.0) for name, p in model.named_parameters()}

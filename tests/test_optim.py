@@ -102,3 +102,40 @@ def test_clip_gradients_matches_torch_and_stays_off_autograd():
     assert abs(seen["norm"] - seen["want"]) < 1e-4 * seen["want"] and seen["want"] > 1.0
     assert seen["clipped"]
     assert seen["autograd_calls"] == 0
+
+
+@pytest.mark.parametrize("custom_text", [False, True], ids=["clip", "custom-text-clip"])
+@pytest.mark.parametrize("image,text", [(0.5, 0.7), (0.75, None), (None, 1.0)])
+def test_layer_lr_scales_are_open_clip_mains(custom_text, image, text):
+    """optimizer.layer_decay gives each parameter the scale OpenCLIP main's layer groups give it (its code is copied
+    in tests/reference.py), for CLIP and for a text tower under `model.text`; the temperature keeps 1."""
+    from reference import open_clip_main_lr_scales
+
+    from fsdpclip.model.build import find_towers, model_from_config
+    from fsdpclip.model.trainable import layer_lr_scales
+    from fsdpclip.spec.job import LayerDecaySpec
+
+    config = json.loads(TINY_CONFIG.read_text()) | ({"custom_text": True} if custom_text else {})
+    model = model_from_config(config, device="meta")
+    scales = layer_lr_scales(find_towers(model), LayerDecaySpec(image=image, text=text))
+    expected = open_clip_main_lr_scales(model, image, text)
+    assert {name: scales.get(name, 1.0) for name in expected} == expected
+    assert expected["logit_scale"] == 1.0 and len(set(expected.values())) == 1 + 3 * (image not in (None, 1.0)) + \
+        3 * (text not in (None, 1.0))  # the tiny model's 2 blocks: embeddings, 2 layers below the top
+
+
+def test_layer_decay_is_checked(tmp_path):
+    """A decay outside (0, 1] is refused at its location, as is a tower without blocks to count."""
+    from fsdpclip.problems import SpecError
+    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.validate.checks import check_job
+
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"run": {"name": "x", "output_dir": str(tmp_path)}, "model": {"config": str(TINY_CONFIG)},
+                                "data": {"source": "synthetic"}, "schedule": {"steps": 2}, "batch": {"per_gpu": 2},
+                                "launch": {"gpus_per_node": 1, "device": "cpu"}}))
+    with pytest.raises(SpecError) as refused:
+        load_job(spec, ["optimizer.layer_decay.image=0", "optimizer.layer_decay.text=1.5"])
+    assert {p.location for p in refused.value.problems} == {"optimizer.layer_decay.image", "optimizer.layer_decay.text"}
+    job = load_job(spec, ["optimizer.layer_decay.image=0.6", "model.image.block_classes=[\"Nothing\"]"])
+    assert "optimizer.layer_decay.image" in {p.location for p in check_job(job, check_paths=False).errors}

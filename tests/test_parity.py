@@ -19,7 +19,7 @@ import torch
 
 from conftest import TINY_CONFIG
 from ranks import torchrun
-from reference import open_clip_model, open_clip_train_no_decay, reference_run
+from reference import open_clip_main_lr_scales, open_clip_model, open_clip_train_no_decay, reference_run
 
 pytestmark = pytest.mark.slow  # torchrun process groups
 
@@ -66,6 +66,16 @@ def frozen_parts(name: str) -> bool:
     return name in ("ln_final.weight", "ln_final.bias", "text_projection", "logit_scale")
 
 
+def frozen_image_embeddings(name: str) -> bool:
+    """freeze {image: embeddings}, written out."""
+    return name.startswith("visual.") and bool(re.search(r"conv1|class_embedding|positional_embedding|ln_pre", name))
+
+
+def main_lr_scales(job, model) -> dict:
+    """OpenCLIP main's layer-wise LR scales for the spec's layer decay (tests/reference.py)."""
+    return open_clip_main_lr_scales(model, job.optimizer.layer_decay.image, job.optimizer.layer_decay.text)
+
+
 CASES = {  # name -> (job overrides, low precision?, decay, frozen, poisoned (step, rank))
     "fp32": ({}, False, None, None, None),
     "auto-units-no-reshard-wrap": ({"fsdp": {"unit_size": "auto", "reshard_after_forward": False,
@@ -85,6 +95,11 @@ CASES = {  # name -> (job overrides, low precision?, decay, frozen, poisoned (st
         {"pattern": r"^visual\.proj$", "weight_decay": 0.0},
         {"pattern": r"^transformer\.resblocks\.0\.", "weight_decay": 0.05},
         {"max_ndim": 1, "weight_decay": 0.0}]}}, False, custom_decay, None, None),
+    "layer-decay": ({"optimizer": {"layer_decay": {"image": 0.5, "text": 0.7}, "decay_rules": [
+        {"pattern": r"^visual\.proj$", "weight_decay": 0.0},
+        {"pattern": r"^transformer\.resblocks\.0\.", "weight_decay": 0.05},
+        {"max_ndim": 1, "weight_decay": 0.0}]}, "freeze": {"image": {"embeddings": True}}},
+                    False, custom_decay, frozen_image_embeddings, None),
     "no-clip-constant-lr": ({"optimizer": {"grad_clip_norm": None}, "schedule": {"kind": "constant"}},
                             False, None, None, None),
     "cosine-floor": ({"schedule": {"min_lr": 5e-4}}, False, None, None, None),
@@ -207,7 +222,7 @@ def reference_for(name: str, job_dict: dict, steps: int = STEPS, **changes):
     model = open_clip_model(job.model.config, SEED)
     world = world_of(name)
     return reference_run(job, model, world, batch_source(job, world), frozen or (lambda _: False),
-                         decay or default_decay(job.optimizer.weight_decay), steps, poison)
+                         decay or default_decay(job.optimizer.weight_decay), steps, poison, main_lr_scales(job, model))
 
 
 def relative_difference(state: dict, reference, initial: dict) -> tuple[float, str]:
@@ -244,11 +259,11 @@ def test_matches_the_reference(name, trained):
     assert result["temperature_fp32"]
 
 
-@pytest.mark.parametrize("name", ["freeze", "decay-rules"])
+@pytest.mark.parametrize("name", ["freeze", "decay-rules", "layer-decay"])
 def test_decay_groups_and_encoders(name, trained):
     """The optimizer's groups hold exactly the trainable parameters, each with the decay the rules give
-    (computed on OpenCLIP's names and shapes); encode_image/encode_text work on the sharded model
-    outside forward and equal OpenCLIP's own model with the trained weights."""
+    (computed on OpenCLIP's names and shapes) and OpenCLIP main's layer-wise LR scale; encode_image/encode_text
+    work on the sharded model outside forward and equal OpenCLIP's own model with the trained weights."""
     job_dict, result = trained[name]
     _, _, decay, frozen, _ = CASES[name]
     plain = open_clip_model(job_dict["model"]["config"], SEED)
@@ -257,6 +272,10 @@ def test_decay_groups_and_encoders(name, trained):
     grouped = {n: g["weight_decay"] for g in result["groups"] for n in g["names"]}
     assert sorted(grouped) == sorted(trainable)
     assert grouped == {n: decay(n, p) for n, p in trainable.items()}
+    from fsdpclip.spec.jobfile import parse_job
+
+    scales = main_lr_scales(parse_job(job_dict), plain)
+    assert {n: g["lr_scale"] for g in result["groups"] for n in g["names"]} == {n: scales[n] for n in trainable}
     plain.load_state_dict({k: v.reshape(plain.state_dict()[k].shape) for k, v in result["state"].items()})
     plain.eval()
     torch.manual_seed(123)

@@ -116,6 +116,9 @@ def plan(
         job = load_job(job_file, overrides)
     except SpecError as exc:
         fail(exc.problems, as_json)
+    if job.batch.searched:
+        fail([Problem("batch.per_gpu", "'auto' is settled at start on the GPU; plan prices a given batch", "auto",
+                      hint="--set batch.per_gpu=N (validate shows the estimate the search starts from)")], as_json)
     world = nodes * gpus_per_node
     job = job.model_copy(update={"batch": job.batch.model_copy(update={"global_batch": None})})  # per GPU counts
     report = check_job(job, world, gpus_per_node, check_paths=False)

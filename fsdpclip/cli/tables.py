@@ -38,10 +38,11 @@ def summary_tables(summary: dict) -> list:
                       f"{row['parameters_each']:,}", f"{row['shard_mib_each']:,.2f} MiB", escape(row["first"]))
 
     decay = Table(title="Weight decay groups (original parameter names)")
-    for column in ("rule", "weight decay", "tensors", "parameters"):
+    for column in ("rule", "weight decay", "lr scale", "tensors", "parameters"):
         decay.add_column(column, justify="left" if column == "rule" else "right")
     for row in summary["decay_groups"]:
-        decay.add_row(escape(row["rule"]), f"{row['weight_decay']:g}", str(row["tensors"]), f"{row['parameters']:,}")
+        decay.add_row(escape(row["rule"]), f"{row['weight_decay']:g}", f"{row['lr_scale']:.4g}", str(row["tensors"]),
+                      f"{row['parameters']:,}")
 
     memory = summary["memory_gib"]
     mem = Table(title="Estimated memory per GPU (GiB)")
@@ -58,6 +59,8 @@ def summary_tables(summary: dict) -> list:
     steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
     batch_line = (f"batch: {batch['per_gpu']} per GPU × {batch['grad_accum']} accumulation × "
                   f"{summary['world_size']} ranks = {batch['global']:,} per step; {steps} steps")
+    if "auto" in batch:
+        batch_line += "; " + auto_batch_note(batch["auto"])
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line,
@@ -76,6 +79,15 @@ def preprocess_line(preprocess: dict) -> str:
             (f", colour jitter p {jitter['prob']:g} (brightness {jitter['brightness']:g}, contrast "
              f"{jitter['contrast']:g}, saturation {jitter['saturation']:g}, hue {jitter['hue']:g})" if jitter else "") +
             (f", grayscale p {preprocess['grayscale_prob']:g}" if preprocess["grayscale_prob"] else ""))
+
+
+def auto_batch_note(auto: dict) -> str:
+    """What `batch.per_gpu: "auto"` starts from, as `validate` shows it."""
+    if auto["start"] is None:
+        return ("per_gpu 'auto': searched at start from the estimate for its GPU (set launch.gpu_memory_gib to see "
+                "it here; shown at 1 per GPU)")
+    return (f"per_gpu 'auto': searched at start from the estimate {auto['start']} per GPU for "
+            f"{auto['capacity_gib']:g} GiB, keeping 90% of the largest that fits (shown at the estimate)")
 
 
 def mesh_line(world: int, mesh: dict) -> str:

@@ -1,4 +1,5 @@
-"""What trains and how: the frozen ranges of the spec and the weight-decay groups of its rules.
+"""What trains and how: the frozen ranges of the spec, the weight-decay groups of its rules and the layer-wise
+LR decay of its towers.
 
 Both work on original (unwrapped) parameter names and OpenCLIP's shapes, before any wrapping,
 on the meta device as on real storage.
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, find_towers, model_from_config, original_shapes
-from fsdpclip.spec.job import DecayRule, FreezeSpec, Job, OptimizerSpec
+from fsdpclip.spec.job import DecayRule, FreezeSpec, Job, LayerDecaySpec, OptimizerSpec
 
 
 # -------------------------------------------------------------------------- freeze
@@ -72,25 +73,62 @@ def rule_matches(rule: DecayRule, name: str, ndim: int) -> bool:
 
 @dataclass
 class DecayGroup:
-    """Parameters sharing one weight decay; `rule` is the index of the rule that chose it (None: default)."""
+    """Parameters sharing one weight decay and LR scale; `rule` is the index of the rule that chose the decay
+    (None: default)."""
 
     weight_decay: float
     rule: Optional[int]
     names: list[str] = field(default_factory=list)
+    lr_scale: float = 1.0
 
 
-def decay_groups(shapes: dict[str, torch.Size], rules: list[DecayRule], default_decay: float) -> list[DecayGroup]:
-    """Split parameters (original name -> shape) into groups by the first matching rule."""
-    groups: dict[Optional[int], DecayGroup] = {}
+def decay_groups(shapes: dict[str, torch.Size], rules: list[DecayRule], default_decay: float,
+                 lr_scales: Optional[dict[str, float]] = None) -> list[DecayGroup]:
+    """Split parameters (original name -> shape) into groups by the first matching rule and their LR scale
+    (`lr_scales`, 1 where absent): by rule, then the largest scale first."""
+    groups: dict[tuple[Optional[int], float], DecayGroup] = {}
     for name, shape in shapes.items():
         index = next((i for i, rule in enumerate(rules) if rule_matches(rule, name, len(shape))), None)
         decay = rules[index].weight_decay if index is not None else default_decay
-        groups.setdefault(index, DecayGroup(decay, index)).names.append(name)
-    return [groups[k] for k in sorted(groups, key=lambda k: (k is None, k if k is not None else 0))]
+        scale = (lr_scales or {}).get(name, 1.0)
+        groups.setdefault((index, scale), DecayGroup(decay, index, lr_scale=scale)).names.append(name)
+    return [groups[k] for k in sorted(groups, key=lambda k: (k[0] is None, k[0] or 0, -k[1]))]
 
 
-def trainable_decay_groups(model: nn.Module, spec: OptimizerSpec) -> list[DecayGroup]:
+def trainable_decay_groups(model: nn.Module, towers: dict[str, Tower], spec: OptimizerSpec) -> list[DecayGroup]:
     """The decay groups of the trainable parameters of `model` (freeze applied), by original name."""
     shapes = original_shapes(model)
     trainable = {name: shapes[name] for name, p in model.named_parameters() if p.requires_grad}
-    return decay_groups(trainable, spec.decay_rules, spec.weight_decay)
+    return decay_groups(trainable, spec.decay_rules, spec.weight_decay, layer_lr_scales(towers, spec.layer_decay))
+
+
+# ------------------------------------------------------------- layer-wise LR decay
+FINAL_NORM_RE = re.compile(r"^(visual\.|text\.)?(ln_post|ln_final)\.")  # OpenCLIP's, grouped with the last block
+
+
+def layer_ids(tower: Tower) -> dict[str, int]:
+    """Each parameter's depth in its tower (original name -> id), as OpenCLIP main's `layer_groups` order it from
+    input to output: the embeddings 0, block i at i + 1 with the final norm in the last block's group, the rest of
+    the head (the projection, a pooler) at the top."""
+    last = len(tower.blocks)
+    ids = {}
+    for name in tower.parameters:
+        part = tower.part_of(name)
+        ids[name] = 0 if part == "embeddings" else tower.block_of(name) + 1 if part == "block" else \
+            last if FINAL_NORM_RE.search(name) else last + 1
+    return ids
+
+
+def layer_lr_scales(towers: dict[str, Tower], decay: LayerDecaySpec) -> dict[str, float]:
+    """The LR multiplier of each parameter of the towers that `decay` names: decay^(top − id), the top being the
+    tower's highest id (1 for its head). By position, as open_clip_train's `lr_scales_for_groups` (OpenCLIP main,
+    src/open_clip_train/optim.py). Other parameters (an undecayed tower's, the temperature) are absent: 1."""
+    scales = {}
+    for tower in towers.values():
+        factor = getattr(decay, tower.name)
+        if factor is None:
+            continue
+        ids = layer_ids(tower)
+        top = max(ids.values(), default=0)
+        scales.update((name, factor ** (top - depth)) for name, depth in ids.items())
+    return scales

@@ -12,7 +12,7 @@ R replicas. S = W is plain FSDP, S = 1 replication (DDP-like).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
 from torch import nn
@@ -97,6 +97,16 @@ class MemoryModel:
     def estimate(self, world: int, degree: Optional[int] = None) -> MemoryEstimate:
         return estimate_memory(self.job, self.units, self.activations_per_sample, world, self.input_bytes_per_sample,
                                self.feature_width, shard_degree=degree)
+
+    def largest_batch(self, world: int, degree: int, capacity: float, limit: int, grad_accum: int = 1) -> int:
+        """The largest per-GPU batch up to `limit` whose estimated peak fits `capacity` bytes (at least 1): where
+        `batch.per_gpu: "auto"` starts its search."""
+        low, high = 1, limit
+        while low < high:
+            middle = (low + high + 1) // 2
+            fits = replace(self, job=self.job.with_batch(middle, grad_accum)).estimate(world, degree).total <= capacity
+            low, high = (middle, high) if fits else (low, middle - 1)
+        return low
 
 
 def memory_model(job: Job, model: nn.Module, towers: dict[str, Tower]) -> tuple[MemoryModel, tuple[int, int]]:

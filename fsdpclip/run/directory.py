@@ -14,6 +14,7 @@ job's, and how each launch ended.
     wandb-id       the Weights & Biases run this run logs to (a relaunch continues it)
     wandb/         that W&B run's local files (unless WANDB_DIR puts them elsewhere)
     compile-cache.bin  torch.compile's artifacts of the first compiled step, loaded by later launches
+    auto_batch.json  the per-GPU batch `batch.per_gpu: "auto"` chose, its probes and search time (reused by a relaunch)
     imported.json  the open_clip_train checkpoint the run continues, and what the spec changes (`fsdpclip import`)
 
 Its names and exit codes are here; the lock in `run.lock`, stop requests and exit reports in `run.reports`, the
@@ -23,7 +24,7 @@ files' handling in `run.files`. Names alone, no torch: the launcher imports it b
 from __future__ import annotations
 
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
-WANDB_ID_FILE, IMPORT_FILE = "wandb-id", "imported.json"
+WANDB_ID_FILE, IMPORT_FILE, AUTO_BATCH_FILE = "wandb-id", "imported.json", "auto_batch.json"
 # How a run ends (the trainer's exit code, in exit.json): fsdpclip.train.entry says when each is used.
 EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED = 0, 1, 2, 65, 74, 75
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.

@@ -368,6 +368,14 @@ DEFAULT_DECAY_RULES = [
 ]
 
 
+class LayerDecaySpec(Section):
+    image: Optional[float] = Field(
+        None, gt=0, le=1, description="Layer-wise LR decay of the image tower (open_clip_train's --image-layer-decay): "
+                                      "each layer's LR is the schedule's × decay^(its depth below the head).")
+    text: Optional[float] = Field(
+        None, gt=0, le=1, description="Layer-wise LR decay of the text tower (open_clip_train's --text-layer-decay).")
+
+
 class OptimizerSpec(Section):
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
     betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
@@ -383,6 +391,11 @@ class OptimizerSpec(Section):
         description="Ordered weight-decay rules over the original parameter names; the first match wins, "
                     "unmatched parameters get `weight_decay`. Default: open_clip_train's, no decay for tensors of "
                     "fewer than 2 dims and names containing 'bn', 'ln', 'bias' or 'logit_scale'.")
+    layer_decay: LayerDecaySpec = Field(
+        default_factory=LayerDecaySpec,
+        description="Layer-wise LR decay per tower, as OpenCLIP main's layer_groups: embeddings at the bottom, then "
+                    "each block (the final norm with the last), the projection on top at the schedule's LR; "
+                    "the temperature and an undecayed tower keep it.")
 
     @field_validator("betas")
     @classmethod
@@ -427,11 +440,22 @@ DataSpec = data_spec()
 
 # ------------------------------------------------------------------------- batch
 class BatchSpec(Section):
-    per_gpu: int = Field(gt=0, description="Micro batch per GPU (per process) and forward.")
-    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step.")
+    per_gpu: AutoOrCount = Field(
+        description="Micro batch per GPU (per process) and forward. 'auto' (CUDA only): at start the trainer probes "
+                    "real steps from the memory estimate `validate` shows, keeps 90% of the largest batch that fits "
+                    "on every rank (a multiple of 8) and records it in the run directory (auto_batch.json) for "
+                    "relaunches.")
+    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step (with per_gpu 'auto' "
+                                                 "and global_batch: set by the search).")
     global_batch: Optional[int] = Field(
         None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
-                                "per_gpu × grad_accum × world size.")
+                                "per_gpu × grad_accum × world size (per_gpu 'auto': a divisor of global_batch ÷ world "
+                                "size, the rest accumulated).")
+
+    @property
+    def searched(self) -> bool:
+        """Whether the trainer searches per_gpu at start ('auto')."""
+        return self.per_gpu == "auto"
 
 
 # -------------------------------------------------------------------------- loss
@@ -678,6 +702,11 @@ class Job(Section):
     def run_dir(self) -> Path:
         """Where this run's job.json, metrics and checkpoints live: <output_dir>/<name>."""
         return Path(self.run.output_dir) / self.run.name
+
+    def with_batch(self, per_gpu: int, grad_accum: int) -> "Job":
+        """This job with its batch settled (what `batch.per_gpu: "auto"` chose)."""
+        return self.model_copy(update={"batch": self.batch.model_copy(update={"per_gpu": per_gpu,
+                                                                                "grad_accum": grad_accum})})
 
     def samples_per_step(self, world_size: int) -> int:
         """The global batch: samples of one optimizer step over all ranks."""

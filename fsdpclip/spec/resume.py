@@ -20,13 +20,15 @@ from fsdpclip.spec.job import Job
 from fsdpclip.spec.registry import DATA_SOURCES
 
 # Fields (dotted, prefixes end with '.') that a checkpoint fixes.
-FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules")
+FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules", "optimizer.layer_decay.")
 # Fields that describe where to resume from, not what to train.
 IGNORED = ("checkpoint.resume", "$schema")
 # Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
 # less those that change how the same samples are made, not which.
 DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
 SAME_STREAM = ("data.decode", "data.preprocess")
+# Fields `batch.per_gpu: "auto"` settles at start: the trainer compares what it settled (a relaunch reuses its record).
+SEARCHED = ("batch.per_gpu", "batch.grad_accum")
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,12 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def spec_changes(saved: dict, job: Job) -> list[Change]:
-    """Every field of the new spec that differs from the saved one (its resolved JSON)."""
+    """Every field of the new spec that differs from the saved one (its resolved JSON); with per_gpu 'auto', not
+    the batch it settles at start."""
     before, after = flatten(saved), flatten(json.loads(job.to_json()))
+    unsettled = SEARCHED if job.batch.searched else ()
     return [Change(field, before.get(field), after.get(field)) for field in sorted(set(before) | set(after))
-            if before.get(field) != after.get(field) and not field.startswith(IGNORED)]
+            if before.get(field) != after.get(field) and not field.startswith(IGNORED) and field not in unsettled]
 
 
 def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],

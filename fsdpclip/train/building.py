@@ -28,12 +28,14 @@ class ModelBuilding:
 
     def _build_model(self, model: torch.nn.Module, towers) -> torch.nn.Module:
         """The sharded model with its initial weights, from the frozen meta-device model every rank
-        built: decay groups and FLOPs taken on the original names, parallelized, then filled from rank 0.
+        built: decay groups and FLOPs taken on the original names (and per_gpu 'auto''s start planned, where
+        it applies: train.sizing), parallelized, then filled from rank 0.
         The last rank counts the FLOPs while rank 0 draws the initial weights."""
         job, env = self.job, self.env
-        self.decay_groups = trainable_decay_groups(model, job.optimizer)
+        self.decay_groups = trainable_decay_groups(model, towers, job.optimizer)
         self.shard_degree = self._shard_degree(model, towers)
         self.mesh = shard_mesh(env, self.shard_degree)
+        self.planned_per_gpu = self._plan_batch(model, towers) if job.batch.searched else job.batch.per_gpu
         if env.is_main:
             log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
         flops_rank = env.world_size - 1
@@ -69,7 +71,7 @@ class ModelBuilding:
         decided = [None]
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
-            block_flops = self.flops_per_sample / 3 * job.batch.per_gpu / blocks  # forward is a third of training
+            block_flops = self.flops_per_sample / 3 * self.planned_per_gpu / blocks  # forward is a third of training
             decided[0] = resolve_auto(job.fsdp, model, towers, env.device.type, block_flops,
                                       world_size=env.world_size)
             fsdp = decided[0]

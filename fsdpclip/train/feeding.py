@@ -15,6 +15,14 @@ from fsdpclip.train.metrics import Window
 class DataFeed:
     """The part of `Trainer` that feeds it micro batches."""
 
+    def _open_batches(self, model: torch.nn.Module, start: bool) -> None:
+        """`batches` and `batch_iter` for `model` (`_batches`), the data workers started where `start` (a fresh
+        run's fill their queues while the model is built; a resumed run's restart at its position)."""
+        self.batches = self._batches(model)
+        self.batch_iter = iter(self.batches)
+        if start:
+            self.batches.start()
+
     def _batches(self, model: torch.nn.Module):
         """The rank's batches from the spec's data source (`spec.registry.DataSource`) for `model` (its shapes
         and preprocessing; the meta-device model will do); also sets `images` (what turns a micro batch's

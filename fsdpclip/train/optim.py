@@ -1,4 +1,4 @@
-"""AdamW over the weight-decay groups, the LR schedule and the fp16 loss scaler."""
+"""AdamW over the weight-decay groups (and layer-wise LR scales), the LR schedule and the fp16 loss scaler."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def build_optimizer(model: nn.Module, groups: list[DecayGroup], spec: OptimizerS
     fully_shard keeps parameter names, so the names find the sharded parameters.
     """
     params = dict(model.named_parameters())
-    param_groups = [{"params": [params[n] for n in g.names], "weight_decay": g.weight_decay} for g in groups]
+    param_groups = [{"params": [params[n] for n in g.names], "weight_decay": g.weight_decay, "lr_scale": g.lr_scale}
+                    for g in groups]
     return ShardedAdamW(param_groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
 
 
@@ -107,17 +108,18 @@ def lr_factor(schedule: ScheduleSpec, peak_lr: float, total_steps: int) -> Calla
 
 
 class Schedule:
-    """The learning rate of each step, set on every group: peak × `lr_factor(step)`. A function of the
-    spec and the step alone, so a resumed run follows the spec it is resumed with (nothing to save)."""
+    """The learning rate of each step, `lr` = peak × `lr_factor(step)`, set on every group times its `lr_scale`
+    (layer-wise decay; open_clip_train's `assign_learning_rate` on OpenCLIP main). A function of the spec and
+    the step alone, so a resumed run follows the spec it is resumed with (nothing to save)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, peak_lr: float, total_steps: int):
         self.optimizer, self.peak, self.factor = optimizer, peak_lr, lr_factor(schedule, peak_lr, total_steps)
         self.set_step(0)
 
     def set_step(self, step: int) -> None:
-        self.current = step
+        self.current, self.lr = step, self.peak * self.factor(step)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.peak * self.factor(step)
+            group["lr"] = self.lr * group.get("lr_scale", 1.0)
 
     def step(self) -> None:
         self.set_step(self.current + 1)

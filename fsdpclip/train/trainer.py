@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -39,13 +39,14 @@ from fsdpclip.train.building import ModelBuilding
 from fsdpclip.train.evaluating import Evaluation
 from fsdpclip.train.feeding import DataFeed
 from fsdpclip.train.saving import Checkpointing
+from fsdpclip.train.sizing import BatchSizing
 from fsdpclip.train.stops import STOP_CHECK_STEPS, Stop, StopChecks
 
 log = logging.getLogger("fsdpclip")
 LOGIT_SCALE_MAX = math.log(100)  # OpenCLIP clamps the learned temperature to at most 100
 
 
-class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
+class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, StopChecks):
     """One rank's share of a sharded training run, built from the job spec."""
 
     def __init__(self, job: Job, env: Dist, signals=None, startup: Optional[StartupClock] = None):
@@ -60,10 +61,9 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
         meta_model, towers = frozen_meta_model(self.model_config, job)
         self.startup.mark("meta_model")
         self.tokenizer = build_tokenizer(self.model_config)
-        self.batches = self._batches(meta_model)
-        self.batch_iter: Iterator = iter(self.batches)
-        if not candidates:
-            self.batches.start()  # a fresh run's data workers fill their queues while the model is built
+        self.batches, self.batch_iter, self.batch_search = None, None, None
+        if not job.batch.searched:  # else the batch is known once the model is built (train.sizing)
+            self._open_batches(meta_model, start=not candidates)
         try:
             self._set_up(meta_model, towers, candidates)
         except BaseException:  # the data workers ignore stop signals: none may outlive a start that failed
@@ -73,8 +73,11 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
     def _set_up(self, meta_model: torch.nn.Module, towers, candidates: list[Path]) -> None:
         """Everything after the data: the sharded model, optimizer, schedule, scaler and loss, then the
         resumed state."""
-        job, env = self.job, self.env
         self.model = self._build_model(meta_model, towers)
+        if self.job.batch.searched:
+            self._settle_batch()
+            self._open_batches(self.model, start=not candidates)
+        job, env = self.job, self.env
         self.startup.mark("model")
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
         self.total_steps = job.total_steps(env.world_size)
@@ -110,8 +113,9 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
         graph (before the process group is destroyed: NCCL waits for graphs holding its collectives); a
         failure there is logged, not raised over the error that may be ending the run."""
         self.checkpointer.close()
-        self.batch_iter.close()
-        self.batches.close()
+        if self.batches is not None:
+            self.batch_iter.close()
+            self.batches.close()
         forward_backward, self.forward_backward = getattr(self, "forward_backward", None), None
         if isinstance(forward_backward, GraphedForwardBackward):
             try:
@@ -197,6 +201,8 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
                     if first_step_s is not None:
                         record["time_to_first_step_s"], first_step_s = first_step_s, None
                         record["startup_s"] = self.startup.phases
+                        if self.batch_search is not None:
+                            record["auto_batch"] = self.batch_search
                     metrics.write(record)
                     window.reset()
                     window_loss.zero_()
@@ -235,7 +241,7 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
         logit_scale = self.model.logit_scale.exp().item()
         record = {"step": self.step, "total_steps": self.total_steps, "time": round(time.time(), 3),
                   "samples_seen": self.samples_seen, "loss": loss,
-                  "lr": self.optimizer.param_groups[0]["lr"], "logit_scale": logit_scale,
+                  "lr": self.scheduler.lr, "logit_scale": logit_scale,
                   "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
                   "skipped_steps": int(self.skipped_steps.item())}
         record.update(window.rates(env.world_size, self.flops_per_sample, self.peak))

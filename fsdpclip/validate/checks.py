@@ -13,7 +13,9 @@ from typing import Any, Iterator, Optional
 from fsdpclip.eval.registry import EvalTask
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
+from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.node import usable_cores
+from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.run.files import special_file
 from fsdpclip.spec.job import Job, is_url, world_size_problem
@@ -51,8 +53,10 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         return report
     for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval):
         if_parsed(check, job, report)
-    steps = None
-    if world_size:
+    steps, searched, auto, spec_job = None, if_parsed(lambda job: job.batch.searched, job), None, job
+    if world_size and searched:
+        job, auto = if_parsed(_auto_batch_start, job, report) or (job.with_batch(1, job.batch.grad_accum), None)
+    if world_size and not (searched and auto is None):
         if_parsed(_check_global_batch, job, report)
         steps = if_parsed(_check_batch_and_schedule, job, report)
     if_parsed(_check_learning_rate, job, report)
@@ -65,10 +69,12 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         if_parsed(_check_workers_against_cores, job, report)
         if_parsed(_check_eval_paths, job, report)
         if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
-            if_parsed(_check_resume, job, report)
+            if_parsed(_check_resume, spec_job, report)
     if_parsed(_check_logging, job, report)
     if_parsed(check_model, job, report, steps, check_paths,
               "error" if on_this_node else "warning" if check_paths else None)
+    if searched and "batch" in report.summary:
+        report.summary["batch"]["auto"] = auto
     return report
 
 
@@ -88,6 +94,53 @@ def _check_global_batch(job: Job, report: Report) -> None:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
                      hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+
+
+def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
+    """`batch.per_gpu: "auto"`: the job with the batch the start-up search begins from (the memory estimate's
+    largest that fits launch.gpu_memory_gib, else this node's GPU; 1 per GPU where neither is known), for the
+    checks and summary that count samples, and what `validate` shows of it; (the job at 1 per GPU, None)
+    where 'auto' cannot run (a located problem) or the model does not build (check_model says why)."""
+    from fsdpclip.plan.batch import largest_divisor, search_start
+    from fsdpclip.plan.mesh import memory_model
+
+    batch, world, per_node = job.batch, report.world_size, report.gpus_per_node
+    problems, unsettled = len(report.errors), (job.with_batch(1, batch.grad_accum), None)
+    if job.launch.device == "cpu":
+        report.error("batch.per_gpu", "'auto' probes steps on the GPU; launch.device is 'cpu'", "auto",
+                     hint="give a number of samples per rank")
+    if batch.global_batch is not None and batch.global_batch % world:
+        report.error("batch.global_batch", f"not a multiple of the world size {world}, as per_gpu 'auto' needs",
+                     batch.global_batch)
+    if batch.global_batch is not None and batch.grad_accum != 1:
+        report.error("batch.grad_accum", "set by the search when per_gpu is 'auto' and global_batch is given",
+                     batch.grad_accum, hint="leave it out")
+    if job.fsdp.shard_degree == "auto" and world > per_node:
+        report.error("fsdp.shard_degree", "'auto' over several nodes is decided from the batch, which per_gpu 'auto' "
+                     "decides from the shard degree", "auto", hint="give a shard degree with per_gpu 'auto'")
+    if len(report.errors) > problems:
+        return unsettled
+    try:
+        model, towers = frozen_meta_model(model_config(job.model), job)
+        memory, _ = memory_model(job, model, towers)
+    except Exception:  # noqa: BLE001  (check_model reports a model that does not build or run)
+        return unsettled
+    degree = job.fsdp.shard_degree if job.fsdp.shard_degree != "auto" else world
+    capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else _local_gpu_bytes()
+    start = search_start(memory, job, world, degree, capacity) if capacity else None
+    shown = {"start": start, "capacity_gib": round(capacity / GIB, 1) if capacity else None}
+    if batch.global_batch is None:
+        return job.with_batch(start or 1, batch.grad_accum), shown
+    share = batch.global_batch // world
+    per_gpu = largest_divisor(share, start or 1)
+    return job.with_batch(per_gpu, share // per_gpu), shown
+
+
+def _local_gpu_bytes() -> Optional[int]:
+    """The memory of this node's first GPU, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:

@@ -37,7 +37,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["towers"] = tower_rows
     summary["parameters"] = {k: sum(r[k] for r in tower_rows.values()) for k in ("parameters", "trainable", "frozen")}
     summary["decay_groups"] = [{"rule": "default" if g.rule is None else f"decay_rules[{g.rule}]",
-                                "weight_decay": g.weight_decay, "tensors": len(g.names),
+                                "weight_decay": g.weight_decay, "lr_scale": g.lr_scale, "tensors": len(g.names),
                                 "parameters": count(params[n] for n in g.names)} for g in groups]
     world, batch = report.world_size, job.batch
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,

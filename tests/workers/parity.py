@@ -66,9 +66,9 @@ def temperature_is_fp32(trainer: Trainer) -> bool:
 
 
 def decay_groups(trainer: Trainer) -> list[dict]:
-    """The optimizer's groups: weight decay and the original names of their parameters."""
+    """The optimizer's groups: weight decay, LR scale and the original names of their parameters."""
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    return [{"weight_decay": g["weight_decay"], "names": sorted(names[id(p)] for p in g["params"])}
+    return [{"weight_decay": g["weight_decay"], "lr_scale": g["lr_scale"], "names": sorted(names[id(p)] for p in g["params"])}
             for g in trainer.optimizer.param_groups]
 
 

@@ -1,0 +1,126 @@
+"""The trainer's `batch.per_gpu: "auto"`: the batch the GPUs fit, found with real steps at start
+(`plan.batch` holds the search), or the one an earlier launch of the run recorded for the same spec, world
+and GPU.
+
+A probe is one optimizer step of the parallelized model (its units, activation checkpointing, CPU offload)
+at a batch of random inputs: forward and backward of one micro batch (two where the step accumulates),
+then AdamW at learning rate 0 (its moments allocated as training's are; the weights stay as drawn) on an
+optimizer dropped afterwards. Compiled modules run eager for the probes (`torch.compiler.set_stance`):
+compiling every probed shape would take minutes, and the compiled step keeps fewer activations than the
+eager one, so what fits eager fits compiled. An out-of-memory error is a probe that does not fit; its
+memory is handed back (FSDP's `reset_iter_state`, the allocator's cache emptied) before the next. Every
+rank probes the same batch and the ranks agree on the smallest result (all-reduce MIN): a batch fits
+only where it fits on every GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from fsdpclip.model.build import image_shape, text_shape
+from fsdpclip.plan.batch import (
+    BatchRecord, Probe, kept_batch, largest_fitting, micro_batches_probed, recorded_batch, search_basis, search_limit,
+    search_start,
+)
+from fsdpclip.plan.memory import GIB
+from fsdpclip.plan.mesh import memory_model
+from fsdpclip.run.directory import EXIT_SPEC
+from fsdpclip.train.loss import backward_micro_batches, build_loss
+from fsdpclip.train.optim import build_optimizer
+from fsdpclip.train.stops import Stop
+
+log = logging.getLogger("fsdpclip")
+
+
+class BatchSizing:
+    """The part of `Trainer` that settles `batch.per_gpu: "auto"`: `_plan_batch` on the meta model,
+    `_settle_batch` once the model is built."""
+
+    def _plan_batch(self, model: torch.nn.Module, towers) -> int:
+        """Before the model is parallelized: the record of an earlier launch where it still applies, else
+        the memory estimate's largest batch for this GPU, where the search starts (rank 0 decides, every rank
+        learns it); returns the batch the start-up plans with (compile 'auto' weighs a block's work by it)."""
+        job, env = self.job, self.env
+        if env.device.type != "cuda":
+            raise Stop(EXIT_SPEC, "batch.per_gpu 'auto' probes steps on the GPU; this run's device is the CPU")
+        properties = torch.cuda.get_device_properties(env.device)
+        self.batch_basis = search_basis(job, env.world_size, f"{properties.name}, {properties.total_memory} bytes")
+        decided = [None, None]
+        if env.is_main:
+            record = recorded_batch(job.run_dir, self.batch_basis)
+            if record is None:
+                memory, _ = memory_model(job, model, towers)
+                capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else properties.total_memory
+                decided = [None, search_start(memory, job, env.world_size, self.shard_degree, capacity)]
+            else:
+                decided = [record, None]
+        dist.broadcast_object_list(decided, src=0)
+        self.batch_record, self.batch_start = decided
+        return self.batch_record.per_gpu if self.batch_record else self.batch_start
+
+    def _settle_batch(self) -> None:
+        """`self.job` with the batch settled: the recorded one, else searched now (and recorded by rank 0)."""
+        job, env = self.job, self.env
+        record = self.batch_record
+        if record is None:
+            began, probes = time.perf_counter(), []
+            largest = largest_fitting(lambda per_gpu: self._fits(per_gpu, probes), self.batch_start,
+                                      search_limit(job, env.world_size))
+            if largest == 0:
+                raise Stop(EXIT_SPEC, "batch.per_gpu 'auto': not even one sample per GPU fits a step "
+                                      "(more GPUs, activation checkpointing or CPU offload)")
+            per_gpu, accum = kept_batch(largest, env.world_size, job.batch.global_batch, job.batch.grad_accum)
+            record = BatchRecord(per_gpu, accum, round(time.perf_counter() - began, 1), self.batch_start,
+                                 self.batch_basis, probes)
+            if env.is_main:
+                record.save(job.run_dir)
+        self.startup.mark("batch_search")
+        if env.is_main:
+            how = f"searched in {record.searched_s:.1f} s from {record.start}: " + ", ".join(
+                f"{p.per_gpu} {'fits' if p.fits else 'out of memory'}" for p in record.probes) \
+                if self.batch_record is None else "recorded by an earlier launch of this run"
+            log.info("batch.per_gpu 'auto': %d per GPU × %d accumulation (%s)", record.per_gpu, record.grad_accum, how)
+        self.batch_search = {"per_gpu": record.per_gpu, "grad_accum": record.grad_accum,
+                             "searched_s": record.searched_s, "reused": self.batch_record is not None}
+        self.job = job.with_batch(record.per_gpu, record.grad_accum)
+
+    def _fits(self, per_gpu: int, probes: list[Probe]) -> bool:
+        """Whether a step of `per_gpu` fits on every rank (one probe each, the smallest result agreed)."""
+        env = self.env
+        began = time.perf_counter()
+        torch.cuda.reset_peak_memory_stats(env.device)
+        fits = torch.tensor(float(self._probe_step(per_gpu)), device=env.device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        probes.append(Probe(per_gpu, bool(fits.item()), round(torch.cuda.max_memory_allocated(env.device) / GIB, 2),
+                            round(time.perf_counter() - began, 2)))
+        return probes[-1].fits
+
+    def _probe_step(self, per_gpu: int) -> bool:
+        """One step at `per_gpu` on random inputs, the weights unchanged; False on running out of memory."""
+        job, env, model = self.job, self.env, self.model
+        optimizer = build_optimizer(model, self.decay_groups, job.optimizer)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0  # AdamW's update and its decoupled weight decay both scale with it
+        context, vocabulary = text_shape(model)
+        images = torch.randn(per_gpu, *image_shape(model), device=env.device)
+        texts = torch.randint(vocabulary, (per_gpu, context), device=env.device)
+        batches = [(images, texts)] * micro_batches_probed(job, env.world_size, per_gpu)
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                backward_micro_batches(model, build_loss(job.loss, env.rank, env.world_size), batches, None)
+            optimizer.step()
+            torch.cuda.synchronize(env.device)
+            fits = True
+        except torch.cuda.OutOfMemoryError:  # left here, so that nothing holds the failed step's tensors
+            fits = False
+            model.reset_iter_state()  # FSDP's supported recovery: units resharded, the step's state cleared
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer, images, texts, batches
+        gc.collect()
+        torch.cuda.empty_cache()
+        return fits

@@ -1,0 +1,121 @@
+"""`batch.per_gpu: "auto"`: the search over fake probes, the batch it keeps, the record a relaunch reuses, what
+`validate` shows and refuses, and the benchmark's refusal on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY_CONFIG
+from fsdpclip.plan.batch import BatchRecord, Probe, kept_batch, largest_fitting, recorded_batch, search_basis
+from fsdpclip.spec.job import Job
+from fsdpclip.validate.checks import check_job
+
+TINY = str(TINY_CONFIG)
+
+
+def auto_job(tmp_path, **batch) -> Job:
+    return Job.model_validate({
+        "run": {"name": "auto", "output_dir": str(tmp_path)}, "model": {"config": TINY},
+        "data": {"source": "synthetic", "samples": 1 << 20}, "schedule": {"steps": 10},
+        "batch": {"per_gpu": "auto"} | batch,
+        "launch": {"gpus_per_node": 2, "device": "cuda", "gpu_memory_gib": 1}})
+
+
+class Fits:
+    """A monotone probe: batches up to `largest` fit; the batches asked, in order."""
+
+    def __init__(self, largest: int):
+        self.largest, self.asked = largest, []
+
+    def __call__(self, per_gpu: int) -> bool:
+        self.asked.append(per_gpu)
+        return per_gpu <= self.largest
+
+
+@pytest.mark.parametrize("largest,start", [(1000, 64), (1000, 4096), (37, 37), (5, 300), (1, 8)])
+def test_the_search_finds_the_largest_fit_within_a_sixteenth(largest, start):
+    fits = Fits(largest)
+    found = largest_fitting(fits, start, limit=1 << 15)
+    assert largest * 15 / 16 <= found <= largest
+    assert len(fits.asked) <= 16 and len(set(fits.asked)) == len(fits.asked)
+
+
+def test_the_search_stops_at_its_limit_and_at_nothing_fitting():
+    assert largest_fitting(Fits(1 << 20), 64, limit=512) == 512
+    assert largest_fitting(Fits(0), 64, limit=512) == 0
+
+
+def test_every_rank_must_fit():
+    """The trainer's probe agrees over ranks with MIN: the search keeps what the smallest GPU fits."""
+    ranks = [Fits(900), Fits(700), Fits(1200)]
+    found = largest_fitting(lambda b: min(rank(b) for rank in ranks), 256, limit=1 << 15)
+    assert 700 * 15 / 16 <= found <= 700
+
+
+def test_the_kept_batch_leaves_a_margin_and_holds_the_global_batch():
+    assert kept_batch(1000, world=2, global_batch=None, grad_accum=3) == (896, 3)  # 90%, a multiple of 8
+    assert kept_batch(5, world=1, global_batch=None, grad_accum=1) == (4, 1)
+    per_gpu, accum = kept_batch(1000, world=4, global_batch=4 * 1536, grad_accum=1)
+    assert (per_gpu, accum) == (768, 2) and per_gpu * accum * 4 == 4 * 1536  # the largest divisor under 900
+    assert kept_batch(50, world=2, global_batch=2 * 97, grad_accum=1) == (1, 97)  # a prime share
+
+
+def test_a_record_is_reused_only_for_the_same_spec_world_and_gpu(tmp_path):
+    job = auto_job(tmp_path)
+    basis = search_basis(job, 2, "H200, 150000000000 bytes")
+    assert recorded_batch(tmp_path, basis) is None
+    BatchRecord(96, 1, 12.5, 128, basis, [Probe(128, False, 70.1, 3.0), Probe(107, True, 60.2, 2.5)]).save(tmp_path)
+    reused = recorded_batch(tmp_path, basis)
+    assert (reused.per_gpu, reused.grad_accum, reused.probes[1].fits) == (96, 1, True)
+    other_model = job.model_copy(update={"freeze": job.freeze.model_copy(update={"logit_scale": True})})
+    for changed in (search_basis(job, 4, "H200, 150000000000 bytes"), search_basis(job, 2, "H100, 80 bytes"),
+                    search_basis(other_model, 2, "H200, 150000000000 bytes")):
+        assert recorded_batch(tmp_path, changed) is None
+    (tmp_path / "auto_batch.json").write_text("{not json")
+    assert recorded_batch(tmp_path, basis) is None
+
+
+@pytest.mark.slow  # two validations of a model's memory, ~4-6 s on 2 cores
+def test_validate_shows_the_estimate_the_search_starts_from(tmp_path):
+    report = check_job(auto_job(tmp_path, global_batch=1024), check_paths=False)
+    assert not report.errors, report.errors
+    batch = report.summary["batch"]
+    assert batch["auto"]["capacity_gib"] == 1 and 1 <= batch["auto"]["start"] <= 512
+    assert batch["per_gpu"] * batch["grad_accum"] * 2 == batch["global"] == 1024
+    bigger = check_job(auto_job(tmp_path, global_batch=1 << 16).model_copy(
+        update={"launch": auto_job(tmp_path).launch.model_copy(update={"gpu_memory_gib": 8})}), check_paths=False)
+    assert bigger.summary["batch"]["auto"]["start"] > batch["auto"]["start"]
+
+
+def test_validate_refuses_what_auto_cannot_do(tmp_path):
+    job = auto_job(tmp_path, global_batch=1001, grad_accum=2)
+    job = job.model_copy(update={"launch": job.launch.model_copy(update={"device": "cpu"})})
+    report = check_job(job, check_paths=False)
+    assert {p.location for p in report.errors} == {"batch.per_gpu", "batch.global_batch", "batch.grad_accum"}
+    several_nodes = check_job(auto_job(tmp_path), world_size=4, gpus_per_node=2, check_paths=False)
+    assert [p.location for p in several_nodes.errors] == ["fsdp.shard_degree"]
+
+
+@pytest.mark.slow  # starts the benchmark and its launch
+def test_the_benchmark_reports_the_cpu_refusal(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "auto_batch.py"), "--out", str(tmp_path),
+                           "--model", TINY, "--device", "cpu", "--steps", "2"], capture_output=True, text=True,
+                          timeout=300)
+    row = json.loads(done.stdout.splitlines()[-1])
+    assert done.returncode == row["exit"] == 2 and "per_gpu" not in row
+    assert "batch.per_gpu" in row["output_tail"] and "launch.device is 'cpu'" in row["output_tail"]
+
+
+def test_a_relaunch_does_not_report_the_settled_batch_as_a_change(tmp_path):
+    """The checkpoint records the batch the search settled; the spec still says 'auto' (the trainer compares what
+    it settles, reusing the record)."""
+    from fsdpclip.spec.resume import spec_changes
+
+    job = auto_job(tmp_path)
+    saved = json.loads(job.with_batch(96, 1).to_json())
+    assert spec_changes(saved, job) == []
+    assert [c.field for c in spec_changes(saved, job.with_batch(64, 1))] == ["batch.per_gpu"]
