@@ -38,6 +38,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": job.samples_per_step(world), "steps": steps,
                         "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
+    summary["data"] = DATA_SOURCES[job.data.source].describe(job.data)
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
