@@ -210,6 +210,7 @@ class ShardStream(IterableDataset):
             start = len(self.urls)
             self.urls += shard_urls(source.urls)
             self.sources.append(range(start, len(self.urls)))
+        self.starts = [shards.start for shards in self.sources]
         self.names = [source.name for source in mixture]
         self.cumulative_weights = list(itertools.accumulate(source.weight for source in mixture))
         self.image_keys = [k.strip().lower() for k in spec.image_key.split(";")]
@@ -227,7 +228,7 @@ class ShardStream(IterableDataset):
 
     def source_of(self, index: int) -> int:
         """The source of the shard at `index` in the URL list."""
-        return bisect.bisect_right([shards.start for shards in self.sources], index) - 1
+        return bisect.bisect_right(self.starts, index) - 1
 
     def of_source(self, source: int) -> str:
         """' of source NAME' in a mixture's messages, '' for one source."""

@@ -39,6 +39,8 @@ class WebDatasetSource(DataSource):
                                              rank.batch_size, rank.rank, rank.world_size, rank.seed, rank.device)
         if rank.is_main:
             log.info("data: images decoded %s", DECODED_WHERE[images.decode])
+            if mixture := self.describe(spec):
+                log.info("data: %s", mixture)
         return batches, images
 
     def check(self, spec: WebDatasetSpec, job: Job, report: Report, check_paths: bool) -> None:
