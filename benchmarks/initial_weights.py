@@ -13,7 +13,8 @@ import gc
 import json
 import time
 
-from fsdpclip.model.weights import initial_model, usable_cores
+from fsdpclip.model.weights import initial_model
+from fsdpclip.parallel.node import usable_cores
 from fsdpclip.spec.job import ModelSpec
 
 

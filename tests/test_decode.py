@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -18,7 +19,7 @@ from PIL import Image
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import transform as decode
 from fsdpclip.data.batches import WebDatasetBatches
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.data.webdataset_spec import ColorJitterSpec, PreprocessSpec, WebDatasetSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
 from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode, pooled_batch,
@@ -102,20 +103,22 @@ def test_a_transform_the_split_cannot_express_is_refused():
             TrainImages(jitter, decode, "cpu")
 
 
-def _both_paths(tmp_path) -> tuple[list[bytes], torch.Tensor, EncodedBatch]:
-    """JPEGs of several sizes (up- and downscaled, grayscale) through the "cpu" and "gpu" streams with the
-    same seed: the JPEGs, the cpu path's uint8 batch and the gpu path's encoded one, whose crop boxes give,
-    cropped and resized by PIL, exactly the cpu path's pixels."""
+def _both_paths(tmp_path, transform=None, copies: int = 1) -> tuple[list[bytes], torch.Tensor, EncodedBatch]:
+    """JPEGs of several sizes (up- and downscaled, grayscale; `copies` times) through the "cpu" and "gpu"
+    streams with the same seed: the JPEGs, the cpu path's uint8 batch and the gpu path's encoded one, whose
+    crop boxes give, cropped and resized by PIL (and coloured by its colour draws), exactly the cpu path's
+    pixels."""
     rng = np.random.default_rng(1)
     shapes = [(64, 64), (80, 52), (40, 36), (64, 100), (30, 30), (120, 90)]
-    data = [encoded(picture(rng, *shape)) for shape in shapes] + [encoded(picture(rng, 60, 70).convert("L"))]
-    transform = train_transform()
+    data = ([encoded(picture(rng, *shape)) for shape in shapes] + [encoded(picture(rng, 60, 70).convert("L"))]) * copies
+    transform = transform or train_transform()
     (cpu_images, cpu_texts), _ = batches(tmp_path, [("jpg", d) for d in data], "cpu", transform, len(data))
     (encoded_batch, texts), _ = batches(tmp_path, [("jpg", d) for d in data], "gpu", transform, len(data))
     assert isinstance(encoded_batch, EncodedBatch) and encoded_batch.pixels is None
     assert torch.equal(texts, cpu_texts) and cpu_images.dtype == torch.uint8
     decoded = [Image.open(io.BytesIO(d)).convert("RGB") for d in data]
-    assert torch.equal(pil_crops(decoded, encoded_batch), cpu_images)
+    colours = None if encoded_batch.colours is None else encoded_batch.colours[encoded_batch.order]
+    assert torch.equal(decode.coloured(pil_crops(decoded, encoded_batch), colours), cpu_images)
     return data, cpu_images, encoded_batch
 
 
@@ -182,6 +185,73 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert got.device.type == device
     error = levels(got, TrainImages(transform, "cpu", target)(cpu_images), transform)
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
+PREPROCESS = PreprocessSpec(mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), crop_scale=(0.3, 1.0), grayscale_prob=0.3,
+                            color_jitter=ColorJitterSpec(prob=0.8, brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1))
+
+
+def preprocessed_transforms():
+    """The train transform fsdpclip builds for PREPROCESS (the spec's block, the model config, the model),
+    and OpenCLIP's own for the same options."""
+    from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
+
+    from fsdpclip.model.build import image_transform, model_config, model_from_config
+    from fsdpclip.spec.job import ModelSpec
+
+    model = model_from_config(model_config(ModelSpec(config=str(TINY_CONFIG), image={"image_size": SIZE}), PREPROCESS))
+    with warnings.catch_warnings():  # OpenCLIP calls the jitter's and grayscale's keys unused, and uses them
+        warnings.simplefilter("ignore")
+        theirs = image_transform_v2(PreprocessCfg(size=SIZE, mean=PREPROCESS.mean, std=PREPROCESS.std), is_train=True,
+                                    aug_cfg=AugmentationCfg(scale=PREPROCESS.crop_scale, color_jitter_prob=0.8,
+                                                            color_jitter=(0.4, 0.4, 0.4, 0.1), gray_scale_prob=0.3))
+    return image_transform(model, train=True), theirs
+
+
+def test_preprocess_options_give_open_clips_transform_bit_for_bit():
+    """data.preprocess's mean, std, crop scale, colour jitter and grayscale make OpenCLIP's train transform for
+    the same options: the split transform ("cpu": the workers' part, then the device's) gives its pixels for
+    the same seed of torch's and Python's generators (OpenCLIP flips the jitter's and grayscale's coins with
+    Python's), and jitters and grays some of the images."""
+    import random
+
+    ours, theirs = preprocessed_transforms()
+    split = TrainImages(ours, "cpu", torch.device("cpu"))
+    plain = TrainImages(train_transform(), "cpu", torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    sources = [picture(rng, 64, 64), picture(rng, 90, 50), picture(rng, 20, 24)]
+    changed = gray = 0
+    for seed in range(24):
+        image = sources[seed % len(sources)]
+        torch.manual_seed(seed)
+        random.seed(seed)
+        want = theirs(image)
+        torch.manual_seed(seed)
+        pixels = split.worker_transform(image)
+        assert torch.equal(split(pixels[None])[0], want), seed
+        torch.manual_seed(seed)
+        changed += not torch.equal(plain.worker_transform(image), pixels)
+        gray += bool((pixels[0] == pixels[1]).all() and (pixels[1] == pixels[2]).all())
+    assert changed == 24 and 2 <= gray <= 16, (changed, gray)
+
+
+def test_device_paths_apply_the_preprocess_options_as_the_cpu_path(tmp_path):
+    """"gpu" and "mixed" with data.preprocess: the workers draw the cpu path's crops and colour draws (the
+    same for both), and the device's colour jitter and grayscale (`coloured`) turn PIL's crops into exactly the
+    cpu path's pixels (_both_paths). The device's resize is PIL's within 2 levels, which the jitter can
+    stretch (factors up to 1.4, contrast's mean and hue's 8-bit HSV moved by a level): the device paths'
+    output is within 8 levels of the cpu path's, mean 0.05 (6 and 0.012 on these images)."""
+    transform, _ = preprocessed_transforms()
+    data, cpu_images, encoded_batch = _both_paths(tmp_path, transform, copies=3)
+    draws = encoded_batch.colours[encoded_batch.order]
+    assert (~draws[:, 4:8].isnan()).any(dim=1).sum() >= 10 and draws[:, 8].sum() >= 2  # jittered, grayed
+    (mixed, _), _ = batches(tmp_path, [("jpg", d) for d in data], "mixed", transform, len(data))
+    assert torch.allclose(mixed.colours, draws, equal_nan=True)
+    device = torch.device("cpu")
+    cpu = TrainImages(transform, "cpu", device)(cpu_images)
+    for decode_mode_, batch in (("gpu", encoded_batch), ("mixed", mixed)):
+        error = levels(TrainImages(transform, decode_mode_, device)(batch), cpu, transform)
+        assert error.max() <= 8 + 1e-3 and error.mean() <= 0.05, (decode_mode_, error.max(), error.mean())
 
 
 def test_pooled_batch_buffers_are_reused_only_once_released(monkeypatch):
@@ -537,3 +607,23 @@ def test_changing_where_images_are_decoded_keeps_the_data_position(tiny_job):
     for changed, keeps in (({"decode": "gpu"}, True), ({"shuffle_buffer": 7}, False)):
         job = parse_job(dict(tiny_job, data={**tiny_job["data"], "decode": "cpu", **changed}))
         assert keeps_data_position(spec_changes(saved, job)) is keeps, changed
+
+
+def test_validate_shows_the_resolved_preprocess_and_refuses_what_it_cannot_mean(cli, tiny_job, tmp_path):
+    """validate's summary holds data.preprocess over the model's own (OpenCLIP's defaults for the tiny
+    config); values out of range are refused at their JSON location."""
+    preprocess = {"std": [0.5, 0.5, 0.5], "resize_mode": "squash", "color_jitter": {"brightness": 0.4, "hue": 0.1}}
+    job = dict(tiny_job, data={**tiny_job["data"], "decode": "mixed", "preprocess": preprocess})
+    code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
+    assert code == 0, out
+    assert out["summary"]["preprocess"] == {
+        "size": [32, 32], "mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.5, 0.5, 0.5],
+        "interpolation": "bicubic", "resize_mode": "squash", "crop_scale": [0.9, 1.0], "grayscale_prob": 0.0,
+        "color_jitter": {"prob": 0.8, "brightness": 0.4, "contrast": 0.0, "saturation": 0.0, "hue": 0.1}}
+    for wrong, location in [({"crop_scale": [0.9, 0.5]}, "data.preprocess"), ({"std": [0.5, 0, 0.5]}, "data.preprocess"),
+                            ({"color_jitter": {"hue": 0.7}}, "data.preprocess.color_jitter.hue"),
+                            ({"grayscale_prob": 1.5}, "data.preprocess.grayscale_prob"),
+                            ({"resize_mode": "fit"}, "data.preprocess.resize_mode")]:
+        job = dict(tiny_job, data={**tiny_job["data"], "preprocess": wrong})
+        code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
+        assert code == 2 and [e["location"] for e in out["errors"]] == [location], (wrong, out["errors"])

@@ -80,3 +80,16 @@ def test_a_slurm_jobs_variables_are_reported(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURMISH", "no")
     assert environment.slurm()["job"]["SLURM_JOB_ID"] == "4242" and "SLURMISH" not in environment.slurm()["job"]
+
+
+def test_a_rank_takes_its_share_of_the_node_cores(monkeypatch):
+    """What an offloaded optimizer step and a checkpoint's writer threads use: the node's usable cores over its
+    ranks, never less than one."""
+    from fsdpclip.checkpoint.staging import write_threads
+    from fsdpclip.parallel.node import cores_per_local_rank
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    for ranks, share, writers in (("1", 16, 8), ("4", 4, 4), ("32", 1, 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert (cores_per_local_rank(), write_threads()) == (share, writers)

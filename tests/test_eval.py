@@ -429,3 +429,29 @@ def test_an_unwritable_output_is_found_before_the_evaluation(digits_dir, tmp_pat
     result = cli("eval", tmp_path / "no-run", "--zeroshot", "digits", "--data", digits_dir / "test",
                  "--output", writable)
     assert result.exit_code == 2 and "no-run is not a checkpoint" in result.output and not writable.exists(), result.output
+
+
+def test_the_resolved_preprocess_is_what_eval_export_and_resume_read(tiny_job):
+    """A published tag's own mean and std (SigLIP's webli: 0.5) are the model's; data.preprocess is applied over
+    them in the config the trainer saves with each checkpoint, so a model built from it (eval of a run or
+    checkpoint, export) evaluates with OpenCLIP's transform for those options; a relaunch that changes them
+    changes no fixed field and keeps the data position."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    from fsdpclip.model.build import image_transform, model_config, model_from_config, training_config
+    from fsdpclip.spec.job import Job, ModelSpec
+    from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position
+
+    siglip = model_config(ModelSpec(name="ViT-B-16-SigLIP", pretrained="webli"))["preprocess_cfg"]
+    assert siglip["mean"] == siglip["std"] == [0.5, 0.5, 0.5]
+    preprocess = {"mean": [0.1, 0.2, 0.3], "std": [0.3, 0.2, 0.1], "interpolation": "bilinear", "resize_mode": "longest"}
+    job = Job.model_validate(dict(tiny_job, data={**tiny_job["data"], "preprocess": preprocess}))
+    saved = json.loads(json.dumps(training_config(job)))  # as a checkpoint's meta.json holds it
+    transform = image_transform(model_from_config(saved), train=False)
+    want = image_transform_v2(PreprocessCfg(size=32, **preprocess), is_train=False)
+    assert repr(transform) == repr(want) and transform.transforms[-1].mean == [0.1, 0.2, 0.3]
+    before = Job.model_validate(tiny_job)
+    meta = {"job": json.loads(before.to_json()), "model": {"open_clip_config": training_config(before)}}
+    changes = checkpoint_changes(meta, job, training_config(job), lambda: None)
+    assert {c.field for c in changes} == {f"data.preprocess.{key}" for key in preprocess}
+    assert not any(is_fixed(c) for c in changes) and keeps_data_position(changes)

@@ -51,6 +51,12 @@ def test_plan_of_the_vit_b_32_example(cli):
     assert rows[8]["traffic"]["all_reduce"] == pytest.approx(2 * 11 / 12 * 151_277_313 * 4 / 8, rel=1e-3)
     memory = [rows[d]["memory_gib"] for d in sorted(rows)]
     assert memory == sorted(memory, reverse=True)
+    # the host of a node: 8 rank processes of 2 GiB and the fp32 initial weights; nothing offloaded
+    assert [row["host_gib_per_node"] for row in rows.values()] == [pytest.approx(16 + 4 * 151_277_313 / 2 ** 30)] * 9
+    code, offloaded = _plan(cli, B32, "--nodes", "12", "--gpus-per-node", "8", "--set", "fsdp.cpu_offload=true")
+    host = {row["degree"]: row["host_gib_per_node"] - 16 - 4 * 151_277_313 / 2 ** 30 for row in offloaded["rows"]}
+    assert host[1] == pytest.approx(8 * 16 * 151_277_313 / 2 ** 30, rel=0.01)  # each rank holds the whole state
+    assert host[96] == pytest.approx(host[8] / 12, rel=0.02)  # a node's 8 of 96 shards against 8 of 8
     assert rows[1]["memory_gib"] <= 80 * 0.9 and plan["auto_degree"] == 8
     for row in rows.values():  # the stated step model
         assert row["step_s"] == pytest.approx(max(row["compute_s"], row["communication_s"])

@@ -130,3 +130,34 @@ def test_minimal_spec_validates(cli, tmp_path, digits_dir):
            "batch": {"per_gpu": 4}}
     code, out = cli.validate_json(write_job(tmp_path, job))
     assert code == 0, out
+
+
+def test_host_memory_of_the_first_node(cli, tmp_path, monkeypatch):
+    """The host memory the first node needs: 2 GiB per rank process, the ranks' offloaded fp32 state (parameters,
+    gradients and AdamW's two moments: 16 bytes a parameter, over all its ranks) and the whole fp32 model the first
+    rank builds the initial weights in; refused over launch.host_memory_gib, else over the memory of the machine
+    validating when it checks paths (it is then taken to be a node), never where it does not."""
+    path = write_job(tmp_path, _vit_job("ViT-B-32", fsdp={"cpu_offload": True}, launch={"gpus_per_node": 8}))
+    code, out = cli.validate_json(path, "--set", "launch.host_memory_gib=512")
+    assert code == 0, out
+    host, parameters = out["summary"]["host_memory_gib"], out["summary"]["parameters"]["parameters"]
+    assert host["ranks"] == 8 and host["processes"] == 16
+    assert host["offloaded_state"] == pytest.approx(16 * parameters / 2 ** 30, rel=0.01)
+    assert host["initial_weights"] == pytest.approx(4 * parameters / 2 ** 30, rel=0.001)
+    assert host["total"] == pytest.approx(host["processes"] + host["offloaded_state"] + host["initial_weights"], abs=0.01)
+
+    code, out = cli.validate_json(path, "--set", "launch.host_memory_gib=16")
+    assert code == 2
+    [error] = [e for e in out["errors"] if e["location"] == "launch.host_memory_gib"]
+    assert f"{host['total']:.1f} GiB" in error["message"] and "exceeds launch.host_memory_gib 16.0 GiB" in error["message"]
+
+    monkeypatch.setattr("fsdpclip.validate.summary.host_memory", lambda: 16 * 2 ** 30)
+    code, out = cli.validate_json(path)
+    [error] = [e for e in out["errors"] if e["location"] == "fsdp.cpu_offload"]
+    assert "this machine's memory 16.0 GiB" in error["message"] and "launch.host_memory_gib" in error["hint"]
+    code, out = cli.validate_json(path, "--no-check-paths")
+    assert code == 0, out["errors"]
+    code, out = cli.validate_json(path, "--set", "fsdp.cpu_offload=false")  # 8 processes and the initial weights
+    assert [e["location"] for e in out["errors"]] == ["launch.gpus_per_node"]
+    code, out = cli.validate_json(path, "--set", "fsdp.cpu_offload=false", "--no-check-paths")
+    assert code == 0 and out["summary"]["host_memory_gib"]["offloaded_state"] == 0

@@ -198,7 +198,12 @@ def publish(partial: Path, final: Path, meta: dict) -> None:
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
-    write_atomically(final.parent / LATEST, final.name + "\n")
+    point_latest(final)
+
+
+def point_latest(checkpoint: Path) -> None:
+    """Name a complete checkpoint in its run's `latest`."""
+    write_atomically(checkpoint.parent / LATEST, checkpoint.name + "\n")
 
 
 def first_failure(exc: BaseException) -> str:

@@ -1,5 +1,6 @@
 """Sharded checkpoints saved and loaded by every rank of a run (`Checkpointer`): their layout in
-`fsdpclip.checkpoint.layout`, the asynchronous saves' copies in `fsdpclip.checkpoint.staging`.
+`fsdpclip.checkpoint.layout`, the asynchronous saves' copies in `fsdpclip.checkpoint.staging`, their copies in
+object storage in `fsdpclip.checkpoint.remote`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fsdpclip.checkpoint.layout import (
     rank_file, read_meta, read_rank_state, resume_candidates,
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
+from fsdpclip.checkpoint.remote import RemoteFolder, Uploads, fetch_resume
 from fsdpclip.checkpoint.staging import (
     HostCopy, copy_state, device_bytes, local_shard, local_tensors, spare_device_memory, write_dcp, write_staged,
 )
@@ -75,6 +77,8 @@ class Checkpointer:
         self.snapshot: Optional[dict] = None  # the device copy, reused by every asynchronous save
         self.host = HostCopy()  # the host copy, likewise
         self.phases: dict[str, float] = {}  # seconds of the last save's parts that training waited for
+        self.uploads = Uploads(RemoteFolder(spec.remote, spec.remote_options), spec.keep) \
+            if spec.remote is not None and rank == 0 else None  # checkpoint.remote: rank 0 uploads
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("*" + PARTIAL_SUFFIX):  # left by a crash while saving
@@ -195,29 +199,50 @@ class Checkpointer:
             future.result()
         self._finalize(partial, final, meta)
 
+    def finish_uploads(self) -> Optional[str]:
+        """Rank 0: wait for the uploads under way (checkpoint.remote), then drop the local checkpoints they
+        spared; why the last one failed, or None."""
+        if self.uploads is None:
+            return None
+        failure = self.uploads.wait()
+        self._drop_old()
+        return failure
+
     def close(self) -> None:
-        """Let go of the host copy's page-locked memory, unless a write may still be copying into it."""
+        """Let go of the host copy's page-locked memory, unless a write may still be copying into it; drop the
+        uploads not begun."""
         if self.pending is None or self.pending[0].done():
             self.host.release()
+        if self.uploads is not None:
+            self.uploads.close()
 
     def _finalize(self, partial: Path, final: Path, meta: dict) -> None:
-        """Rank 0: publish the checkpoint (`publish`), drop old ones."""
+        """Rank 0: publish the checkpoint (`publish`), upload it (checkpoint.remote), drop old ones."""
         if self.rank != 0:
             return
         publish(partial, final, meta)
+        if self.uploads is not None:
+            self.uploads.submit(final)
+        self._drop_old()
+
+    def _drop_old(self) -> None:
+        """Delete the complete checkpoints before the newest `keep`, but those still to be uploaded."""
+        uploading = self.uploads.uploading() if self.uploads is not None else set()
         for old in complete_checkpoints(self.root.parent)[:-self.spec.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old not in uploading:
+                shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ loading
     def resume_candidates(self) -> list[Path]:
         """What the spec says to resume from, newest first (`resume_candidates`); logs what is skipped.
 
         Rank 0 decides and every rank follows: ranks looking on their own could see different
-        checkpoints on a shared filesystem whose caches lag."""
+        checkpoints on a shared filesystem whose caches lag. Rank 0 first downloads what object storage holds
+        for the resume (`fetch_resume`); the other ranks wait for it within the collective timeout."""
         chosen = [([], [], None)]  # (candidates, warnings, why none can be used)
         if self.rank == 0:
             try:
-                chosen[0] = (*resume_candidates(self.root.parent, self.spec.resume), None)
+                chosen[0] = (*resume_candidates(self.root.parent, fetch_resume(self.root.parent, self.spec)), None)
             except CheckpointError as exc:
                 chosen[0] = ([], [], str(exc))
         dist.broadcast_object_list(chosen, src=0)

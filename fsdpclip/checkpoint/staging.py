@@ -9,7 +9,6 @@ copied into the host copy first (training waits for that copy).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Optional
 
@@ -19,6 +18,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from fsdpclip.parallel.node import cores_per_local_rank, host_memory
 
 log = logging.getLogger("fsdpclip.checkpoint.staging")
 DEVICE_HEADROOM = 0.05  # of the device's memory, left free when an asynchronous save's copy is kept there
@@ -179,11 +180,6 @@ class HostCopy:
 HOST_SHARE = 0.25  # of a node's memory that 'auto' lets the host copies of its ranks take
 
 
-def host_memory() -> int:
-    """Bytes of memory this node has."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def asynchronous_saves(setting, device_type: str, host_bytes: int, local_ranks: int) -> bool:
     """checkpoint.async_save resolved: 'auto' is on for CUDA devices when the host copies of a node's ranks
     (`host_bytes` each) take at most HOST_SHARE of its memory (elsewhere the state already lives on the host, and
@@ -195,8 +191,7 @@ def asynchronous_saves(setting, device_type: str, host_bytes: int, local_ranks: 
 
 def write_threads() -> int:
     """Files each rank writes a checkpoint to at once: its share of the node's cores, 1 to 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+    return min(8, cores_per_local_rank())
 
 
 def write_dcp(state: dict, checkpoint_id: str, group=None) -> None:

@@ -20,6 +20,7 @@ from fsdpclip.checkpoint.layout import (
     CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, checkpoint_problem, first_failure, publish,
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
+from fsdpclip.data.webdataset_spec import PREPROCESSING_KEYS
 from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import SHARED_PARAMETERS
 
@@ -88,7 +89,8 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
                 state[name] = state[name].reshape(())
         if folder:
             write_atomically(out / "open_clip_config.json", json.dumps(
-                {"model_cfg": config, "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
+                {"model_cfg": {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS},
+                 "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
         if safetensors:
             from safetensors.torch import save_file
 

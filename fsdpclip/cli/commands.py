@@ -48,6 +48,9 @@ def validate(
                                                 help="Check for this many GPUs per node."),
     check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
                                      help="Check that data, eval and weight files exist (off for cluster paths)."),
+    check_remote: bool = typer.Option(False, "--check-remote",
+                                      help="Reach checkpoint.remote (list it, write and delete an object there) and "
+                                           "a resume URL's checkpoint: credentials and reachability."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -64,8 +67,10 @@ def validate(
         if exc.salvaged is None:
             fail(exc.problems, as_json)
         layout = if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
-        fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths).problems, as_json)
-    report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths)
+        fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths,
+                                      check_remote=check_remote).problems, as_json)
+    report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths,
+                       check_remote=check_remote)
     if report.errors:
         fail(report.problems, as_json)
     if as_json:
@@ -210,7 +215,7 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
 ) -> None:
     """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
-    from fsdpclip.model.weights import usable_cores
+    from fsdpclip.parallel.node import usable_cores
     from fsdpclip.spec.jobfile import parse_job
     from fsdpclip.spec.starter import described_fields, starter_spec
     from fsdpclip.validate.checks import check_job

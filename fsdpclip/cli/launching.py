@@ -35,13 +35,18 @@ def launch_command(
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Without Slurm: the address of node 0."),
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
                                               help="Rendezvous port on node 0 (default: launch.master_port)."),
+    include: Optional[str] = typer.Option(None, "--include", metavar="HOST[:SLOTS][@HOST...]",
+                                          help="With --hostfile: only these hosts (and slots), e.g. a@b:0,1."),
+    exclude: Optional[str] = typer.Option(None, "--exclude", metavar="HOST[:SLOTS][@HOST...]",
+                                          help="With --hostfile: all hosts (and slots) but these."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would run (or the batch script)."),
     check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
                                      help="Check that data, eval and weight files exist (off for cluster paths)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
     **backend_flags,
 ) -> None:
-    """Validate a job and run it with torchrun on this node, or submit it to Slurm (--slurm)."""
+    """Validate a job and run it with torchrun on this node, submit it to Slurm (--slurm), or run it on every host
+    of a hostfile over ssh (--hostfile)."""
     from fsdpclip.launch.backends import chosen_backend
     from fsdpclip.launch.launcher import DEFAULT_BACKEND, LaunchError, LaunchFlags, resolve_paths
     from fsdpclip.spec.jobfile import load_job
@@ -51,12 +56,12 @@ def launch_command(
         stop(f"give one of {', '.join('--' + name for name in picked)}, not several")
     name, value = next(iter(picked.items()), (DEFAULT_BACKEND, None))
     flags = LaunchFlags(nodes, gpus_per_node, name, partition, time_limit, node_rank, master_addr, master_port, dry_run,
-                        None if isinstance(value, bool) else value)
+                        None if isinstance(value, bool) else value, include, exclude)
     backend = chosen_backend(flags)
     try:
         flags.check()
         backend.check_flags()
-        job = load_job(job_file, [*overrides, *flags.overrides()])
+        job = load_job(job_file, [*overrides, *flags.overrides(), *backend.overrides()])
         backend.prepare(job)  # before the checks import torch
         from fsdpclip.validate.checks import check_job
 

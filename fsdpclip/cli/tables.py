@@ -49,6 +49,10 @@ def summary_tables(summary: dict) -> list:
     for key in columns:
         mem.add_column(key, justify="right")
     mem.add_row(*(f"{memory[k]:.2f}" for k in columns))
+    host = summary["host_memory_gib"]
+    mem.caption = (f"host memory of the first node: {host['total']:.1f} GiB ({host['ranks']} rank processes "
+                   f"{host['processes']:.1f}, offloaded state {host['offloaded_state']:.1f}, initial weights "
+                   f"{host['initial_weights']:.1f})")
 
     batch = summary["batch"]
     steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
@@ -57,7 +61,22 @@ def summary_tables(summary: dict) -> list:
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
     data = [f"data: {escape(summary['data'])}"] if summary.get("data") else []
-    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line, *data]
+    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line,
+            preprocess_line(summary["preprocess"]), *data]
+
+
+def preprocess_line(preprocess: dict) -> str:
+    """The resolved data.preprocess in one line: normalisation, evaluation's resize, training's augmentation."""
+    numbers = lambda values: "(" + ", ".join(f"{v:.4g}" for v in values) + ")"  # noqa: E731
+    size = preprocess["size"] if isinstance(preprocess["size"], list) else [preprocess["size"]] * 2
+    jitter = preprocess["color_jitter"]
+    low, high = preprocess["crop_scale"]
+    return (f"images: {size[0]}×{size[1]}, mean {numbers(preprocess['mean'])}, std {numbers(preprocess['std'])}; "
+            f"evaluation resizes {preprocess['interpolation']} ('{preprocess['resize_mode']}'); training crops "
+            f"{low:g}–{high:g} of the area" +
+            (f", colour jitter p {jitter['prob']:g} (brightness {jitter['brightness']:g}, contrast "
+             f"{jitter['contrast']:g}, saturation {jitter['saturation']:g}, hue {jitter['hue']:g})" if jitter else "") +
+            (f", grayscale p {preprocess['grayscale_prob']:g}" if preprocess["grayscale_prob"] else ""))
 
 
 def mesh_line(world: int, mesh: dict) -> str:
@@ -76,8 +95,9 @@ def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
     what does not fit."""
     table = Table(title=f"{escape(job.model.name or job.model.config)}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
                         f"{job.batch.per_gpu * job.batch.grad_accum} samples per GPU and step")
-    for column in ("strategy", "shard group", "replicas", "memory GiB/GPU", "in group GiB", "across replicas GiB",
-                   "compute ms", "comm ms", "step ms", "samples/s/GPU", ""):
+    offload = job.fsdp.cpu_offload  # the host's share then changes with the degree
+    for column in ("strategy", "shard group", "replicas", "memory GiB/GPU", *(("host GiB/node",) if offload else ()),
+                   "in group GiB", "across replicas GiB", "compute ms", "comm ms", "step ms", "samples/s/GPU", ""):
         table.add_column(column, justify="left" if column in ("strategy", "") else "right")
     fitting = [r.samples_per_s_per_gpu for r in plan.rows if r.memory_gib <= capacity_gib]
     best = max(fitting) if fitting else None
@@ -88,6 +108,7 @@ def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
         memory = f"{row.memory_gib:.1f}"
         table.add_row(row.name, str(row.degree), str(row.replicas),
                       f"[red]{memory}[/red]" if row.memory_gib > capacity_gib else memory,
+                      *((f"{row.host_gib_per_node:.1f}",) if offload else ()),
                       f"{row.traffic.shard_group / GIB:.3f}", f"{row.traffic.all_reduce / GIB:.3f}",
                       f"{row.compute_s * 1e3:.1f}", f"{row.communication_s * 1e3:.1f}", f"{row.step_s * 1e3:.1f}",
                       f"{row.samples_per_s_per_gpu:,.0f}", ", ".join(marks))
@@ -102,7 +123,9 @@ def plan_model_line(plan: "Plan", intra_gbps: float, inter_gbps: float) -> str:
             f"backward) at {plan.tflops:g} TFLOP/s sustained; ring collectives at {intra_gbps:g} Gb/s per GPU inside "
             f"a node and {inter_gbps:g} across nodes; a step is max(compute, communication) + {EXPOSED_FRACTION:g} × "
             f"communication (docs/architecture.md, 'The mesh and the plan model'). 'auto' takes the smallest shard "
-            f"group of at least a node that fits {plan.gpu_memory_gib:g} GiB with a {MEMORY_MARGIN:.0%} margin.")
+            f"group of at least a node that fits {plan.gpu_memory_gib:g} GiB with a {MEMORY_MARGIN:.0%} margin. Host "
+            f"memory of the first node (rank processes, offloaded state, initial weights): "
+            f"{', '.join(sorted({f'{row.host_gib_per_node:.1f}' for row in plan.rows}, key=float))} GiB.")
 
 
 def report_lines(info: dict) -> list[str]:

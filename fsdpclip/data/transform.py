@@ -12,6 +12,10 @@ thread (in the rank's main process, ahead of the step, on a stream of its own; n
 the step does not wait for it. Progressive and CMYK JPEGs, JPEGs that do not end where a JPEG ends, and
 other formats (PNG, WebP, ...) are decoded on the worker, as with "cpu", and merged into the batch.
 
+OpenCLIP's colour augmentations (`data.preprocess`: colour jitter, grayscale, after the crop) go the same way:
+the workers draw each image's coin flips and factors as the transform would, and the device applies them to
+the resized batch, PIL's arithmetic in torch ops (`coloured`: the same pixels give the same pixels).
+
 nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/performance.md,
 "Data on real shards"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
 torchvision, whose pixels equal PIL's in the tests; others with PIL) and cut its crop; the pinning thread
@@ -25,8 +29,9 @@ import io
 import logging
 import math
 import os
+import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch.utils.data import get_worker_info
@@ -35,6 +40,7 @@ from fsdpclip.data.jpeg import Header, rgb_pixels, whole_rgb_jpeg
 
 if TYPE_CHECKING:
     import numpy as np
+    from torchvision.transforms import RandomResizedCrop
 
 log = logging.getLogger("fsdpclip.data.transform")
 DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG on CUDA)",
@@ -50,40 +56,99 @@ def decode_mode(requested: str, device_type: str) -> str:
 
 
 # ----------------------------------------------------------------------- workers
+class SeededSteps:
+    """The workers' steps of the train transform, run as Compose runs them with Python's generator seeded as
+    torch's is: the stream seeds torch's with each sample's seed, and OpenCLIP's colour jitter and grayscale
+    flip their coins with Python's `random`. Python's state is restored after."""
+
+    def __init__(self, transforms: list):
+        self.transforms = transforms
+
+    def __call__(self, image):
+        state = random.getstate()
+        random.seed(torch.initial_seed())
+        try:
+            for step in self.transforms:
+                image = step(image)
+            return image
+        finally:
+            random.setstate(state)
+
+
+@dataclass
+class DeviceCrop:
+    """What the workers draw for the device ("gpu", "mixed"): the train transform's random resized crop, and
+    the colour augmentations after it (OpenCLIP's `color_jitter` and `gray_scale` steps, or None)."""
+
+    crop: RandomResizedCrop
+    jitter: Optional[Any] = None
+    grayscale: Optional[Any] = None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return tuple(self.crop.size)
+
+    def colours(self, height: int, width: int, seed: int) -> Optional[tuple[float, ...]]:
+        """An image's colour draws for `coloured` (None without colour augmentations): the jitter's order of
+        brightness, contrast, saturation and hue, their factors (NaN: not applied) and whether it is made
+        grayscale, drawn as the transform does with `seed` (SeededSteps): the coins with Python's generator,
+        the jitter's order and factors with torch's, after the crop's draws for an image of `height` × `width`."""
+        if self.jitter is None and self.grayscale is None:
+            return None
+        coin = random.Random(seed % 2**64)  # torch.initial_seed() after manual_seed(seed)
+        order, factors = [0, 1, 2, 3], [math.nan] * 4
+        if self.jitter is not None and coin.random() < self.jitter.p:
+            jitter = self.jitter.transf
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(seed)
+                self.crop.get_params(torch.empty(0, height, width), self.crop.scale, self.crop.ratio)
+                drawn, *drawn_factors = jitter.get_params(jitter.brightness, jitter.contrast, jitter.saturation,
+                                                          jitter.hue)
+            order = drawn.tolist()
+            factors = [math.nan if factor is None else factor for factor in drawn_factors]
+        gray = self.grayscale is not None and coin.random() < self.grayscale.p
+        return (*order, *factors, float(gray))
+
+
 @dataclass
 class EncodedJpeg:
-    """A worker's sample for the device to decode: the JPEG, its crop box (top, left, height, width) and the
-    size (height, width) the crop is resized to."""
+    """A worker's sample for the device to decode: the JPEG, its crop box (top, left, height, width), the
+    size (height, width) the crop is resized to and its colour draws (`DeviceCrop.colours`)."""
 
     data: bytes
     box: tuple[int, int, int, int]
     size: tuple[int, int]
+    colours: Optional[tuple[float, ...]] = None
 
 
-def for_device(data: bytes, header: Header, crop, seed: int) -> Optional[EncodedJpeg]:
-    """`data` (of `header`) with the box `crop` (the worker transform's random resized crop) draws for it with
-    torch's generator seeded with `seed` (the same box as running the transform so), if the device decodes
-    it; None: decode it on the worker."""
+def for_device(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> Optional[EncodedJpeg]:
+    """`data` (of `header`) with the box and colours `crop` (the worker transform's: `random_resized_crop`)
+    draws for it with torch's generator seeded with `seed` (the same as running the transform so), if the
+    device decodes it; None: decode it on the worker."""
     if not whole_rgb_jpeg(data, header) or header.progressive:  # nvJPEG decodes those on the host
         return None
-    return EncodedJpeg(data, crop_box(crop, header.height, header.width, seed), crop.size)
+    return EncodedJpeg(data, crop_box(crop.crop, header.height, header.width, seed), crop.size,
+                       crop.colours(header.height, header.width, seed))
 
 
 @dataclass
 class CroppedImage:
     """A worker's sample for the device to resize ("mixed"): its crop (the box the worker transform's
     random resized crop draws) of the decoded image, RGB uint8 (h, w, 3) as the decoder left it (a numpy
-    view; made channels-first on the device), and the size it is resized to."""
+    view; made channels-first on the device), the size it is resized to and its colour draws."""
 
     pixels: np.ndarray
     size: tuple[int, int]
+    colours: Optional[tuple[float, ...]] = None
 
 
-def cropped(data: bytes, header: Header, crop, seed: int) -> CroppedImage:
-    """`data` (of `header`) decoded to RGB and cut to the box `crop` (the worker transform's random resized
-    crop) draws for it with torch's generator seeded with `seed` (the box running the transform so would cut)."""
-    top, left, height, width = crop_box(crop, header.height, header.width, seed)
-    return CroppedImage(rgb_pixels(data, header)[top:top + height, left:left + width], crop.size)
+def cropped(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> CroppedImage:
+    """`data` (of `header`) decoded to RGB and cut to the box `crop` (the worker transform's:
+    `random_resized_crop`) draws for it with torch's generator seeded with `seed` (the box running the
+    transform so would cut), with its colour draws."""
+    top, left, height, width = crop_box(crop.crop, header.height, header.width, seed)
+    return CroppedImage(rgb_pixels(data, header)[top:top + height, left:left + width], crop.size,
+                        crop.colours(header.height, header.width, seed))
 
 
 ATTEMPTS = 10  # torchvision's RandomResizedCrop draws up to 10 boxes before it falls back to a central crop
@@ -137,7 +202,7 @@ def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
         crops = [item.pixels for item in items]
         pixels, release_flag = pooled_batch(padded_shape(crops)) if get_worker_info() is not None else (None, None)
         return CroppedBatch(padded(crops, out=pixels), torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]),
-                            items[0].size, release_flag)
+                            items[0].size, release_flag, _colours(items))
     jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
     if not jpegs:
         return torch.stack(items)
@@ -148,14 +213,21 @@ def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
     data = [items[i].data for i in jpegs]
     return EncodedBatch(torch.frombuffer(bytearray().join(data), dtype=torch.uint8), [len(d) for d in data],
                         torch.tensor([items[i].box for i in jpegs]), items[jpegs[0]].size,
-                        torch.stack([items[i] for i in decoded]) if decoded else None, torch.tensor(order))
+                        torch.stack([items[i] for i in decoded]) if decoded else None, torch.tensor(order),
+                        _colours([items[i] for i in jpegs]))
+
+
+def _colours(items: list) -> Optional[torch.Tensor]:
+    """The samples' colour draws as one (samples, 9) float64 tensor; None without colour augmentations."""
+    return None if items[0].colours is None else torch.tensor([item.colours for item in items], dtype=torch.float64)
 
 
 @dataclass
 class EncodedBatch:
     """A micro batch whose JPEGs the device decodes: their bytes end to end (one tensor crosses from the
     worker, not one per image), crop boxes and output size, the pixels of the images decoded on the
-    worker, and `order`: sample i is row order[i] of the JPEGs followed by the decoded images."""
+    worker (augmented there), `order`: sample i is row order[i] of the JPEGs followed by the decoded images,
+    and the JPEGs' colour draws (`coloured`; None: no colour augmentation)."""
 
     data: torch.Tensor  # uint8
     lengths: list[int]
@@ -163,6 +235,7 @@ class EncodedBatch:
     size: tuple[int, int]
     pixels: Optional[torch.Tensor]  # (decoded, 3, *size) uint8
     order: torch.Tensor  # (batch,) int64
+    colours: Optional[torch.Tensor] = None  # (jpegs, 9) float64
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: decodes it on that
@@ -191,19 +264,20 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}  # the pinning thread's stream, per 
 class CroppedBatch:
     """A micro batch cropped by the workers for the device to resize ("mixed"): the crops zero-padded to
     the largest (in a worker's pooled shared-memory buffer, at least as large as its largest crop times the
-    batch), their boxes in that batch (top 0, left 0, height, width), the output size and the buffer's
-    release flag (`pooled_batch`)."""
+    batch), their boxes in that batch (top 0, left 0, height, width), the output size, the buffer's
+    release flag (`pooled_batch`) and the colour draws (`coloured`; None: no colour augmentation)."""
 
     pixels: torch.Tensor  # (batch, H, W, 3) uint8
     boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
     size: tuple[int, int]
     release_flag: Optional[torch.Tensor] = None  # a worker's pooled buffer's: set once the rank is done reading it
+    colours: Optional[torch.Tensor] = None  # (batch, 9) float64
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: pinned, copied and
         resized on that thread's CUDA device, on a stream of its own (so the copy overlaps the step)."""
         try:
-            pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size)
+            pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size, colours=self.colours)
         finally:
             self.release()
         return _ahead_of_the_step(pinned.resized)
@@ -217,9 +291,9 @@ class CroppedBatch:
             self.release_flag = None
 
     def resized(self, device: torch.device) -> torch.Tensor:
-        """The crops resized on `device`: uint8 (batch, 3, *size)."""
+        """The crops resized on `device`, their colours augmented: uint8 (batch, 3, *size)."""
         channels_first = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
-        return resized_crops(channels_first, self.boxes, self.size)
+        return coloured(resized_crops(channels_first, self.boxes, self.size), self.colours)
 
 
 @dataclass
@@ -234,7 +308,7 @@ class DecodedBatch:
 def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's pixels on `device` in sample order: uint8 (batch, 3, H, W)."""
     jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
-    pixels = resized_crops(padded(jpegs), batch.boxes, batch.size)
+    pixels = coloured(resized_crops(padded(jpegs), batch.boxes, batch.size), batch.colours)
     if batch.pixels is not None:
         pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
     return pixels[batch.order.to(device, non_blocking=True)]
@@ -279,24 +353,26 @@ class TrainImages:
     `device`, bit for bit what the whole transform gives for the worker's pixels."""
 
     def __init__(self, transform, decode: str, device: torch.device):
-        from torchvision.transforms import Compose, Normalize, PILToTensor, ToTensor
+        from torchvision.transforms import Normalize, PILToTensor, ToTensor
 
         steps = list(getattr(transform, "transforms", ()))
         cut = next((i for i, step in enumerate(steps) if isinstance(step, ToTensor)), None)
         if cut is None or len(steps) != cut + 2 or not isinstance(steps[-1], Normalize):
             raise ValueError(f"the model's train transform is not <PIL steps>, ToTensor, Normalize, so it cannot "
                              f"be split between the data workers and the device: {transform}")
-        self.worker_transform = Compose(steps[:cut] + [PILToTensor()])
+        self.worker_transform = SeededSteps(steps[:cut] + [PILToTensor()])
         self.device, self.decode = device, decode
         normalize = steps[-1]
         self.mean, self.std = (torch.as_tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
                                for v in (normalize.mean, normalize.std))
         if decode in ("gpu", "mixed"):
             crop = random_resized_crop(steps[:cut])
-            extra = [step for step in steps[:cut] if step is not crop and not _to_rgb(step)]
+            done = (crop.crop, crop.jitter, crop.grayscale)
+            extra = [step for step in steps[:cut] if step not in done and not _to_rgb(step)]
             if extra:
-                raise ValueError(f"data.decode '{decode}' crops and resizes on the device, but the model's train "
-                                 f"transform also does {extra}: use data.decode 'cpu'")
+                raise ValueError(f"data.decode '{decode}' crops and resizes on the device (with OpenCLIP's colour "
+                                 f"jitter and grayscale), but the model's train transform also does {extra}: use "
+                                 "data.decode 'cpu'")
 
     def __call__(self, batch: Union[torch.Tensor, EncodedBatch, DecodedBatch, CroppedBatch]) -> torch.Tensor:
         """The model's input: float32 (batch, 3, H, W), normalised, on the device (asynchronous)."""
@@ -389,6 +465,97 @@ def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int
         torch.uint8, memory_format=torch.contiguous_format)
 
 
+def coloured(pixels: torch.Tensor, draws: Optional[torch.Tensor]) -> torch.Tensor:
+    """uint8 images (n, 3, H, W) with each row's colour draws (host rows of `DeviceCrop.colours`; None: none)
+    applied as OpenCLIP's steps apply them to a PIL image: the jitter's adjustments in its drawn order
+    (torchvision's PIL ones), then grayscale; PIL's arithmetic, so the same pixels give the same pixels."""
+    if draws is None:
+        return pixels
+    order, factors, gray = draws[:, :4].long(), draws[:, 4:8], draws[:, 8].bool()
+
+    def rows(chosen: torch.Tensor) -> torch.Tensor:
+        return chosen.nonzero().flatten()
+
+    for position in range(4):
+        for adjustment, adjust in enumerate(_ADJUSTMENTS):
+            chosen = rows((order[:, position] == adjustment) & ~factors[:, adjustment].isnan())
+            if len(chosen):
+                index = chosen.to(pixels.device, non_blocking=True)
+                factor = factors[chosen, adjustment].to(pixels.device, non_blocking=True).view(-1, 1, 1, 1)  # float64
+                pixels = pixels.index_copy(0, index, adjust(pixels[index], factor))
+    chosen = rows(gray)
+    if len(chosen):
+        index = chosen.to(pixels.device, non_blocking=True)
+        pixels = pixels.index_copy(0, index, _luma(pixels[index]).to(torch.uint8).expand(-1, 3, -1, -1))
+    return pixels
+
+
+def _luma(pixels: torch.Tensor) -> torch.Tensor:
+    """PIL's RGB → L, int32 (n, 1, H, W): (19595 R + 38470 G + 7471 B + 2^15) >> 16."""
+    red, green, blue = pixels.int().split(1, dim=1)
+    return (red * 19595 + green * 38470 + blue * 7471 + 0x8000) >> 16
+
+
+def _blend(degenerate: torch.Tensor, pixels: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """PIL's Image.blend(degenerate, image, factor) (ImageEnhance's): degenerate + factor × (image - degenerate)
+    in float32, clipped to 0..255 and truncated."""
+    degenerate = degenerate.float()
+    return (pixels.float() - degenerate).mul_(factor.float()).add_(degenerate).clamp_(0, 255).trunc_().to(torch.uint8)
+
+
+def _brightness(pixels: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return _blend(torch.zeros((), device=pixels.device), pixels, factor)
+
+
+def _contrast(pixels: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """Blended with the image's mean gray level, rounded (ImageStat's mean of the L image, in float64)."""
+    luma = _luma(pixels)
+    mean = luma.sum(dim=(1, 2, 3), dtype=torch.int64).double().div_(luma[0].numel()).add_(0.5).floor_()
+    return _blend(mean.view(-1, 1, 1, 1), pixels, factor)
+
+
+def _saturation(pixels: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return _blend(_luma(pixels), pixels, factor)
+
+
+def _hue(pixels: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """torchvision's PIL adjust_hue: PIL's 8-bit HSV (Convert.c's rgb2hsv, float and double steps as it
+    takes them), the hue byte shifted by int(factor × 255) modulo 256, and PIL's HSV → RGB."""
+    red, green, blue = pixels.int().unbind(1)
+    high = torch.maximum(torch.maximum(red, green), blue)
+    low = torch.minimum(torch.minimum(red, green), blue)
+    spread = (high - low).float()
+    grey = spread == 0
+    divisor = torch.where(grey, 1.0, spread)
+    saturation = spread / high.float().clamp(min=1)
+    rc, gc, bc = ((high - channel).float().div_(divisor) for channel in (red, green, blue))
+    hue = torch.where(red == high, (bc - gc).double(), torch.where(  # the first in float, the others in double
+        green == high, 2.0 + rc.double() - bc.double(), 4.0 + gc.double() - rc.double())).float()
+    hue = torch.fmod(hue.double() / 6.0 + 1.0, 1.0).float()
+    h = torch.where(grey, 0, (hue.double() * 255.0).trunc().clamp(0, 255).long())
+    s = torch.where(grey, 0, (saturation.double() * 255.0).trunc().clamp(0, 255).long())
+    h = (h + (factor.view(-1, 1, 1) * 255).trunc().long()) % 256  # np.int32(f × 255) as uint8
+    sixths = h.double() * 6.0 / 255.0
+    sector = sixths.floor()
+    shade = (sixths - sector).float() * s.float()  # fs
+    value = high.double()
+    p = torch.round(value * (255.0 - s.double()) / 255.0).clamp(0, 255).int()
+    q = torch.round(value * (255.0 - shade.double()) / 255.0).clamp(0, 255).int()
+    t = torch.round(value * (255.0 - s.double() + shade.double()) / 255.0).clamp(0, 255).int()
+    v = high
+    sector = sector.long() % 6
+    channels = []
+    for chosen in zip((v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q)):  # per channel, per sector
+        channel = v
+        for index, value_of_sector in enumerate(chosen):
+            channel = torch.where(sector == index, value_of_sector, channel)
+        channels.append(torch.where(s == 0, v, channel))
+    return torch.stack(channels, 1).to(torch.uint8)
+
+
+_ADJUSTMENTS = (_brightness, _contrast, _saturation, _hue)  # ColorJitter's order numbers
+
+
 def _half_products(device: torch.device) -> bool:
     """Whether the resize's products run as float16 tensor-core products with float32 results (CUDA, and a
     torch whose bmm takes out_dtype); else they run in float32."""
@@ -434,15 +601,24 @@ def resample_weights(start: torch.Tensor, length: torch.Tensor, extent: int, out
     return dense.scatter_add_(2, index.long().clamp_(0, extent - 1), weights)  # taps past an edge weigh 0
 
 
-def random_resized_crop(steps: list):
-    """The random resized crop among the worker's steps (it must be bicubic, as OpenCLIP's is)."""
-    from torchvision.transforms import InterpolationMode, RandomResizedCrop
+def random_resized_crop(steps: list) -> DeviceCrop:
+    """The random resized crop among the worker's steps (the first; bicubic, as OpenCLIP's is) and OpenCLIP's
+    colour jitter and grayscale after it, in that order, if there."""
+    from open_clip.transform import color_jitter, gray_scale
+    from torchvision.transforms import InterpolationMode
+
+    from torchvision.transforms import RandomResizedCrop
 
     crops = [step for step in steps if isinstance(step, RandomResizedCrop)]
-    if len(crops) != 1 or crops[0].interpolation != InterpolationMode.BICUBIC:
-        raise ValueError(f"data.decode 'gpu' needs one bicubic random resized crop in the model's train transform; "
-                         f"it has {steps}: use data.decode 'cpu'")
-    return crops[0]
+    if len(crops) != 1 or crops[0] is not steps[0] or crops[0].interpolation != InterpolationMode.BICUBIC:
+        raise ValueError(f"data.decode 'gpu' needs one bicubic random resized crop first in the model's train "
+                         f"transform; it has {steps}: use data.decode 'cpu'")
+    jitter = next((step for step in steps if isinstance(step, color_jitter)), None)
+    grayscale = next((step for step in steps if isinstance(step, gray_scale)), None)
+    if jitter is not None and grayscale is not None and steps.index(grayscale) < steps.index(jitter):
+        raise ValueError("the model's train transform makes images grayscale before it jitters their colours; "
+                         "the device does it after: use data.decode 'cpu'")
+    return DeviceCrop(crops[0], jitter, grayscale)
 
 
 def _to_rgb(step) -> bool:

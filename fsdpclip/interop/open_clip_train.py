@@ -40,7 +40,7 @@ from torch import nn
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, refusal
 from fsdpclip.checkpoint.layout import CheckpointError, complete_checkpoints
 from fsdpclip.checkpoint.whole import save_whole
-from fsdpclip.model.build import SHARED_PARAMETERS, model_config, original_shapes
+from fsdpclip.model.build import SHARED_PARAMETERS, model_config, original_shapes, training_config
 from fsdpclip.model.trainable import DecayGroup, frozen_meta_model, rule_matches, trainable_decay_groups
 from fsdpclip.model.weights import load_weights, unwrapped
 from fsdpclip.run.directory import IMPORT_FILE
@@ -92,7 +92,7 @@ def import_open_clip_train(source: Path, job: Job) -> Imported:
         notes += note
         imported = {"source": str(source), "name": saved.get("name"), "epoch": saved["epoch"], "notes": notes}
         meta = {"samples_seen": samples_seen, "skipped_steps": 0, "scaler": scaler,
-                "model": {"label": job.model.label, "open_clip_config": model_config(job.model)},
+                "model": {"label": job.model.label, "open_clip_config": training_config(job)},
                 "job": json.loads(job.to_json()), "imported": imported}
         checkpoint = save_whole(job.run_dir, step, model, optimizer, meta)
         result = Imported(**imported, step=step, total_steps=total, checkpoint=str(checkpoint))

@@ -3,8 +3,9 @@ its registry, the job's paths made absolute, and torchrun's command line.
 
 A backend (`LauncherBackend`) is one way to start a job, picked by its flag of `fsdpclip launch`: torchrun on
 this node (`fsdpclip.launch.local`, the default: with a static rendezvous when the job spans nodes and you
-start each node yourself) or a Slurm batch script that starts torchrun on every node of its allocation
-(`fsdpclip.launch.slurm`, `--slurm`). A backend registers itself with `register_backend`;
+start each node yourself), a Slurm batch script that starts torchrun on every node of its allocation
+(`fsdpclip.launch.slurm`, `--slurm`), or torchrun on every host of a hostfile over ssh
+(`fsdpclip.launch.hostfile`, `--hostfile FILE`). A backend registers itself with `register_backend`;
 `fsdpclip.launch.backends` lists the built-in ones and any registered since. Nothing here imports torch.
 """
 
@@ -35,7 +36,8 @@ class LaunchError(Exception):
 @dataclass(frozen=True)
 class LaunchFlags:
     """What `fsdpclip launch` was asked on its command line, beside the spec. `backend` names the backend its
-    flag picked; `backend_value` is that flag's value, for a backend whose flag takes one."""
+    flag picked; `backend_value` is that flag's value, for a backend whose flag takes one; `include` and
+    `exclude` pick hosts and slots of a hostfile."""
 
     nodes: Optional[int] = None
     gpus_per_node: Optional[int] = None
@@ -47,6 +49,8 @@ class LaunchFlags:
     master_port: Optional[int] = None
     dry_run: bool = False
     backend_value: Optional[str] = None
+    include: Optional[str] = None
+    exclude: Optional[str] = None
 
     def check(self) -> None:
         """Flag values that cannot be written into a launch (any backend); the backend checks the rest."""
@@ -67,7 +71,8 @@ class LaunchFlags:
 class LauncherBackend:
     """One way to start a job: the protocol every backend implements (a subclass that overrides `start`,
     decorated with `register_backend`). `fsdpclip launch` makes one per launch from its flags and calls
-    `check_flags`, `prepare`, `check_job` and `start` in that order; each raises LaunchError for the user.
+    `check_flags`, `overrides`, `prepare`, `check_job` and `start` in that order; each raises LaunchError for
+    the user.
 
     `name` is its flag (`--NAME`; the default backend's is never given), `help` that flag's help, `metavar`
     set when the flag takes a value (`flags.backend_value`), and `runs_here` true when the ranks start on
@@ -83,6 +88,11 @@ class LauncherBackend:
 
     def check_flags(self) -> None:
         """Flags this backend cannot honour, before the spec is read."""
+
+    def overrides(self) -> list[str]:
+        """Spec fields this backend sets (a hostfile's nodes, say), as `--set` assignments applied after the
+        command line's."""
+        return []
 
     def prepare(self, job: Job) -> None:
         """Work that must come before torch is imported (the spec's checks import it)."""

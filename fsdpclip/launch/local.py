@@ -18,7 +18,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdpclip.launch.launcher import (
     TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, LaunchFlags, register_backend, render,
@@ -52,6 +52,8 @@ class LocalBackend(LauncherBackend):
         flags = self.flags
         if flags.partition is not None or flags.time_limit is not None:
             raise LaunchError("--partition and --time are Slurm options: add --slurm")
+        if flags.include is not None or flags.exclude is not None:
+            raise LaunchError("--include and --exclude pick hosts of a hostfile: add --hostfile FILE")
         if flags.node_rank is not None and flags.master_addr is None:
             raise LaunchError("--node-rank needs --master-addr, the address of node 0")
 
@@ -194,6 +196,13 @@ def job_environment(job: Job) -> dict[str, str]:
     return env
 
 
+def torchrun_environment(job: Job, token: str, fork_ranks: bool) -> dict[str, str]:
+    """What torchrun and the ranks of this node start with: the job's environment, the launch's lock token, this
+    process as the launcher they outlive only to stop (LAUNCHER_ENV), and what forked ranks need."""
+    return {**job_environment(job), LOCK_TOKEN_ENV: token, LAUNCHER_ENV: "%d:%d" % process_identity(),
+            **forking_environment(job, fork_ranks)}
+
+
 def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     """Take the run directory (node 0), write RUN_DIR/job.json, run torchrun for this node under
     supervision and wait; returns the exit report, written to exit.json however the job ended
@@ -203,8 +212,7 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     rank 0 runs, whatever became of the launcher.
     """
     token, started = uuid.uuid4().hex, time.time()
-    env = {**job_environment(job), LOCK_TOKEN_ENV: token, LAUNCHER_ENV: "%d:%d" % process_identity(),
-           **forking_environment(job, fork_ranks)}
+    env = torchrun_environment(job, token, fork_ranks)
     lock = HeldLock(job.run_dir, token) if (flags.node_rank or 0) == 0 else None
     try:
         job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,9 +227,11 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
     return finish_exit_report(job.run_dir, started, status)
 
 
-def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Optional[HeldLock] = None) -> int:
+def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Optional[HeldLock] = None,
+              started: Optional[Callable[[int], None]] = None) -> int:
     """Run `command` (torchrun) in its own session with inherited output (`ForkedTorchrun`), and return its
-    exit status; torchrun joins `lock`.
+    exit status; torchrun joins `lock`, and `started` is called with its pid once the signal handlers are in
+    place.
 
     A first SIGTERM, SIGHUP (the terminal or ssh connection gone) or Ctrl-C to this process (or to its
     process group: the terminal's Ctrl-C, a scheduler's `kill -TERM -PGID`) becomes a stop request in
@@ -246,6 +256,8 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Opti
             kill_tree(process.pid)
 
     previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    if started is not None:
+        started(process.pid)
     try:
         status = process.wait()
         return STOPPED_AT_ONCE if len(received) > 1 else status

@@ -40,6 +40,9 @@ class SlurmBackend(LauncherBackend):
         if flags.node_rank is not None or flags.master_addr is not None:
             raise LaunchError("--slurm starts every node itself: --node-rank and --master-addr are for launches "
                               "without Slurm")
+        if flags.include is not None or flags.exclude is not None:
+            raise LaunchError("--slurm runs on the nodes Slurm allocates: --include and --exclude pick hosts of a "
+                              "--hostfile")
         if not flags.dry_run and shutil.which("sbatch") is None:
             raise LaunchError("--slurm needs Slurm's sbatch on the PATH (use --dry-run to only print the batch "
                               "script)")

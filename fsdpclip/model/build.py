@@ -12,18 +12,20 @@ import json
 import logging
 import re
 import sys
+import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
+from fsdpclip.data.webdataset_spec import PREPROCESSING_KEYS, PreprocessSpec
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, ModelSpec
+from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, Job, ModelSpec
 from fsdpclip.spec.registry import TOWER_FAMILIES
 
 # Repeated blocks of OpenCLIP's own towers; the tower families add theirs (`known_block_classes`).
@@ -35,11 +37,13 @@ EMBEDDING_RE = re.compile(
 
 
 # ------------------------------------------------------------------------ building
-def model_config(spec: ModelSpec) -> dict:
+def model_config(spec: ModelSpec, preprocess: Optional[PreprocessSpec] = None) -> dict:
     """The OpenCLIP model config the spec asks for: its base config (name or file), the towers
-    it composes in, and its overrides. Never refers to anything that is not local."""
+    it composes in, and its overrides; with its preprocessing under PREPROCESSING_KEYS (`preprocessing`).
+    Never refers to anything that is not local."""
     import open_clip
 
+    own_preprocess = {}
     if spec.config is not None:
         try:
             raw = json.loads(read_text_file(Path(spec.config)))
@@ -52,6 +56,7 @@ def model_config(spec: ModelSpec) -> dict:
         missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(cfg, dict) or k not in cfg]
         if missing:
             raise ModelError(f"model config lacks {', '.join(missing)}", "model.config", spec.config)
+        own_preprocess = raw.get("preprocess_cfg") or cfg.get("preprocess_cfg") or {}  # an open_clip local-dir's
     elif spec.name is not None:
         cfg = open_clip.get_model_config(spec.name)
         if cfg is None:
@@ -73,7 +78,28 @@ def model_config(spec: ModelSpec) -> dict:
         vision["timm_model_pretrained"] = False
     if "hf_model_name" in text:
         text["hf_model_pretrained"] = False
-    return cfg
+    if spec.name is not None and spec.published_tag is not None:
+        own_preprocess = {**own_preprocess, **open_clip.get_pretrained_cfg(spec.name, spec.published_tag)}
+    return cfg | preprocessing(own_preprocess, preprocess or PreprocessSpec())
+
+
+def training_config(job: Job) -> dict:
+    """The model config a job trains: `model_config` with its data block's `preprocess` (a webdataset one's)."""
+    return model_config(job.model, getattr(job.data, "preprocess", None))
+
+
+def preprocessing(own: dict, spec: PreprocessSpec) -> dict:
+    """A model's preprocessing as a model config holds it: OpenCLIP's PreprocessCfg (its defaults, under the
+    model's `own` ones: its config file's, its published tag's) and AugmentationCfg (its defaults), each
+    under what `spec` sets. The image size is the model's (`model_from_config`)."""
+    from open_clip.transform import AugmentationCfg, PreprocessCfg, merge_preprocess_dict
+
+    overrides = spec.overrides()
+    preprocess = merge_preprocess_dict(merge_preprocess_dict(PreprocessCfg(), own), overrides["preprocess_cfg"])
+    preprocess.pop("size")
+    augmentation = {k: v for k, v in asdict(AugmentationCfg()).items() if v is not None and k != "use_timm"}
+    return {"preprocess_cfg": json.loads(json.dumps(preprocess)),
+            "augmentation_cfg": json.loads(json.dumps(augmentation | overrides["augmentation_cfg"]))}
 
 
 @contextmanager
@@ -138,10 +164,10 @@ def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Modu
     turns them back into OpenCLIP's 0-d shape.
     """
     import open_clip
-    from open_clip.transform import PreprocessCfg, merge_preprocess_dict
-    from dataclasses import asdict
+    from open_clip.transform import AugmentationCfg, PreprocessCfg, merge_preprocess_dict
 
     cfg = copy.deepcopy(cfg)
+    preprocess, augmentation = (cfg.pop(key, {}) for key in PREPROCESSING_KEYS)
     text_cfg = cfg["text_cfg"]
     if "multimodal_cfg" in cfg:
         raise ModelError("CoCa models (a config with multimodal_cfg) are not supported: the contrastive losses "
@@ -163,8 +189,9 @@ def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Modu
 
         model.context_length = model.text.context_length = text_cfg.get("context_length", DEFAULT_CONTEXT_LENGTH)
     size = getattr(model.visual, "image_size", None)
-    preprocess = merge_preprocess_dict(asdict(PreprocessCfg()), {"size": size} if size else {})
+    preprocess = merge_preprocess_dict(merge_preprocess_dict(PreprocessCfg(), preprocess), {"size": size})
     open_clip.model.set_model_preprocess_cfg(model, preprocess)
+    model.visual.augmentation_cfg = asdict(AugmentationCfg(**augmentation))  # fsdpclip's: training's augmentation
     return model
 
 
@@ -349,7 +376,11 @@ def build_tokenizer(cfg: dict):
 
 
 def image_transform(model: nn.Module, train: bool):
-    """OpenCLIP's preprocessing for this model (train: random resized crop)."""
+    """OpenCLIP's preprocessing for this model (`visual.preprocess_cfg`; train: with its augmentation,
+    `visual.augmentation_cfg`, where model_from_config set one)."""
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
-    return image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train)
+    augmentation = getattr(model.visual, "augmentation_cfg", None) if train else None
+    with warnings.catch_warnings():  # OpenCLIP calls the jitter's and grayscale's keys unused, and uses them
+        warnings.filterwarnings("ignore", "Unused augmentation cfg items")
+        return image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train, aug_cfg=augmentation)

@@ -4,7 +4,6 @@ OpenCLIP-style checkpoints into a model or into one of its towers."""
 from __future__ import annotations
 
 import functools
-import os
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -15,6 +14,7 @@ from torch import nn
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
 from fsdpclip.model.build import build_model, tower_of
 from fsdpclip.model.published import weights_file
+from fsdpclip.parallel.node import usable_cores
 from fsdpclip.problems import ModelError
 from fsdpclip.spec.job import ModelSpec
 
@@ -147,10 +147,6 @@ def init_kind(spec: ModelSpec) -> str:
         return spec.init
     parameters = sum(p.numel() for p in build_model(spec).parameters())
     return "openclip" if parameters <= OPENCLIP_INIT_MAX_PARAMETERS else "parallel"
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ParallelDraws:

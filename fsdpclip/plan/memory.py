@@ -17,6 +17,8 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # (Korthikanti et al. 2022, 34·s·h bytes at 16 bits, with fused attention and no dropout).
 BLOCK_ACTIVATION_FACTOR = 17
 GIB = 1024 ** 3
+# A rank's process on the host besides any state it holds: torch, the CUDA context, OpenCLIP, its buffers.
+RANK_PROCESS_BYTES = 2 * GIB
 
 
 @dataclass
@@ -44,6 +46,32 @@ class MemoryEstimate:
         out["total"] = round(self.total / GIB, 3)
         out["world_size"], out["shard_degree"] = self.world_size, self.shard_degree
         return out
+
+
+@dataclass
+class HostEstimate:
+    """Bytes of host memory one node needs: its ranks' processes, the state they hold there with CPU
+    offload, and the whole fp32 model the first rank builds its initial weights in before they are sharded."""
+
+    ranks: int
+    processes: float
+    offloaded_state: float
+    initial_weights: float
+
+    @property
+    def total(self) -> float:
+        return self.processes + self.offloaded_state + self.initial_weights
+
+    def as_gib(self) -> dict:
+        out = {k: round(getattr(self, k) / GIB, 3) for k in ("processes", "offloaded_state", "initial_weights")}
+        return {"ranks": self.ranks, **out, "total": round(self.total / GIB, 3)}
+
+
+def estimate_host_memory(estimate: MemoryEstimate, parameters: int, ranks_per_node: int) -> HostEstimate:
+    """The host memory of the node with the first rank (the one that needs most), from the per-GPU
+    `estimate` (its `host` part is a rank's offloaded state) and the model's parameter count."""
+    return HostEstimate(ranks_per_node, ranks_per_node * RANK_PROCESS_BYTES, ranks_per_node * estimate.host,
+                        4.0 * parameters)
 
 
 def traced_forward(model: nn.Module, blocks: list[str]) -> tuple[dict[str, int], tuple[int, int]]:

@@ -21,7 +21,8 @@ from fsdpclip.model.build import Tower, image_shape, model_config, text_shape, t
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.parallelize import resolve_auto
 from fsdpclip.parallel.units import Unit, checkpointed_modules, plan_units
-from fsdpclip.plan.memory import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_memory, traced_forward
+from fsdpclip.plan.memory import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_host_memory, \
+    estimate_memory, traced_forward
 from fsdpclip.spec.job import Job
 
 MEMORY_MARGIN = 0.10  # 'auto' keeps this fraction of a GPU's memory free (the estimate is within ~6%)
@@ -172,6 +173,7 @@ class Strategy:
     degree: int
     replicas: int
     memory_gib: float
+    host_gib_per_node: float  # the first node's: its rank processes, offloaded state, the initial weights
     traffic: Traffic
     compute_s: float
     communication_s: float
@@ -192,15 +194,17 @@ def strategies(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: in
     so a step takes the longer of the two plus EXPOSED_FRACTION of the communication."""
     world, samples, rows = nodes * gpus_per_node, job.batch.per_gpu * job.batch.grad_accum, []
     compute = samples * flops_per_sample / (tflops * 1e12)
+    parameters = sum(unit.numel for unit in memory.units)
     for degree in valid_shard_degrees(world, gpus_per_node):
         moved = traffic(memory.job, memory.units, world, degree)  # the units and resharding as built
         group_gbps = intra_gbps if degree <= gpus_per_node else inter_gbps
         replica_gbps = intra_gbps if nodes == 1 else inter_gbps
         communication = moved.shard_group / (group_gbps * 1e9 / 8) + moved.all_reduce / (replica_gbps * 1e9 / 8)
         step = max(compute, communication) + EXPOSED_FRACTION * communication
-        rows.append(Strategy(strategy_name(degree, world), degree, world // degree,
-                             memory.estimate(world, degree).total / GIB, moved, compute, communication, step,
-                             samples / step))
+        estimate = memory.estimate(world, degree)
+        host = estimate_host_memory(estimate, parameters, gpus_per_node)
+        rows.append(Strategy(strategy_name(degree, world), degree, world // degree, estimate.total / GIB,
+                             host.total / GIB, moved, compute, communication, step, samples / step))
     return rows
 
 

@@ -62,10 +62,11 @@ def _write_crash(run_dir: Path, record: dict) -> None:
         pass  # the report is a courtesy; the rank's own traceback still reaches its log
 
 
-def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
+def finish_exit_report(run_dir: Path, since: float, status: int, ended: str = "the job") -> dict:
     """The report of a launch that ended with exit `status`: the trainer's own, or, when the trainer
     could not write one (a rank crashed or was killed), one made from the crash reports (a rank killed by a
-    signal first: the others' errors follow from it) or the status. Written to exit.json either way."""
+    signal first: the others' errors follow from it) or the status (of what `ended`: the job, or one of its
+    nodes). Written to exit.json either way."""
     report = exit_report(run_dir, since)
     if report is not None:
         return report
@@ -88,9 +89,9 @@ def finish_exit_report(run_dir: Path, since: float, status: int) -> dict:
     elif status == 130:
         message = "stopped at once (a second interrupt): the steps since the last checkpoint are lost"
     elif status < 0 or status > 128:
-        message = f"the job was killed (exit status {status}) before the trainer could report"
+        message = f"{ended} was killed (exit status {status}) before the trainer could report"
     else:
-        message = f"the job ended with exit status {status} before the trainer could report (see the output above)"
+        message = f"{ended} ended with exit status {status} before the trainer could report (see the output above)"
     code = status if status > 0 else 1
     write_exit_report(run_dir, code, message, None, "")
     return exit_report(run_dir, since) or {"code": code, "message": message}

@@ -72,6 +72,14 @@ InductorOptions = Annotated[dict[str, Annotated[Union[bool, int, float, str, Non
                             BeforeValidator(_dotted)]
 
 
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/\s]\S*$")
+
+
+def is_url(value: str) -> bool:
+    """Whether a checkpoint location is a URL of object storage (`scheme://bucket/...`), not a local path."""
+    return bool(URL_RE.match(value))
+
+
 def one_line(value: str) -> str:
     """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
     #SBATCH options at the first command, and a shell runs what follows), and no other control character is
@@ -501,11 +509,30 @@ class CheckpointSpec(Section):
     at_end: bool = Field(True, description="Save after the last step.")
     keep: int = Field(2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
     resume: Optional[str] = Field(
-        "latest", description="'latest': resume from the newest complete checkpoint of the run, if any; "
-                              "a path: resume from that checkpoint; null: always start fresh.")
+        "latest", description="'latest': resume from the newest complete checkpoint of the run, if any (with "
+                              "`remote`, the remote copy's newest where no local one is as new); a path or a URL "
+                              "(s3://, gs://: a checkpoint, or a folder of them for its latest): resume from that "
+                              "checkpoint; null: always start fresh.")
     async_save: Union[bool, Literal["auto"]] = Field(
         "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
                             "when the host copies of a node's ranks take at most a quarter of its memory.")
+    remote: Optional[str] = Field(
+        None, description="A folder URL in object storage (s3://bucket/path, gs://bucket/path; any fsspec URL) that "
+                          "mirrors the run's checkpoints: each complete one uploaded in the background by rank 0, "
+                          "`latest` last, `keep` applied there too; a launch whose run directory holds no checkpoint "
+                          "as new resumes from it. Needs `pip install 'fsdpclip[remote]'` (gcsfs for gs://).")
+    remote_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the fsspec filesystem of `remote` and of a URL in "
+                                          "`resume`, e.g. {\"endpoint_url\": \"http://minio:9000\"} for s3fs; "
+                                          "credentials come from the environment (AWS_*, Google's default "
+                                          "credentials), not the spec.")
+
+    @field_validator("remote")
+    @classmethod
+    def _folder_url(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not is_url(value):
+            raise ValueError("must be a URL with a scheme and a path, e.g. s3://bucket/runs/NAME")
+        return value if value is None else value.rstrip("/")
 
     @property
     def periodic(self) -> bool:
@@ -590,6 +617,10 @@ class LaunchSpec(Section):
     device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
     gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
                                             "and to choose fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
+    host_memory_gib: Optional[float] = Field(
+        None, gt=0, description="Host memory of one node, to check the host estimate against (rank processes, "
+                                "offloaded state, initial weights); default: the memory of the machine validating, "
+                                "when it checks paths (it is then taken to be a node).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
     collective_timeout_s: int = Field(
         1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
@@ -600,6 +631,9 @@ class LaunchSpec(Section):
                           "to validate the spec: they start without importing them again (~10 s sooner on the GPU "
                           "hosts). New interpreters (as under Slurm) when false, and where env sets a variable read "
                           "when a process loads (PYTHON*, LD_*, GLIBC_TUNABLES, MALLOC_*) or NVML sees no GPU.")
+    ssh_options: list[OneLine] = Field(
+        default_factory=list, description="Options of the ssh that `launch --hostfile` starts each host with, before "
+                                          "the host (~/.ssh/config applies too), e.g. ['-p', '2222'].")
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
 
     @field_validator("env")

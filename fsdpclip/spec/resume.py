@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from fsdpclip.data.webdataset_spec import PREPROCESSING_KEYS
 from fsdpclip.spec.job import Job
 from fsdpclip.spec.registry import DATA_SOURCES
 
@@ -23,9 +24,9 @@ FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules")
 # Fields that describe where to resume from, not what to train.
 IGNORED = ("checkpoint.resume", "$schema")
 # Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
-# less those that change how the same samples are made, not which (the crops are drawn alike either way).
+# less those that change how the same samples are made, not which.
 DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
-SAME_STREAM = ("data.decode",)
+SAME_STREAM = ("data.decode", "data.preprocess")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],
 def _config_changes(saved: dict, config: dict) -> list[Change]:
     """The keys (dotted) in which a model config differs from the saved one, as one change of model.config."""
     before, after = flatten(saved), flatten(json.loads(json.dumps(config)))
-    keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    keys = sorted(k for k in set(before) | set(after)
+                  if before.get(k) != after.get(k) and k.split(".")[0] not in PREPROCESSING_KEYS)
     return [Change("model.config", {k: before.get(k) for k in keys}, {k: after.get(k) for k in keys})] if keys else []
 
 

@@ -12,6 +12,7 @@ from fsdpclip.model.build import training_flops_per_sample
 from fsdpclip.model.trainable import trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.parallel.distributed import shard_mesh
+from fsdpclip.parallel.node import cores_per_local_rank
 from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, resolve_auto
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree
@@ -54,6 +55,10 @@ class ModelBuilding:
         parallelize(model, fsdp, self.mesh, job.model.block_classes)
         self.startup.mark("parallelized")
         materialize(model, env.device, job.fsdp.cpu_offload, source)
+        if job.fsdp.cpu_offload:  # AdamW, clipping and the loss scaler's checks run on the host: give them the cores
+            torch.set_num_threads(cores_per_local_rank())
+            if env.is_main:
+                log.info("cpu offload: the host's optimizer step on %d threads per rank", torch.get_num_threads())
         return model
 
     def _resolve_auto(self, model: torch.nn.Module, towers) -> FsdpSpec:

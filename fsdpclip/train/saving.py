@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, latest_checkpoint
 from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_state
-from fsdpclip.checkpoint.staging import asynchronous_saves, host_memory
+from fsdpclip.checkpoint.staging import asynchronous_saves
+from fsdpclip.parallel.node import host_memory
 from fsdpclip.parallel.distributed import all_max
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
 from fsdpclip.spec.job import CheckpointSpec
@@ -99,10 +100,14 @@ class Checkpointing:
         self.save_due = None
         return path
 
-    def finish_saving(self, wait: bool) -> None:
-        """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`)."""
+    def finish_saving(self, wait: bool) -> str:
+        """Publish an asynchronous save whose writes are done (or wait for them: `Checkpointer.finish_pending`).
+        Waiting, rank 0 also waits for the uploads (checkpoint.remote); returns what the exit message adds where
+        the last one failed, else ''."""
         with self._stop_when_save_fails():
             self.checkpointer.finish_pending(wait)
+        failure = self.checkpointer.finish_uploads() if wait else None
+        return f"; {failure} (it is complete in {self.checkpointer.root})" if failure else ""
 
     @contextlib.contextmanager
     def _stop_when_save_fails(self):

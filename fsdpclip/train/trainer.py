@@ -20,7 +20,7 @@ import torch
 from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.checkpoint.sharded import Checkpointer
 from fsdpclip.checkpoint.staging import host_copy_bytes
-from fsdpclip.model.build import build_tokenizer, model_config
+from fsdpclip.model.build import build_tokenizer, training_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
 from fsdpclip.parallel.distributed import Dist, all_mean, all_sum
@@ -54,7 +54,7 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
         if job.fsdp.cuda_graph is True and env.device.type != "cuda":
             raise Stop(EXIT_SPEC, "fsdp.cuda_graph true needs CUDA devices")
         self.startup = startup or StartupClock()
-        self.model_config = model_config(job.model)
+        self.model_config = training_config(job)
         self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
         candidates = self.checkpointer.resume_candidates()
         meta_model, towers = frozen_meta_model(self.model_config, job)
@@ -213,13 +213,13 @@ class Trainer(ModelBuilding, DataFeed, Checkpointing, Evaluation, StopChecks):
                     self._save_due()
             if job.checkpoint.at_end:
                 self.save()
-            self.finish_saving(wait=True)
-            self._report_exit(EXIT_OK, f"finished {self.step} steps")
+            not_uploaded = self.finish_saving(wait=True)
+            self._report_exit(EXIT_OK, f"finished {self.step} steps{not_uploaded}")
             code = EXIT_OK
         except Stop as stop:
-            self.finish_saving(wait=True)
-            metrics.announce(stop.message, style="bold red")
-            self._report_exit(stop.code, stop.message)
+            message = stop.message + self.finish_saving(wait=True)
+            metrics.announce(message, style="bold red")
+            self._report_exit(stop.code, message)
             code = stop.code
         finally:
             metrics.close(code)

@@ -13,10 +13,10 @@ from typing import Any, Iterator, Optional
 from fsdpclip.eval.registry import EvalTask
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
-from fsdpclip.model.weights import usable_cores
+from fsdpclip.parallel.node import usable_cores
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.run.files import special_file
-from fsdpclip.spec.job import Job, world_size_problem
+from fsdpclip.spec.job import Job, is_url, world_size_problem
 from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.validate.model_checks import check_model, if_parsed
 
@@ -33,11 +33,12 @@ def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] =
 
 
 def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optional[int] = None,
-              check_paths: bool = True) -> Report:
+              check_paths: bool = True, check_remote: bool = False) -> Report:
     """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
 
     The world defaults to the spec's launch section; `check_paths=False` skips the existence of data,
-    eval and weight files (paths of another machine). Where the launch section did not parse and no world
+    eval and weight files (paths of another machine); `check_remote` reaches the object storage the
+    checkpoints go to (credentials, reachability). Where the launch section did not parse and no world
     is given, the checks that count ranks are skipped (the report's world size is 0).
     """
     if world_size is None:
@@ -56,6 +57,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     usable_run_dir = if_parsed(_check_output_dir, job, report)
     if_parsed(_check_data, job, report, check_paths)
     if_parsed(_check_tower_families, job, report, check_paths)
+    if_parsed(_check_remote, job, report, check_remote)
     if check_paths:
         if_parsed(_check_files, job, report)
         if_parsed(_check_workers_against_cores, job, report)
@@ -127,7 +129,7 @@ def _check_files(job: Job, report: Report) -> None:
              ("model.image.pretrained", job.model.image.pretrained),
              ("model.text.pretrained", job.model.text.pretrained)]
     resume = job.checkpoint.resume
-    if resume not in (None, "latest"):
+    if resume not in (None, "latest") and not is_url(resume):
         paths.append(("checkpoint.resume", resume))
     for location, path in paths:
         if path is not None and not Path(path).exists():
@@ -180,14 +182,46 @@ def _eval_sets(job: Job) -> Iterator[tuple[str, EvalTask, Any, bool]]:
             yield f"eval.{kind}[{i}]", task, spec, spec.label in {s.label for s in specs[:i]}
 
 
+def _check_remote(job: Job, report: Report, check_remote: bool) -> None:
+    """checkpoint.remote and a resume URL: the fsspec package each needs installed; with `check_remote`, the
+    remote folder listed and written, and the resume URL's checkpoint found (nothing is downloaded)."""
+    from fsdpclip.checkpoint.layout import CheckpointError
+    from fsdpclip.checkpoint.remote import RemoteFolder, backend_problem, error_line, remote_checkpoint
+
+    spec = job.checkpoint
+    for location, url in (("checkpoint.remote", spec.remote), ("checkpoint.resume", spec.resume)):
+        if url is None or not is_url(url):
+            continue
+        problem = backend_problem(url)
+        if problem is not None:
+            report.error(location, problem[0], url, hint=problem[1])
+            continue
+        if not check_remote:
+            continue
+        try:
+            if location == "checkpoint.remote":
+                problem = RemoteFolder(url, spec.remote_options).access_problem()
+            else:
+                remote_checkpoint(url, spec.remote_options)
+        except CheckpointError as exc:
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001  (fsspec's backends fail in their own exception types)
+            problem = f"cannot be read: {error_line(exc)}"
+        if problem is not None:
+            report.error(location, problem, url, hint="checkpoint.remote_options and the credentials in the "
+                                                      "environment (AWS_*, Google's default credentials)")
+
+
 def _check_resume(job: Job, report: Report) -> None:
     """What resuming the run directory's checkpoint would mean: errors for what a checkpoint fixes
     (its model, frozen ranges, loss kind, decay groups), a warning for each other change (applied from
-    its step), and for each checkpoint that cannot be loaded."""
+    its step), and for each checkpoint that cannot be loaded. A resume URL is not downloaded to be checked."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
     from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.spec.resume import checkpoint_changes, is_fixed, shard_fingerprint
 
+    if job.checkpoint.resume is not None and is_url(job.checkpoint.resume):
+        return
     resolved = resolve_paths(job, Path.cwd())
     try:
         candidates, skipped = resume_candidates(resolved.run_dir, resolved.checkpoint.resume)

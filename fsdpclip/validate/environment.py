@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
+from fsdpclip.parallel.node import host_memory
 from fsdpclip.validate.preflight import visible_gpus
 
 NOT_INSTALLED = "not installed"
@@ -26,7 +27,6 @@ TOPOLOGY_TIMEOUT_S = 30
 def environment(run_root: Path) -> dict:
     """The whole report, as `fsdpclip env --json` prints it."""
     from fsdpclip import __version__
-    from fsdpclip.checkpoint.staging import host_memory
 
     return {"fsdpclip": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
             "packages": package_versions(REQUIRED), "extras": package_versions(EXTRAS), "torch": torch_build(),

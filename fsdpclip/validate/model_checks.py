@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, TypeVar
 
-from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_config, model_from_config, original_shapes, \
-    text_shape
+from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_from_config, original_shapes, \
+    text_shape, training_config
 from fsdpclip.model.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
 from fsdpclip.model.towers import hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
@@ -36,7 +36,7 @@ def if_parsed(check: Callable[..., T], job: Job, *args) -> Optional[T]:
 def check_model(job: Job, report: Report, steps: Optional[int], check_paths: bool) -> None:
     """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary."""
     try:
-        cfg = model_config(job.model)
+        cfg = training_config(job)
         model = model_from_config(cfg, device="meta")
     except ModelError as exc:
         _model_problem(job, exc, report)
@@ -55,7 +55,7 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     groups = if_parsed(_check_decay, job, model, report)
     if_parsed(_check_loss_fits, job, model, report)
     if classes_ok and text_ok and groups is not None and report.world_size:
-        if_parsed(summarise, job, model, towers, frozen, groups, steps, report)
+        if_parsed(summarise, job, model, towers, frozen, groups, steps, report, check_paths)
 
 
 def _check_uncapturable(job: Job, model, report: Report) -> None:

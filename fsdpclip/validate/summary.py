@@ -1,6 +1,7 @@
 """What `fsdpclip validate` reports about a job that builds: parameters per tower, FSDP units, decay
-groups, batch, the device mesh with its traffic per step, and the per-GPU memory estimate (checked
-against `launch.gpu_memory_gib`)."""
+groups, batch, the device mesh with its traffic per step, the per-GPU memory estimate (checked against
+`launch.gpu_memory_gib`) and the host memory of a node (checked against `launch.host_memory_gib`, else this
+machine's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Optional
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
-from fsdpclip.plan.memory import GIB, MemoryEstimate
+from fsdpclip.parallel.node import host_memory
+from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory
 from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree, \
     traffic, valid_shard_degrees
 from fsdpclip.problems import Report
@@ -18,7 +20,9 @@ from fsdpclip.spec.registry import DATA_SOURCES
 
 
 def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],
-               steps: Optional[int], report: Report) -> None:
+               steps: Optional[int], report: Report, this_node: bool = False) -> None:
+    """The summary into `report.summary`, and the memory problems; `this_node`: this machine is one of the
+    job's nodes (validate checks paths here), so its memory is the host's limit unless the spec gives one."""
     params = dict(model.named_parameters())
     summary: dict = {"model": job.model.label, "class": type(model).__name__, "world_size": report.world_size}
     tower_rows = {}
@@ -38,6 +42,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
     summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
                         "global": job.samples_per_step(world), "steps": steps,
                         "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
+    summary["preprocess"] = preprocess_summary(model)
     summary["data"] = DATA_SOURCES[job.data.source].describe(job.data)
     try:
         memory, widths = memory_model(job, model, towers)
@@ -56,8 +61,25 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                        and job.launch.device == "cuda" and world > report.gpus_per_node,
                        "traffic_gib_per_step": traffic(memory.job, memory.units, world, degree).as_gib()}
     summary["memory_gib"] = estimate.as_gib()
+    host = estimate_host_memory(estimate, summary["parameters"]["parameters"], report.gpus_per_node)
+    summary["host_memory_gib"] = host.as_gib()
     report.summary = summary
     _check_memory(job, estimate, report)
+    _check_host_memory(job, host, report, this_node)
+
+
+def preprocess_summary(model) -> dict:
+    """The model's resolved preprocessing (data.preprocess over its own), named as data.preprocess names it."""
+    preprocess, augmentation = model.visual.preprocess_cfg, model.visual.augmentation_cfg
+    jitter = augmentation.get("color_jitter")
+    return {"size": list(preprocess["size"]) if isinstance(preprocess["size"], (list, tuple)) else preprocess["size"],
+            **{key: list(preprocess[key]) if isinstance(preprocess[key], tuple) else preprocess[key]
+               for key in ("mean", "std", "interpolation", "resize_mode")},
+            "crop_scale": list(augmentation["scale"]),
+            "color_jitter": None if not augmentation.get("color_jitter_prob") else
+            {"prob": augmentation["color_jitter_prob"],
+             **dict(zip(("brightness", "contrast", "saturation", "hue"), jitter))},
+            "grayscale_prob": augmentation.get("gray_scale_prob") or 0.0}
 
 
 def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
@@ -101,3 +123,24 @@ def _check_memory(job: Job, estimate: MemoryEstimate, report: Report) -> None:
     if limit is not None and estimate.total > limit * GIB:
         report.warn("launch.gpu_memory_gib", f"estimated peak {estimate.total / GIB:.1f} GiB per GPU exceeds "
                     f"{limit:g} GiB", limit, hint="more GPUs, activation checkpointing, CPU offload or a smaller batch")
+
+
+def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_node: bool) -> None:
+    """A node whose host memory the estimate exceeds: launch.host_memory_gib's, else this machine's."""
+    limit = job.launch.host_memory_gib
+    where = "launch.host_memory_gib"
+    if limit is None and this_node:
+        limit, where = host_memory() / GIB, "this machine's memory"
+    if limit is None or host.total <= limit * GIB:
+        return
+    gib = host.as_gib()
+    location = "launch.host_memory_gib" if job.launch.host_memory_gib else \
+        "fsdp.cpu_offload" if job.fsdp.cpu_offload else "launch.gpus_per_node"
+    hint = "more nodes (fewer ranks per node)" + (", or without fsdp.cpu_offload if the GPUs hold the state"
+                                                  if job.fsdp.cpu_offload else "")
+    if job.launch.host_memory_gib is None:
+        hint += "; validating elsewhere than on the nodes: set launch.host_memory_gib to their memory"
+    report.error(location, f"estimated host memory of the first node {gib['total']:.1f} GiB ({gib['ranks']} rank "
+                 f"processes {gib['processes']:.1f}, offloaded state {gib['offloaded_state']:.1f}, initial weights "
+                 f"{gib['initial_weights']:.1f}) exceeds {where} {limit:.1f} GiB", job.launch.host_memory_gib,
+                 hint=hint)

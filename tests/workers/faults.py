@@ -8,6 +8,8 @@
     faults.py JOB stale-latest:RANK:STEP RANK sees checkpoint STEP as the latest (a lagging filesystem cache)
     faults.py JOB slow-write:SECONDS     every background checkpoint write takes SECONDS longer (a slow disk)
     faults.py JOB fail-write:RANK        RANK's background checkpoint writes fail (DCP tells every rank)
+    faults.py JOB die-upload:NTH         rank 0 is killed (SIGKILL) in its NTH upload (checkpoint.remote), after the
+                                         checkpoint's data files, before its meta.json and `latest`
     faults.py JOB damage-rank-state:RANK RANK halves its state file in the checkpoint chosen to resume from, after
                                          rank 0 checked it (a filesystem damaging it between the check and the load)
 Several at once: FAULT+FAULT.
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from fsdpclip.checkpoint import layout, sharded as checkpoint, staging
+from fsdpclip.checkpoint import layout, remote, sharded as checkpoint, staging
 from fsdpclip.train import entry as train, trainer
 
 
@@ -113,6 +115,17 @@ def inject(fault: str, rank: int) -> None:
             staging.dcp.save(state, storage_writer=FailingWriter(checkpoint_id), process_group=group)
 
         staging.write_dcp = failing_write
+    elif kind == "die-upload":
+        nth, put = int(args[0]), remote.RemoteFolder.put
+        calls = [0]
+
+        def dying_put(self, files, checkpoint_dir):
+            calls[0] += 1
+            put(self, files, checkpoint_dir)
+            if calls[0] == 2 * nth - 1:  # each upload puts its data files, then meta.json
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        remote.RemoteFolder.put = dying_put
     elif kind == "stale-latest":
         target, step = int(args[0]), int(args[1])
         if rank == target:
