@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import sys
 from collections import Counter
+from contextlib import closing
 from dataclasses import asdict
 
 import pytest
@@ -25,12 +26,12 @@ from fsdpclip.data.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 
 
 def write_shards(directory, sizes: list[int], broken: dict[int, str] | None = None,
-                 damaged: dict[int, str] | None = None) -> str:
-    """Shards of digit pairs with the given sizes, each caption ending in the sample's global index;
-    `broken` maps a global sample index to a defect ('image', 'caption'), `damaged` a shard to one
-    ('garbage': not a tar at all, 'truncated': cut after about 60% of its bytes)."""
+                 damaged: dict[int, str] | None = None, first: int = 0) -> str:
+    """Shards of digit pairs with the given sizes, each caption ending in the sample's global index
+    (counted from `first`); `broken` maps a global sample index to a defect ('image', 'caption'),
+    `damaged` a shard to one ('garbage': not a tar at all, 'truncated': cut after about 60% of its bytes)."""
     images, labels = load_sklearn_digits()
-    index = 0
+    index = first
     for shard, size in enumerate(sizes):
         path = directory / f"s-{shard:03d}.tar"
         with wds.TarWriter(str(path)) as sink:
@@ -57,7 +58,7 @@ def index_tokens(captions: list[str]) -> torch.Tensor:
     return torch.tensor([[int(c.rsplit(" ", 1)[-1].rstrip("."))] for c in captions])
 
 
-def _stream(urls: str, batch: int, workers: int = 0, rank: int = 0, world_size: int = 1, samples: int = 100,
+def _stream(urls: str | None, batch: int, workers: int = 0, rank: int = 0, world_size: int = 1, samples: int = 100,
             tokenize=None, **spec) -> WebDatasetBatches:
     import torchvision.transforms as T
 
@@ -256,7 +257,7 @@ def test_every_rank_and_worker_yields_its_quota_each_epoch(tmp_path):
                 mine = set(stream._pass_shards(worker, 2, 0))  # indices into the URL list
                 samples = torch.cat([b["texts"][:, 0] for b in got]).tolist()
                 assert {shard_of[i] for i in samples} <= mine  # its own shards only
-                passes = got[-1]["position"].passes
+                passes = got[-1]["position"].readings[0].passes
                 if passes == 0:
                     assert len(set(samples)) == len(samples), (rank, epoch, worker)
                     once += 1
@@ -265,7 +266,7 @@ def test_every_rank_and_worker_yields_its_quota_each_epoch(tmp_path):
                     again += 1
                 ids.update(samples)
             twice = {i for i, n in ids.items() if n > 1}
-            repeating = {shard for w, got in per_worker.items() if got[-1]["position"].passes
+            repeating = {shard for w, got in per_worker.items() if got[-1]["position"].readings[0].passes
                          for shard in stream._pass_shards(w, 2, 0)}
             assert {shard_of[i] for i in twice} <= repeating
             expected += [per_worker[j % 2][j // 2]["texts"] for j in range(13)]
@@ -309,9 +310,10 @@ def test_resume_gives_the_batches_of_the_uninterrupted_stream(tmp_path, workers,
         iterator.close()
         state = _saved(first)
         for worker in state["workers"].values():
-            seen.add("inside a shard" if worker["offset"] else "shard start")
+            reading = worker["readings"][0]
+            seen.add("inside a shard" if reading["offset"] else "shard start")
             seen.add("full buffer" if buffer and len(worker["buffer"]) == buffer - 1 else "no buffer")
-            seen.add("another pass" if worker["passes"] else "first pass")
+            seen.add("another pass" if reading["passes"] else "first pass")
         resumed = make()
         resumed.load_state_dict(state)
         iterator = iter(resumed)
@@ -354,10 +356,11 @@ def test_resume_reads_only_the_shards_it_needs(tmp_path, monkeypatch):
     next(iterator)
     iterator.close()
     worker = state["workers"][0]
-    assert worker["offset"] > 0 and len(worker["buffer"]) > 0
+    reading = worker["readings"][0]
+    assert reading["offset"] > 0 and len(worker["buffer"]) > 0
     assert len(read) == len(worker["buffer"]) + 4, len(read)  # 160 samples lie before; the batch takes 4 new
-    needed = {index for index, _ in worker["buffer"]} | {int(worker["cursor"])}
-    assert {url for url, _ in read} <= {resumed.stream.urls[i] for i in needed} | {resumed.stream.urls[worker["cursor"] + 1]}
+    needed = {index for index, _ in worker["buffer"]} | {int(reading["cursor"])}
+    assert {url for url, _ in read} <= {resumed.stream.urls[i] for i in needed} | {resumed.stream.urls[reading["cursor"] + 1]}
 
 
 def test_an_old_position_is_a_clear_error(tmp_path):
@@ -384,6 +387,144 @@ def test_validate_wants_a_shard_for_every_worker(cli, tiny_job, tmp_path):
     code, out = validate(samples=31)
     assert code == 2 and out["errors"][0]["location"] == "data.samples"
     assert "fewer samples than one micro batch on every rank" in out["errors"][0]["message"]
+
+
+# ------------------------------------------------------------------- mixtures
+MIXTURE = {"a": ([20, 20, 20, 20], 5.0), "b": ([15, 15, 15, 15], 3.0), "c": ([8, 8, 8, 8], 2.0)}  # shards, weight
+
+
+def write_mixture(tmp_path, broken: dict[int, str] | None = None) -> tuple[list[dict], dict[int, str]]:
+    """MIXTURE's sources as `data.sources` (each in its own directory, its samples numbered on from the
+    last source's), and the source of every sample index."""
+    sources, source_of, first = [], {}, 0
+    for name, (sizes, weight) in MIXTURE.items():
+        (tmp_path / name).mkdir()
+        urls = write_shards(tmp_path / name, sizes, broken=broken, first=first)
+        sources.append({"name": name, "urls": urls, "weight": weight})
+        source_of.update({index: name for index in range(first, first + sum(sizes))})
+        first += sum(sizes)
+    return sources, source_of
+
+
+def test_a_mixture_draws_its_sources_by_their_weights(tmp_path):
+    """10,000 samples of three sources weighted 5:3:2, of 80, 60 and 32 samples: each source's share
+    of the samples given out lies within 2% of its weight's (not of its size's), as counted from the
+    captions and as the stream counts them for metrics.jsonl; every source was read again and again.
+    (Images are not decoded: the captions say all.)"""
+    sources, source_of = write_mixture(tmp_path)
+    batches = _stream(None, batch=50, samples=10_000, shuffle_buffer=20, sources=sources, tokenize=index_tokens)
+    batches.stream._decode = lambda sample, seed: (torch.zeros(1), sample["txt"].decode())
+    with closing(iter(batches)) as iterator:
+        drawn = Counter(source_of[index] for _ in range(200) for index in next(iterator)[1][:, 0].tolist())
+    assert sum(drawn.values()) == 10_000
+    total = sum(weight for _, weight in MIXTURE.values())
+    for name, (_, weight) in MIXTURE.items():
+        assert abs(drawn[name] / 10_000 - weight / total) < 0.02, (name, drawn)
+    assert batches.source_samples == dict(drawn)
+    assert all(reading.passes > 5 for reading in batches.position.workers[0].readings)
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_a_resumed_mixture_continues_its_stream(tmp_path, resampled):
+    """A mixture on rank 1 of 2 with 2 data workers, broken samples in every source, stopped late in its
+    first epoch (15 batches) and resumed from its saved position: into the second epoch, the batches,
+    broken samples and per-source counts of a stream never stopped."""
+    sources, _ = write_mixture(tmp_path, broken={5: "image", 90: "caption", 150: "image"})
+    make = lambda: _stream(None, batch=4, workers=2, rank=1, world_size=2, samples=120,  # noqa: E731
+                           shuffle_buffer=6, sources=sources, resampled=resampled, tokenize=index_tokens)
+    full = make()
+    with closing(iter(full)) as iterator:
+        reference = [(*next(iterator), full.position.broken, full.source_samples) for _ in range(24)]
+    assert reference[-1][2] > 0 and all(reference[-1][3].values())
+    first = make()
+    with closing(iter(first)) as iterator:
+        for _ in range(12):
+            next(iterator)
+    resumed = make()
+    resumed.load_state_dict(_saved(first))
+    with closing(iter(resumed)) as iterator:  # no worker outlives a failed assertion
+        for j in range(12, 24):
+            images, texts = next(iterator)
+            assert torch.equal(images, reference[j][0]) and torch.equal(texts, reference[j][1]), j
+            assert (resumed.position.broken, resumed.source_samples) == reference[j][2:], j
+
+
+def test_a_position_saved_before_mixtures_resumes(tmp_path):
+    """A checkpoint's position from before mixtures (a worker's one reading in its own fields, no
+    per-source counts) continues the stream as the position of today does."""
+    urls = write_shards(tmp_path, [9, 12, 7, 11])
+    make = lambda: _stream(urls, batch=4, samples=39, shuffle_buffer=5)  # noqa: E731
+    with closing(iter(make())) as iterator:
+        reference = [next(iterator)[0] for _ in range(8)]
+    first = make()
+    with closing(iter(first)) as iterator:
+        for _ in range(3):
+            next(iterator)
+    state = _saved(first)
+    del state["sources"]
+    for worker in state["workers"].values():
+        worker.update(worker.pop("readings")[0])
+        del worker["mixer"]
+    resumed = make()
+    resumed.load_state_dict(state)
+    with closing(iter(resumed)) as iterator:
+        assert all(torch.equal(next(iterator)[0], want) for want in reference[3:])
+
+
+def test_validate_checks_each_source(cli, tiny_job, tmp_path, digits_dir):
+    """`sources` instead of `urls`, not with them; `samples` from the sources' where each gives its own;
+    each source's URLs checked and located (here: a missing one, too few shards for the workers), names
+    given once; the summary names each source with its share, shards and passes an epoch."""
+    shards = str(digits_dir / "train-{000000..000007}.tar")
+
+    def validate(*sources, **data):
+        data = {"sources": list(sources), "samples": 1438, "workers": 1, **data}
+        return cli.validate_json(write_job(tmp_path, dict(tiny_job, data=data)))
+
+    code, out = validate({"urls": shards, "weight": 3, "samples": 1000, "name": "digits"},
+                         {"urls": str(digits_dir / "train-00000{0,1}.tar"), "samples": 350}, samples=None,
+                         resampled=True, workers=4)
+    assert code == 0, out["errors"]
+    assert out["summary"]["data"] == ("2 sources mixed by weight: 'digits' 75.0% (8 shards, 1 passes an "
+                                      "epoch), '1' 25.0% (2 shards, 0.96 passes an epoch)")
+    code, out = validate({"urls": shards}, urls=shards)
+    assert code == 2 and out["errors"][0]["location"] == "data" and "exactly one of `urls`" in out["errors"][0]["message"]
+    code, out = validate({"urls": shards, "samples": 10}, {"urls": shards}, samples=None)
+    assert code == 2 and out["errors"][0]["location"] == "data" and "`samples` is missing" in out["errors"][0]["message"]
+    code, out = validate({"urls": shards, "name": "x"}, {"urls": str(tmp_path / "none-{0..3}.tar")},
+                         {"urls": str(digits_dir / "train-00000{0,1}.tar"), "name": "x"}, workers=2)
+    assert [(e["location"], e["message"]) for e in out["errors"]] == [
+        ("data.sources[1].urls", "4 of 4 shards not found"),
+        ("data.sources[2].urls", "2 shards for 2 ranks × 2 workers: some workers would get none (shards must be ≥ "
+                                 "world size × data.workers, as OpenCLIP requires)"),
+        ("data.sources[2].name", "a second source named 'x'")], out["errors"]
+
+
+@pytest.mark.slow
+def test_a_mixture_logs_its_samples_by_source(tmp_path, digits_dir):
+    """A mixture of two halves of the digits shards, 3:1, trained on 2 CPU ranks: metrics.jsonl counts
+    each source's samples over all ranks, together the samples seen."""
+    job = {
+        "run": {"name": "mixed", "output_dir": str(tmp_path / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "schedule": {"steps": 6},
+        "data": {"sources": [{"urls": str(digits_dir / "train-{000000..000003}.tar"), "weight": 3, "name": "a"},
+                             {"urls": str(digits_dir / "train-{000004..000007}.tar"), "name": "b"}],
+                 "samples": 1438, "workers": 1, "shuffle_buffer": 10},
+        "batch": {"per_gpu": 16},
+        "logging": {"every_steps": 3},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
+    }
+    proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(write_job(tmp_path, job))], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    records = [record for line in (tmp_path / "runs" / "mixed" / "metrics.jsonl").read_text().splitlines()
+               if "loss" in (record := json.loads(line))]
+    assert [r["step"] for r in records] == [3, 6]
+    for record in records:
+        assert set(record["source_samples"]) == {"a", "b"}
+        assert sum(record["source_samples"].values()) == record["samples_seen"] == record["step"] * 32
+    assert records[-1]["source_samples"]["a"] > records[-1]["source_samples"]["b"] > 0
 
 
 @pytest.mark.slow
@@ -413,5 +554,5 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     final = tmp_path / "runs" / "uneven" / "checkpoints" / f"step-{steps:08d}"
     positions = [torch.load(final / f"rank-{rank:05d}.pt", weights_only=False)["data"] for rank in (0, 1)]
     assert all((p["epoch"], p["batches"]) == (2, 13) for p in positions), positions
-    assert any(p["workers"][0]["passes"] >= 1 for p in positions), positions  # its shards hold < 52 samples
+    assert any(p["workers"][0]["readings"][0]["passes"] >= 1 for p in positions), positions  # its shards hold < 52 samples
     assert records[-1]["broken_samples"] == sum(p["broken"] for p in positions) >= 1

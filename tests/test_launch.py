@@ -73,6 +73,15 @@ def test_scripts_pass_bash_syntax_check(script):
     assert check.returncode == 0, check.stderr
 
 
+def test_each_mixed_sources_urls_are_made_absolute():
+    """`launch` makes every local path of a mixture absolute, relative to the spec's directory; others stay."""
+    job = resolve_paths(load_job(REPO / "examples/tiny-cpu.json", [
+        'data={"sources": [{"urls": "a/{0..3}.tar"}, {"urls": ["/abs/b.tar", "pipe:cat b.tar"]}], "samples": 100}']),
+        Path("/project"))
+    assert job.data.urls is None
+    assert [source.urls for source in job.data.sources] == ["/project/a/{0..3}.tar", ["/abs/b.tar", "pipe:cat b.tar"]]
+
+
 def test_sbatch_content():
     script = _render(*CASES["tiny-cpu-two-nodes"])
     lines = script.splitlines()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def summary_tables(summary: dict) -> list:
     """validate's summary: parameters per tower, FSDP units, decay groups, memory, then the mesh and
-    batch lines."""
+    batch lines (and the data's, where its source has one)."""
     params = Table(title=escape(f"{summary['model']} ({summary['class']})"))
     for column in ("tower", "parameters", "trainable", "frozen", "blocks", "block class"):
         params.add_column(column, justify="right" if column not in ("tower", "block class") else "left")
@@ -63,8 +63,9 @@ def summary_tables(summary: dict) -> list:
         batch_line += "; " + auto_batch_note(batch["auto"])
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
+    data = [f"data: {escape(summary['data'])}"] if summary.get("data") else []
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line,
-            preprocess_line(summary["preprocess"])]
+            preprocess_line(summary["preprocess"]), *data]
 
 
 def preprocess_line(preprocess: dict) -> str:

@@ -4,15 +4,16 @@ epoch after epoch, and the position a checkpoint keeps to continue it exactly.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
-from fsdpclip.data.stream import ShardStream, WorkerPosition
+from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
 from fsdpclip.data.transform import TrainImages, decode_mode
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
 
@@ -37,6 +38,7 @@ class StreamPosition:
     batches: int = 0  # micro batches yielded in this epoch (the next comes from logical worker batches % workers)
     workers: dict[int, WorkerPosition] = field(default_factory=dict)  # logical worker -> where it stands
     broken: int = 0  # broken samples skipped so far, in total
+    sources: list[int] = field(default_factory=list)  # samples given out from each source so far, in total
 
 
 PREFETCH = 4  # micro batches each data worker makes ahead of the step
@@ -70,6 +72,12 @@ class WebDatasetBatches:
         """Broken samples skipped so far."""
         return self.position.broken
 
+    @property
+    def source_samples(self) -> dict[str, int]:
+        """A mixture's samples given out from each source so far, by name (empty for one source)."""
+        names = self.stream.names
+        return dict(zip(names, self.position.sources or [0] * len(names))) if len(names) > 1 else {}
+
     def restart(self, micro_batches: int, epoch: int) -> None:
         """Start at the beginning of `epoch` (where a run resumed without a usable saved position goes on)."""
         self.position = StreamPosition(epoch=epoch)
@@ -81,19 +89,16 @@ class WebDatasetBatches:
         """Continue from a saved position (before the first batch is drawn)."""
         from fsdpclip.checkpoint.layout import CheckpointError
 
-        names = {f.name for f in fields(StreamPosition)}
-        worker_names = {f.name for f in fields(WorkerPosition)}
-        workers = state.get("workers") if isinstance(state, dict) else None
         if self.started is not None:
             raise RuntimeError("internal: the data position is loaded after the data workers were started")
-        if not isinstance(state, dict) or set(state) != names or not isinstance(workers, dict) or \
-                any(not isinstance(w, dict) or set(w) != worker_names for w in workers.values()):
+        try:
+            self.position = StreamPosition(**{**state, "workers": {
+                int(w): _worker_position(s) for w, s in state["workers"].items()}})
+        except (TypeError, KeyError, AttributeError, ValueError):
             keys = ", ".join(sorted(state)) if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"the checkpoint's data position ({keys}) is not one this fsdpclip reads (it "
                                   "was saved by an older version, which replayed the stream): resume it with that "
-                                  "version, or start a new run (another run.name, or checkpoint.resume null)")
-        self.position = StreamPosition(epoch=state["epoch"], batches=state["batches"], broken=state["broken"],
-                                       workers={int(w): WorkerPosition(**s) for w, s in workers.items()})
+                                  "version, or start a new run (another run.name, or checkpoint.resume null)") from None
 
     def __iter__(self):
         """The batches, epoch after epoch. The next epoch's workers start while this epoch's last
@@ -115,6 +120,8 @@ class WebDatasetBatches:
                         position.batches += 1
                         position.workers[batch["worker"]] = batch["position"]
                         position.broken += batch["broken"]
+                        position.sources = [held + drawn for held, drawn in
+                                            itertools.zip_longest(position.sources, batch["sources"], fillvalue=0)]
                         if self.workers and self.started is None and \
                                 per_epoch - position.batches <= self.workers * PREFETCH:
                             self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
@@ -127,7 +134,7 @@ class WebDatasetBatches:
                     raise
                 finally:  # also when the consumer closes this generator: the workers stop now, not at exit
                     shutdown_workers(batches)
-            self.position = StreamPosition(epoch=position.epoch + 1, broken=position.broken)
+            self.position = StreamPosition(epoch=position.epoch + 1, broken=position.broken, sources=position.sources)
 
     def _loader(self, position: StreamPosition) -> Iterator:
         """A DataLoader's iterator over the stream from `position` (its workers start at once)."""
@@ -137,6 +144,14 @@ class WebDatasetBatches:
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
                             prefetch_factor=PREFETCH if self.workers else None, worker_init_fn=ignore_stop_signals)
         return iter(loader)
+
+
+def _worker_position(saved: dict) -> WorkerPosition:
+    """A worker's saved position (one saved before mixtures holds its one reading in its own fields)."""
+    saved = dict(saved)
+    if "passes" in saved:
+        saved["readings"] = [{key: saved.pop(key) for key in ("passes", "cursor", "offset")}]
+    return WorkerPosition(**{**saved, "readings": [Reading(**reading) for reading in saved.get("readings", [])]})
 
 
 def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Callable, batch_size: int, rank: int,

@@ -4,14 +4,18 @@ The stream is deterministic for a given (seed, epoch, rank, worker): every rank 
 fixed quota of micro batches per epoch (reading its shards again, in another order, when they run out), and
 a position says where each worker's reading stands (its pass over its shards, the shard and the sample in
 it, its shuffle buffer as (shard, sample) references, its RNG), so that a resumed run reads only the shards
-it needs and continues exactly where a run stopped. The rank's side (the DataLoader over it, the position
+it needs and continues exactly where a run stopped. A mixture (`data.sources`) is read as several such
+readings, one per source, each sample's source drawn by the weights from the worker's mixing RNG, which
+the position keeps too. The rank's side (the DataLoader over it, the position
 a checkpoint keeps) is `fsdpclip.data.batches`.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import io
+import itertools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -37,16 +41,24 @@ UNUSABLE_IN_A_ROW = 10_000
 
 
 @dataclass
+class Reading:
+    """Where one logical worker's reading of one source's shards stands."""
+
+    passes: int = 0  # passes over its shards finished before the current one (each pass has its own order)
+    cursor: int = 0  # shards of the current pass begun before the current one (resampled: shards drawn)
+    offset: int = 0  # samples read from the current shard
+
+
+@dataclass
 class WorkerPosition:
     """Where one logical worker's stream of an epoch stands after its last batch."""
 
     batches: int = 0  # micro batches it yielded in this epoch
-    passes: int = 0  # passes over its shards finished before the current one (each pass has its own order)
-    cursor: int = 0  # shards of the current pass begun before the current one (resampled: shards drawn)
-    offset: int = 0  # samples read from the current shard
+    readings: list[Reading] = field(default_factory=list)  # each source's reading (none yet: at their start)
     emitted: int = 0  # samples its shuffle gave out in this epoch (they seed the augmentations)
     buffer: list[Ref] = field(default_factory=list)  # the shuffle buffer's samples, in buffer order
     rng: Optional[tuple] = None  # the shuffle's random.Random state (None: not started)
+    mixer: Optional[tuple] = None  # a mixture's random.Random state drawing each sample's source (None: not started)
 
 
 class DataError(RuntimeError):
@@ -73,18 +85,18 @@ class _Broken:
 
 
 class _Reader:
-    """One logical worker's samples of an epoch in stream order, as (ref, sample); the position's
-    pass, cursor and offset follow what was read."""
+    """One logical worker's samples of one source in an epoch, in stream order, as (ref, sample); the
+    reading's pass, cursor and offset follow what was read."""
 
-    def __init__(self, stream: "ShardStream", logical: int, workers: int, position: WorkerPosition,
+    def __init__(self, stream: "ShardStream", logical: int, workers: int, source: int, position: Reading,
                  broken: _Broken):
         self.stream, self.logical, self.workers, self.position, self.broken = stream, logical, workers, position, broken
-        self.resampled = stream.spec.resampled
-        self.shards = None if self.resampled else stream._pass_shards(logical, workers, position.passes)
+        self.source, self.resampled = source, stream.spec.resampled
+        self.shards = None if self.resampled else stream._pass_shards(logical, workers, position.passes, source)
         if self.shards == []:
-            raise DataError(f"rank {stream.rank}'s data worker {logical} has no shard: {len(stream.urls)} shards "
-                            f"for {stream.world_size} ranks × {workers} workers (it needs ≥ "
-                            f"{stream.world_size * workers}, or data.resampled)")
+            raise DataError(f"rank {stream.rank}'s data worker {logical} has no shard{stream.of_source(source)}: "
+                            f"{len(stream.sources[source])} shards for {stream.world_size} ranks × {workers} "
+                            f"workers (it needs ≥ {stream.world_size * workers}, or data.resampled)")
         self.current: Optional[tuple[int, Iterator[dict]]] = None  # the open shard: (index, its samples)
         self.pass_samples: Optional[int] = None  # samples read in this pass, if it began here
         self.empty_shards = 0  # shards in a row that gave no sample
@@ -93,13 +105,13 @@ class _Reader:
         """The current shard's index in the URL list (beginning the next pass after the last shard)."""
         position = self.position
         if self.resampled:
-            return self.stream._drawn_shard(self.logical, position.cursor)
+            return self.stream._drawn_shard(self.logical, position.cursor, self.source)
         if position.cursor >= len(self.shards):
             if self.pass_samples == 0:
                 raise DataError(f"rank {self.stream.rank}'s data worker {self.logical}: its {len(self.shards)} "
-                                f"shard(s) hold no readable sample")
+                                f"shard(s){self.stream.of_source(self.source)} hold no readable sample")
             position.passes, position.cursor = position.passes + 1, 0
-            self.shards = self.stream._pass_shards(self.logical, self.workers, position.passes)
+            self.shards = self.stream._pass_shards(self.logical, self.workers, position.passes, self.source)
         if position.cursor == 0 and position.offset == 0:
             self.pass_samples = 0
         return self.shards[position.cursor]
@@ -120,20 +132,22 @@ class _Reader:
                 return (index, position.offset - 1), sample
             if position.offset == 0:
                 self.empty_shards += 1
-                if self.resampled and self.empty_shards >= max(100, 2 * len(self.stream.urls)):
-                    raise DataError(f"rank {self.stream.rank}'s data worker {self.logical}: "
-                                    f"{self.empty_shards} shards drawn in a row hold no readable sample")
+                if self.resampled and self.empty_shards >= max(100, 2 * len(self.stream.sources[self.source])):
+                    raise DataError(f"rank {self.stream.rank}'s data worker {self.logical}: {self.empty_shards} "
+                                    f"shards drawn in a row{self.stream.of_source(self.source)} hold no readable "
+                                    f"sample")
             self.current = None
             position.cursor, position.offset = position.cursor + 1, 0
 
-    def restore(self, refs: list[Ref]) -> list[tuple[Ref, dict]]:
-        """Read again what a saved position needs, and nothing more: the current shard up to its offset
-        (left open to go on from there) and each buffered sample's shard up to the deepest one buffered,
-        the bytes of the buffered samples only (the others' are skipped: tar headers alone).
-        What is read again is not counted as broken again. Returns the buffer, in its order."""
-        position, wanted = self.position, [tuple(ref) for ref in refs]
+    def restore(self, refs: list[Ref]) -> dict[Ref, dict]:
+        """Read again what a saved position needs of this source, and nothing more: the current shard up
+        to its offset (left open to go on from there) and each buffered sample's shard (`refs`, of this
+        source's shards) up to the deepest one buffered, the bytes of the buffered samples only (the
+        others' are skipped: tar headers alone). What is read again is not counted as broken again.
+        Returns the buffered samples found, by ref."""
+        position = self.position
         needed: dict[int, set[int]] = {}
-        for index, offset in wanted:
+        for index, offset in refs:
             needed.setdefault(index, set()).add(offset)
         found: dict[Ref, dict] = {}
         self.broken.counting = False
@@ -168,11 +182,7 @@ class _Reader:
                 samples.close()
         finally:
             self.broken.counting = True
-        lost = [ref for ref in wanted if ref not in found]
-        if lost:
-            log.warning("%d buffered samples are no longer in their shards (%s, ...): the data changed since the "
-                        "checkpoint", len(lost), self.stream.urls[lost[0][0]])
-        return [(ref, dict(found[ref])) for ref in wanted if ref in found]
+        return found
 
 
 class ShardStream(IterableDataset):
@@ -181,9 +191,11 @@ class ShardStream(IterableDataset):
     Each logical worker reads its own shards of the epoch (`order[rank::world][logical::workers]`; drawn
     with replacement when resampled) through a shuffle buffer and yields exactly its quota of the
     rank's `batches_per_epoch` micro batches, reading its shards again (in another order each pass)
-    when they run out. Worker `w` plays the logical worker `(w + worker_offset) % workers` and goes on
-    from `resume[logical]` (a WorkerPosition) if given; every batch reports its logical worker, the
-    worker's position after it and how many broken samples were skipped since its last batch.
+    when they run out. With several sources it does so for each source's shards, and draws the source
+    of each sample it reads by the sources' weights. Worker `w` plays the logical worker
+    `(w + worker_offset) % workers` and goes on from `resume[logical]` (a WorkerPosition) if given;
+    every batch reports its logical worker, the worker's position after it, its samples from each
+    source and how many broken samples were skipped since its last batch.
     """
 
     def __init__(self, spec: WebDatasetSpec, preprocess: Callable, tokenize: Callable, batch_size: int,
@@ -191,7 +203,16 @@ class ShardStream(IterableDataset):
         self.spec, self.preprocess, self.tokenize = spec, preprocess, tokenize
         self.crop = random_resized_crop(preprocess.transforms) if spec.decode in ("gpu", "mixed") else None
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
-        self.urls = shard_urls(spec.urls)
+        mixture = spec.mixture()
+        self.urls: list[str] = []
+        self.sources: list[range] = []  # each source's shards: indices into `urls`
+        for source in mixture:
+            start = len(self.urls)
+            self.urls += shard_urls(source.urls)
+            self.sources.append(range(start, len(self.urls)))
+        self.starts = [shards.start for shards in self.sources]
+        self.names = [source.name for source in mixture]
+        self.cumulative_weights = list(itertools.accumulate(source.weight for source in mixture))
         self.image_keys = [k.strip().lower() for k in spec.image_key.split(";")]
         self.epoch, self.worker_offset = 0, 0
         self.resume: dict[int, WorkerPosition] = {}
@@ -205,18 +226,43 @@ class ShardStream(IterableDataset):
         evenly as possible (the first workers one more)."""
         return self.batches_per_epoch // workers + (logical < self.batches_per_epoch % workers)
 
-    def _pass_shards(self, logical: int, workers: int, passes: int) -> list[int]:
-        """The shards (indices into the URL list) a logical worker reads in pass `passes` of the epoch."""
-        order = list(range(len(self.urls)))
-        random.Random(f"{self.seed}/{self.epoch}").shuffle(order)
+    def source_of(self, index: int) -> int:
+        """The source of the shard at `index` in the URL list."""
+        return bisect.bisect_right(self.starts, index) - 1
+
+    def of_source(self, source: int) -> str:
+        """' of source NAME' in a mixture's messages, '' for one source."""
+        return f" of source '{self.names[source]}'" if len(self.sources) > 1 else ""
+
+    def _seed(self, source: int) -> str:
+        """The seed of a source's shard order in this epoch (the first source's: a single source's)."""
+        return f"{self.seed}/{self.epoch}" + (f"/source/{source}" if source else "")
+
+    def _pass_shards(self, logical: int, workers: int, passes: int, source: int = 0) -> list[int]:
+        """The shards of `source` (indices into the URL list) a logical worker reads in pass `passes` of the epoch."""
+        order = list(self.sources[source])
+        random.Random(self._seed(source)).shuffle(order)
         mine = order[self.rank::self.world_size][logical::workers]
         if passes:
-            random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{logical}/pass/{passes}").shuffle(mine)
+            random.Random(f"{self._seed(source)}/{self.rank}/{logical}/pass/{passes}").shuffle(mine)
         return mine
 
-    def _drawn_shard(self, logical: int, cursor: int) -> int:
-        """Resampled: the shard a logical worker draws as its `cursor`-th of the epoch."""
-        return random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{logical}/draw/{cursor}").randrange(len(self.urls))
+    def _drawn_shard(self, logical: int, cursor: int, source: int = 0) -> int:
+        """Resampled: the shard of `source` a logical worker draws as its `cursor`-th of the epoch."""
+        shards = self.sources[source]
+        return shards[random.Random(f"{self._seed(source)}/{self.rank}/{logical}/draw/{cursor}").randrange(len(shards))]
+
+    def _restore(self, readers: list[_Reader], refs: list[Ref]) -> list[tuple[Ref, dict]]:
+        """A saved shuffle buffer read again (each source's samples by its reader: _Reader.restore), in its order."""
+        wanted = [tuple(ref) for ref in refs]
+        found: dict[Ref, dict] = {}
+        for reader in readers:
+            found.update(reader.restore([ref for ref in wanted if self.source_of(ref[0]) == reader.source]))
+        lost = [ref for ref in wanted if ref not in found]
+        if lost:
+            log.warning("%d buffered samples are no longer in their shards (%s, ...): the data changed since the "
+                        "checkpoint", len(lost), self.urls[lost[0][0]])
+        return [(ref, dict(found[ref])) for ref in wanted if ref in found]
 
     def _shard_samples(self, index: int, handler: Callable[[Exception], bool],
                        wanted: Optional[Callable[[int], bool]] = None) -> Iterator[dict]:
@@ -291,16 +337,26 @@ class ShardStream(IterableDataset):
         if position.rng is not None:
             rng.setstate(position.rng)
         broken = _Broken()
-        reader = _Reader(self, logical, workers, position, broken)
-        buffer = reader.restore(position.buffer)
+        position.readings = position.readings or [Reading() for _ in self.sources]
+        readers = [_Reader(self, logical, workers, source, reading, broken)
+                   for source, reading in enumerate(position.readings)]
+        buffer = self._restore(readers, position.buffer)
+        mixer = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{logical}/mix") if len(readers) > 1 else None
+        if mixer is not None and position.mixer is not None:
+            mixer.setstate(position.mixer)
         size = self.spec.shuffle_buffer
-        images, texts, failed, refused_in_a_row = [], [], 0, 0
+        images, texts, origins, failed, refused_in_a_row = [], [], [], 0, 0
+
+        def read() -> tuple[Ref, dict]:  # the next sample of the source the weights draw
+            reader = readers[0] if mixer is None else mixer.choices(readers, cum_weights=self.cumulative_weights)[0]
+            return next(reader)
+
         while position.batches < quota:
             if size <= 1:
-                ref, sample = next(reader)
+                ref, sample = read()
             else:  # the shuffle: its choices depend only on the RNG and the buffer's length
                 while len(buffer) < size:
-                    buffer.append(next(reader))
+                    buffer.append(read())
                 index = rng.randrange(len(buffer))
                 buffer[index], buffer[-1] = buffer[-1], buffer[index]
                 ref, sample = buffer.pop()
@@ -318,6 +374,7 @@ class ShardStream(IterableDataset):
             failed = 0
             images.append(image)
             texts.append(text)
+            origins.append(self.source_of(ref[0]))
             if len(images) == self.batch_size:
                 tokens, refused = self._tokens(texts, broken)
                 if refused:  # broken samples: the batch fills up again
@@ -327,11 +384,14 @@ class ShardStream(IterableDataset):
                                         f"row could not be tokenised (the last: {list(refused.values())[-1]})")
                     images = [image for index, image in enumerate(images) if index not in refused]
                     texts = [text for index, text in enumerate(texts) if index not in refused]
+                    origins = [origin for index, origin in enumerate(origins) if index not in refused]
                     continue
                 refused_in_a_row = 0
                 position.batches += 1
-                state = WorkerPosition(position.batches, position.passes, position.cursor, position.offset,
-                                       position.emitted, [ref for ref, _ in buffer], rng.getstate())
-                yield {"images": self._collate(images), "texts": tokens, "worker": logical,
-                       "position": state, "broken": broken.take()}
-                images, texts = [], []
+                state = WorkerPosition(position.batches, copy.deepcopy(position.readings), position.emitted,
+                                       [ref for ref, _ in buffer], rng.getstate(),
+                                       mixer.getstate() if mixer is not None else None)
+                yield {"images": self._collate(images), "texts": tokens, "worker": logical, "position": state,
+                       "sources": [origins.count(source) for source in range(len(self.sources))],
+                       "broken": broken.take()}
+                images, texts, origins = [], [], []

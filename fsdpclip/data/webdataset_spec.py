@@ -10,6 +10,23 @@ from pydantic import Field, model_validator
 
 from fsdpclip.spec.section import Section
 
+Urls = Union[str, list[str]]
+
+
+class MixedSource(Section):
+    """One set of shards of a mixture (`data.sources`)."""
+
+    urls: Urls = Field(description="Its shard URLs or paths, as `data.urls`.")
+    weight: float = Field(1.0, gt=0, description="Its share of the samples drawn, relative to the other sources' "
+                                                 "weights (0.7 and 0.3, or 7 and 3: 70% of the samples from it).")
+    samples: Optional[int] = Field(None, gt=0, description="Samples its shards hold: `data.samples` defaults to the "
+                                                           "sources' sum, and validate says how many passes over "
+                                                           "it an epoch reads.")
+    name: Optional[str] = Field(None, min_length=1, description="Its name in metrics.jsonl's per-source counts and "
+                                                                "validate's summary (default: its place in the "
+                                                                "list, '0', '1', ...).")
+
+
 # The keys of a model config (fsdpclip.model.build.model_config) that hold its preprocessing, not the model.
 PREPROCESSING_KEYS = ("preprocess_cfg", "augmentation_cfg")
 Rgb = tuple[float, float, float]
@@ -73,14 +90,21 @@ class PreprocessSpec(Section):
 
 class WebDatasetSpec(Section):
     source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
-    urls: Union[str, list[str]] = Field(
-        description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at most "
-                    "2^20 (1,048,576) shards.")
-    samples: int = Field(
-        gt=0, description="Samples in one epoch (the sum over all shards). An epoch is samples ÷ (world size × "
-                          "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
-                          "workers; a worker whose shards hold fewer reads them again in another order (as "
-                          "OpenCLIP's with_epoch).")
+    urls: Optional[Urls] = Field(
+        None, description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at "
+                          "most 2^20 (1,048,576) shards in all. Give `urls` or `sources`.")
+    sources: Optional[list[MixedSource]] = Field(
+        None, min_length=1, description="Several sets of shards mixed by weight (instead of `urls`; open_clip_train's "
+                                        "`--train-data 'a::b' --train-data-upsampling-factors`): each data worker "
+                                        "reads every source as it would read `urls` and draws each sample's source "
+                                        "at random by the weights; a source read to its end is read again, so a "
+                                        "source never ends the run or the epoch (`samples` does).")
+    samples: Optional[int] = Field(
+        None, gt=0, description="Samples in one epoch (the sum over all shards; with `sources`, default the sum of "
+                                "theirs). An epoch is samples ÷ (world size × "
+                                "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
+                                "workers; a worker whose shards hold fewer reads them again in another order (as "
+                                "OpenCLIP's with_epoch).")
     resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
     shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
     workers: int = Field(4, ge=0, description="DataLoader workers per rank; each reads its own shards, so "
@@ -106,3 +130,19 @@ class WebDatasetSpec(Section):
         default_factory=PreprocessSpec, description="Normalisation, evaluation resize and training augmentation "
                                                     "(crop scale, colour jitter, grayscale), each field over the "
                                                     "model's own; applied alike on every decode path.")
+
+    @model_validator(mode="after")
+    def _urls_or_sources(self) -> "WebDatasetSpec":
+        if (self.urls is None) == (self.sources is None):
+            raise ValueError("give exactly one of `urls` (one set of shards) or `sources` (several, mixed by weight)")
+        if self.samples is None:
+            if self.sources is None or any(s.samples is None for s in self.sources):
+                raise ValueError("`samples` is missing: give the samples of an epoch (or, with `sources`, each "
+                                 "source's `samples`)")
+            self.samples = sum(s.samples for s in self.sources)
+        return self
+
+    def mixture(self) -> list[MixedSource]:
+        """The sources to mix, named: `sources`, or `urls` as the one source (weight 1, named '0')."""
+        sources = self.sources or [MixedSource(urls=self.urls, samples=self.samples)]
+        return [s.model_copy(update={"name": s.name or str(i)}) for i, s in enumerate(sources)]

@@ -125,6 +125,11 @@ def resolve_paths(job: Job, base: Path) -> Job:
 
     def resolve_fields(block, names: tuple[str, ...]) -> None:  # a path, a list of them, or another value
         for name in names:
+            blocks, _, field = name.partition("[].")
+            if field:  # that field of each block in a list
+                for item in getattr(block, blocks) or []:
+                    resolve_fields(item, (field,))
+                continue
             value = getattr(block, name)
             setattr(block, name, absolute(value) if isinstance(value, str) else
                     [absolute(v) for v in value] if isinstance(value, list) else value)

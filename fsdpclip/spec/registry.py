@@ -50,7 +50,8 @@ class DataSource:
 
     The batches it returns are iterated by the trainer for (images, texts) micro batches and also give
     `state_dict`/`load_state_dict` (the position a checkpoint keeps), `restart(micro_batches, epoch)` (where a
-    stream without a usable saved position starts), `start()`, `close()` and `broken` (samples skipped so far)."""
+    stream without a usable saved position starts), `start()`, `close()` and `broken` (samples skipped so far),
+    and may give `source_samples` (samples given out so far by source name, for metrics.jsonl)."""
 
     name: str  # the `data.source` value that selects it
     spec: type[Section]  # its block under `data`, with `source: Literal[name]`
@@ -65,9 +66,13 @@ class DataSource:
         """`validate`'s problems with this block, located under `data` (`check_paths`: files exist here)."""
 
     def paths(self, spec: Section) -> tuple[str, ...]:
-        """Its fields that hold local paths (a string or a list of them): `fsdpclip launch` makes them
-        absolute, relative to the spec file's directory."""
+        """Its fields that hold local paths (a string or a list of them; `name[].field`: that field of each
+        block in the list `name`): `fsdpclip launch` makes them absolute, relative to the spec file's directory."""
         return ()
+
+    def describe(self, spec: Section) -> Optional[str]:
+        """What `validate`'s summary says of the data in a line (None: nothing)."""
+        return None
 
     def decode(self, spec: Section, device: str) -> Optional[str]:
         """Where its images are decoded on `device` ('cpu', 'gpu', 'mixed'; `validate`'s summary), or None."""

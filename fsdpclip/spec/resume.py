@@ -87,7 +87,8 @@ def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],
     if saved_shards and not any(c.field.startswith("data.") for c in changes):
         found = shards()
         if found and found != saved_shards:
-            changes.append(Change("data.urls", job.data.urls, job.data.urls, note=(
+            urls = job.data.urls  # None for a mixture (data.sources)
+            changes.append(Change("data.urls" if urls is not None else "data.sources", urls, urls, note=(
                 f"the same URLs name other files than the checkpoint read ({found['local']} local shards: names, "
                 "sizes or modification times differ)")))
     return changes

@@ -235,15 +235,17 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
     def _log_record(self, window: Window, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The metrics of one log window (collectives: every rank calls it)."""
         env = self.env
-        broken = self.batches.broken
+        by_source = getattr(self.batches, "source_samples", {})
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
-        broken_total, = all_sum([broken], env.device)
+        broken_total, *source_totals = all_sum([self.batches.broken, *by_source.values()], env.device)
         logit_scale = self.model.logit_scale.exp().item()
         record = {"step": self.step, "total_steps": self.total_steps, "time": round(time.time(), 3),
                   "samples_seen": self.samples_seen, "loss": loss,
                   "lr": self.scheduler.lr, "logit_scale": logit_scale,
                   "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
                   "skipped_steps": int(self.skipped_steps.item())}
+        if by_source:
+            record["source_samples"] = {name: int(total) for name, total in zip(by_source, source_totals)}
         record.update(window.rates(env.world_size, self.flops_per_sample, self.peak))
         record["peak_memory_gib"] = peak_memory_gib(env.device)
         if self.scaler is not None:

@@ -44,6 +44,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                         "global": job.samples_per_step(world), "steps": steps,
                         "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
     summary["preprocess"] = preprocess_summary(model)
+    summary["data"] = DATA_SOURCES[job.data.source].describe(job.data)
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback

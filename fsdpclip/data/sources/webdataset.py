@@ -11,7 +11,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem, shard_urls
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
@@ -39,44 +39,85 @@ class WebDatasetSource(DataSource):
                                              rank.batch_size, rank.rank, rank.world_size, rank.seed, rank.device)
         if rank.is_main:
             log.info("data: images decoded %s", DECODED_WHERE[images.decode])
+            if mixture := self.describe(spec):
+                log.info("data: %s", mixture)
         return batches, images
 
     def check(self, spec: WebDatasetSpec, job: Job, report: Report, check_paths: bool) -> None:
-        """Shard URLs the reader can open (their scheme), not too many and enough of them for the ranks and
-        workers, and, with `check_paths`, the local ones present: counted without expanding them, and a sample
-        of CHECKED_SHARDS looked at when there are more."""
-        try:
-            shards = ShardPatterns(spec.urls)
-        except ValueError as exc:
-            report.error("data.urls", str(exc), spec.urls,
-                         hint="every '{' needs its '}' (a literal one is written '\\{')")
+        """Each source's shard URLs (`_check_urls`), not too many in all, and a mixture's source names
+        given once each."""
+        total = 0
+        for index, source in enumerate(spec.mixture()):
+            where = "data.urls" if spec.sources is None else f"data.sources[{index}].urls"
+            total += self._check_urls(source.urls, where, spec, report, check_paths)
+        if spec.sources is None:
             return
+        if total > MAX_SHARDS:
+            report.error("data.sources", f"{total:,} shards in all, more than a job may read ({MAX_SHARDS:,}: every "
+                         "rank holds the list)", total, hint="pack the data into fewer, larger shards")
+        names = set()
+        for index, source in enumerate(spec.mixture()):
+            if source.name in names:
+                report.error(f"data.sources[{index}].name", f"a second source named '{source.name}'", source.name,
+                             hint="give each source a name of its own (one without is named by its place: '0', "
+                                  "'1', ...)")
+            names.add(source.name)
+
+    def _check_urls(self, urls: Union[str, list[str]], where: str, spec: WebDatasetSpec, report: Report,
+                    check_paths: bool) -> int:
+        """Shard URLs the reader can open (their scheme), enough of them for the ranks and workers, and, with
+        `check_paths`, the local ones present: counted without expanding them, and a sample of CHECKED_SHARDS
+        looked at when there are more. Returns how many there are (0 where they cannot be counted or are too
+        many to look at)."""
+        try:
+            shards = ShardPatterns(urls)
+        except ValueError as exc:
+            report.error(where, str(exc), urls, hint="every '{' needs its '}' (a literal one is written '\\{')")
+            return 0
         count = shards.count
         if count > MAX_SHARDS:
-            report.error("data.urls", f"{count:,} shards, more than a job may read ({MAX_SHARDS:,}: every rank "
-                         "holds the list)", spec.urls,
-                         hint="pack the data into fewer, larger shards, or check the brace range")
-            return
+            report.error(where, f"{count:,} shards, more than a job may read ({MAX_SHARDS:,}: every rank holds the "
+                         "list)", urls, hint="pack the data into fewer, larger shards, or check the brace range")
+            return 0
         sample = shards.sample(CHECKED_SHARDS)
         of = f"{len(sample):,} checked (of {count:,})" if len(sample) < count else f"{count:,}"
         unreadable = [(u, problem) for u in sample for problem in [scheme_problem(u)] if problem]
         if unreadable:
             url, (message, hint) = unreadable[0]
-            report.error("data.urls", f"{message}: {len(unreadable)} of {of} shards", url, hint=hint)
+            report.error(where, f"{message}: {len(unreadable)} of {of} shards", url, hint=hint)
         missing = [u for u in sample if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
         if missing:
-            report.error("data.urls", f"{len(missing)} of {of} shards not found", missing[0],
+            report.error(where, f"{len(missing)} of {of} shards not found", missing[0],
                          hint="check the path and the brace range" if len(missing) < len(sample) else
                          "paths are relative to the directory you run fsdpclip in")
         needed = report.world_size * max(1, spec.workers)
         if not spec.resampled and count < needed:  # each worker of each rank reads shards of its own
-            report.error("data.urls", f"{count} shards for {report.world_size} ranks × {max(1, spec.workers)} "
+            report.error(where, f"{count} shards for {report.world_size} ranks × {max(1, spec.workers)} "
                          f"workers: some workers would get none (shards must be ≥ world size × data.workers, as "
                          f"OpenCLIP requires)", count,
                          hint=f"use ≥ {needed} shards, fewer workers, or data.resampled")
+        return count
 
     def paths(self, spec: WebDatasetSpec) -> tuple[str, ...]:
-        return ("urls",)
+        return ("urls", "sources[].urls")
+
+    def describe(self, spec: WebDatasetSpec) -> Optional[str]:
+        """A mixture's sources: each one's name, share of the samples and shards, and the passes over it an
+        epoch reads where its samples are given."""
+        if spec.sources is None:
+            return None
+        mixture, total = spec.mixture(), sum(source.weight for source in spec.sources)
+        parts = []
+        for source in mixture:
+            try:
+                shards = f"{ShardPatterns(source.urls).count:,} shards"
+            except ValueError:
+                shards = "shards not counted"
+            share = source.weight / total
+            if source.samples:
+                shards += f", {spec.samples * share / source.samples:.2g} passes an epoch"
+            parts.append(f"'{source.name}' {share:.1%} ({shards})")
+        return f"{len(mixture)} sources mixed by weight: " + ", ".join(parts)
 
     def decode(self, spec: WebDatasetSpec, device: str) -> Optional[str]:
         from fsdpclip.data.transform import decode_mode
@@ -87,7 +128,7 @@ class WebDatasetSource(DataSource):
         """The local shards' count and a digest of their paths, sizes and modification times (one stat
         each); None without a local shard."""
         digest, count = hashlib.sha256(), 0
-        for url in shard_urls(spec.urls):
+        for url in (url for source in spec.mixture() for url in shard_urls(source.urls)):
             if is_local(url):
                 try:
                     found = os.stat(local_path(url))
