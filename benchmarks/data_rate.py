@@ -45,7 +45,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from fsdpclip.data.batches import PREFETCH, webdataset_batches
-from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, resized_crops
+from fsdpclip.data.resize import resized_crops
+from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded
 from fsdpclip.model.build import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.spec.job import ModelSpec

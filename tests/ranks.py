@@ -43,3 +43,22 @@ def json_result(command: list[str], timeout: float, env: dict | None = None) -> 
     assert result.returncode == 0, result.stdout[-3000:]
     # stderr shares the pipe: a warning from another thread may precede the object on its line
     return json.loads([line[line.index('{"'):] for line in result.stdout.splitlines() if '{"' in line][-1])
+
+
+def start_launch(path: Path, log: Path, *extra: str) -> subprocess.Popen:
+    """`fsdpclip launch PATH EXTRA` as a terminal starts it: its own process group, output to `log`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "fsdpclip", "launch", str(path), *extra], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_launch(process: subprocess.Popen, log: Path, timeout: float = 180) -> tuple[int, str]:
+    """The exit code and output of a launch `start_launch` began; its whole group killed past `timeout`."""
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise AssertionError(f"launch still running after {timeout}s:\n{log.read_text()[-4000:]}")
+    return code, log.read_text()

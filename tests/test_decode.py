@@ -22,8 +22,9 @@ from fsdpclip.data.batches import WebDatasetBatches
 from fsdpclip.data.webdataset_spec import ColorJitterSpec, PreprocessSpec, WebDatasetSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
-from fsdpclip.data.transform import (CroppedBatch, EncodedBatch, TrainImages, crop_box, decode_mode, pooled_batch,
-                                     resample_weights)
+from fsdpclip.data.augment import coloured, crop_box
+from fsdpclip.data.resize import resample_weights
+from fsdpclip.data.transform import CroppedBatch, EncodedBatch, TrainImages, decode_mode, pooled_batch
 
 SIZE = 48  # the model's image size in these tests
 
@@ -98,9 +99,9 @@ def test_a_transform_the_split_cannot_express_is_refused():
     jitter = train_transform()
     jitter.transforms.insert(1, T.ColorJitter(0.4))
     TrainImages(jitter, "cpu", "cpu")  # the workers can do it
-    for decode in ("gpu", "mixed"):
-        with pytest.raises(ValueError, match=f"'{decode}' crops .* also does .*ColorJitter.*use data.decode 'cpu'"):
-            TrainImages(jitter, decode, "cpu")
+    for mode in ("gpu", "mixed"):
+        with pytest.raises(ValueError, match=f"'{mode}' crops .* also does .*ColorJitter.*use data.decode 'cpu'"):
+            TrainImages(jitter, mode, "cpu")
 
 
 def _both_paths(tmp_path, transform=None, copies: int = 1) -> tuple[list[bytes], torch.Tensor, EncodedBatch]:
@@ -118,7 +119,7 @@ def _both_paths(tmp_path, transform=None, copies: int = 1) -> tuple[list[bytes],
     assert torch.equal(texts, cpu_texts) and cpu_images.dtype == torch.uint8
     decoded = [Image.open(io.BytesIO(d)).convert("RGB") for d in data]
     colours = None if encoded_batch.colours is None else encoded_batch.colours[encoded_batch.order]
-    assert torch.equal(decode.coloured(pil_crops(decoded, encoded_batch), colours), cpu_images)
+    assert torch.equal(coloured(pil_crops(decoded, encoded_batch), colours), cpu_images)
     return data, cpu_images, encoded_batch
 
 
@@ -347,7 +348,7 @@ def test_a_workers_reused_buffers_leave_every_held_batch_intact(tmp_path):
 
 
 def test_resize_weights_made_at_the_taps_are_the_dense_definitions():
-    """decode.resample_weights computes the bicubic weights only at each output pixel's taps (a band as wide as
+    """resample_weights computes the bicubic weights only at each output pixel's taps (a band as wide as
     the batch's widest support) and spreads them into the dense matrix: it equals PIL's coefficients written
     densely (every input pixel's distance to every output centre), for down- and upscaled boxes, boxes at
     either edge and a batch mixing supports of several widths."""

@@ -27,25 +27,7 @@ import torch
 from conftest import (
     PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job,
 )
-from ranks import REPO, json_result, run_group
-
-
-def _start(path: Path, log: Path, *extra: str) -> subprocess.Popen:
-    """`fsdpclip launch` as a terminal starts it: its own process group, output to `log`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "fsdpclip", "launch", str(path), *extra], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _finish(process: subprocess.Popen, log: Path, timeout: float = 180) -> tuple[int, str]:
-    try:
-        code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        raise AssertionError(f"launch still running after {timeout}s:\n{log.read_text()[-4000:]}")
-    return code, log.read_text()
+from ranks import REPO, finish_launch, json_result, run_group, start_launch
 
 
 def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -117,11 +99,11 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     never stopped."""
     run_dir = tmp_path / "runs" / "preempted"
     path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "preempted"))
-    process = _start(path, tmp_path / "first.log")
+    process = start_launch(path, tmp_path / "first.log")
     _wait_for_step(run_dir, 2, process, tmp_path / "first.log")
     _all_running(run_dir, path)
     os.killpg(process.pid, signal.SIGTERM)
-    code, output = _finish(process, tmp_path / "first.log")
+    code, output = finish_launch(process, tmp_path / "first.log")
     assert code == 75, output[-4000:]
     assert "Traceback" not in output and "killed by signal" not in output and "exitcode: 75" not in output
     assert f"run directory: {run_dir}\nresume: fsdpclip launch {path}\nprogress: fsdpclip report {run_dir}" in output
@@ -150,7 +132,7 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     job = preemptible_job(tmp_path / "runs", digits_dir, "busy")
     job["schedule"]["steps"], job["batch"]["per_gpu"] = 1000, 64  # slow steps: the ranks must not stop first
     path = write_job(tmp_path, job)
-    first = _start(path, tmp_path / "first.log")
+    first = start_launch(path, tmp_path / "first.log")
     _wait_for_step(run_dir, 2, first, tmp_path / "first.log")
     _all_running(run_dir, path)
     written = (run_dir / "job.json").read_text()
@@ -166,7 +148,7 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     os.killpg(first.pid, signal.SIGINT)
     time.sleep(0.3)  # two signals at once would be one
     os.killpg(first.pid, signal.SIGINT)
-    code, output = _finish(first, tmp_path / "first.log", timeout=60)
+    code, output = finish_launch(first, tmp_path / "first.log", timeout=60)
     assert code == 130, output[-3000:]
     _none_left(run_dir, path)
     assert _exit_report(run_dir)["code"] == 130
@@ -239,7 +221,7 @@ def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, dig
         terminal = Terminal(path, log)
         launcher = terminal.process
     else:
-        launcher = _start(path, log)
+        launcher = start_launch(path, log)
     paused: list[int] = []
     try:
         _wait_for_step(run_dir, 2, launcher, log)
@@ -520,13 +502,13 @@ def test_a_rank_killed_by_a_signal_is_named(tmp_path, digits_dir):
     job = preemptible_job(tmp_path / "runs", digits_dir, "killed")
     job["schedule"]["steps"] = 100_000
     path, log, run_dir = write_job(tmp_path, job), tmp_path / "launch.log", tmp_path / "runs" / "killed"
-    process = _start(path, log)
+    process = start_launch(path, log)
     try:
         _wait_for_step(run_dir, 3, process, log)
         ranks = _ranks(process.pid)
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)
-        code, output = _finish(process, log, timeout=120)
+        code, output = finish_launch(process, log, timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -770,7 +752,7 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
         full = _launch(path)
         output = full.stdout
         assert full.returncode == 74, output[-3000:]
-        needed = rf"needed ~\d+ MB, \d+ MB free"
+        needed = r"needed ~\d+ MB, \d+ MB free"
         line = f"✗ no space left on tmpfs ({disk}) writing {run_dir}/checkpoints/step-00000008: "
         assert line in output and len(re.findall(needed, output)) <= 2, output[-3000:]  # the trainer's, the last line
         assert "Traceback" not in output and "Errno" not in output and "rank 1" not in output, output[-3000:]

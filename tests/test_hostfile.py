@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_CONFIG, assert_same_losses, logged_losses, preemptible_job, write_job
+from ranks import finish_launch, start_launch
 from fsdpclip.launch.hostfile import pick_hosts, read_hostfile
 from fsdpclip.launch.launcher import LaunchError
 from fsdpclip.run.lock import process_alive, start_ticks
@@ -114,21 +115,11 @@ def ssh_options(tmp_path_factory):
 
 
 def _launch(path: Path, hostfile: Path, log: Path) -> subprocess.Popen:
-    """`fsdpclip launch --hostfile` as a terminal starts it: its own process group, output to `log`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "fsdpclip", "launch", str(path), "--hostfile", str(hostfile)],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return start_launch(path, log, "--hostfile", str(hostfile))
 
 
 def _finish(process: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
-    try:
-        code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        raise AssertionError(f"launch still running after {timeout}s:\n{log.read_text()[-4000:]}")
-    return code, log.read_text()
+    return finish_launch(process, log, timeout)
 
 
 def _run_processes(run_dir: Path) -> dict[int, int]:

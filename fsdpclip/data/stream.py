@@ -24,10 +24,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from fsdpclip.data.augment import random_resized_crop
 from fsdpclip.data.jpeg import read_header
 from fsdpclip.data.tarshards import shard_samples
-from fsdpclip.data.transform import (CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, collate, cropped,
-                                     for_device, random_resized_crop)
+from fsdpclip.data.transform import CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, collate, cropped, for_device
 from fsdpclip.data.urls import shard_urls
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.spec.job import batches_per_epoch

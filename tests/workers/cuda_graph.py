@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
