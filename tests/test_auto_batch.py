@@ -10,7 +10,10 @@ import sys
 import pytest
 
 from conftest import REPO, TINY_CONFIG
-from fsdpclip.plan.batch import BatchRecord, Probe, kept_batch, largest_fitting, recorded_batch, search_basis
+from fsdpclip.plan.batch import (
+    PEAK_MARGIN, BatchRecord, BatchSearchFailed, Probe, kept_batch, largest_fitting, recorded_batch, search_basis,
+    settled_batch,
+)
 from fsdpclip.spec.job import Job
 from fsdpclip.validate.checks import check_job
 
@@ -54,6 +57,72 @@ def test_every_rank_must_fit():
     ranks = [Fits(900), Fits(700), Fits(1200)]
     found = largest_fitting(lambda b: min(rank(b) for rank in ranks), 256, limit=1 << 15)
     assert 700 * 15 / 16 <= found <= 700
+
+
+GIB = 2 ** 30
+
+
+class Memory:
+    """A probe of a GPU of `capacity` bytes whose step peaks at `fixed + per_sample × batch` (no less than
+    `plateau`, an optimizer step's peak flat in the batch); batches in `fails` run out of memory regardless."""
+
+    def __init__(self, fixed: float, per_sample: float, capacity: float = 140 * GIB, plateau: float = 0.0,
+                 fails: frozenset = frozenset()):
+        self.fixed, self.per_sample, self.capacity = fixed, per_sample, capacity
+        self.plateau, self.fails = plateau, fails
+        self.asked = []
+
+    def peak(self, per_gpu: int) -> float:
+        return max(self.plateau, self.fixed + self.per_sample * per_gpu)
+
+    def __call__(self, per_gpu: int) -> tuple[bool, float]:
+        self.asked.append(per_gpu)
+        return self.peak(per_gpu) <= self.capacity and per_gpu not in self.fails, self.peak(per_gpu)
+
+
+@pytest.mark.parametrize("fixed_gib,per_sample_mib,plateau_gib,start", [
+    (2, 40, 0, 3500),      # the estimate about right: probes from half of it
+    (2, 40, 0, 5000),      # the estimate too large (more than the device fits)
+    (2, 40, 0, 8),         # far too small: doubling while the line predicts it
+    (40, 500, 0, 150),     # mostly fixed memory (a large model on one GPU)
+    (20, 60, 40, 16),      # small batches peak in the optimizer step, flat
+])
+def test_the_predicted_search_never_probes_above_its_budget(tmp_path, fixed_gib, per_sample_mib, plateau_gib, start):
+    """Without FSDP's recovery from running out of memory: every batch probed is predicted (and here found) under
+    the margin of the device's memory, and the batch kept is SAFETY of the largest under it."""
+    memory = Memory(fixed_gib * GIB, per_sample_mib * 2 ** 20, plateau=plateau_gib * GIB)
+    budget = PEAK_MARGIN * memory.capacity
+    per_gpu, accum = settled_batch(memory, auto_job(tmp_path), 2, start, budget)
+    assert all(memory.peak(asked) <= budget for asked in memory.asked), memory.asked
+    under_budget = int((budget - memory.fixed) // memory.per_sample)
+    assert (per_gpu, accum) == kept_batch(under_budget, 2, None, 1)
+    assert len(set(memory.asked)) == len(memory.asked) <= 12 and memory.asked[-1] == per_gpu  # kept, confirmed last
+
+
+def test_a_failed_probe_ends_the_predicted_search_with_one_line(tmp_path):
+    """The batch that ran out of memory, the largest that fit and what to do: where the kept batch's confirmation
+    fails, and where the first probe does."""
+    job, budget = auto_job(tmp_path), PEAK_MARGIN * 140 * GIB
+    kept, _ = settled_batch(Memory(2 * GIB, 40 * 2 ** 20), job, 2, 3500, budget)
+    failing = Memory(2 * GIB, 40 * 2 ** 20, fails=frozenset({kept}))
+    with pytest.raises(BatchSearchFailed) as failed:
+        settled_batch(failing, job, 2, 3500, budget)
+    largest_fit = max(b for b in failing.asked[:-1])
+    assert str(failed.value) == (f"batch.per_gpu 'auto': a step of {kept} per GPU ran out of memory (the largest "
+                                 f"that fit: {largest_fit}), and this torch's FSDP cannot recover from that to probe "
+                                 "again: set batch.per_gpu")
+    with pytest.raises(BatchSearchFailed, match=r"a step of 4000 per GPU ran out of memory \(none fit\)"):
+        settled_batch(Memory(2 * GIB, 40 * 2 ** 20), job, 2, 8000, budget)
+
+
+def test_the_recovering_search_keeps_a_share_of_the_largest_fit(tmp_path):
+    """With FSDP's recovery (no budget) the search probes past failures, as `largest_fitting` does; nothing
+    fitting is one line too."""
+    memory = Memory(2 * GIB, 40 * 2 ** 20)
+    largest = largest_fitting(lambda b: memory(b)[0], 3500, 1 << 15)
+    assert settled_batch(memory, auto_job(tmp_path), 2, 3500, None) == kept_batch(largest, 2, None, 1)
+    with pytest.raises(BatchSearchFailed, match="not even one sample per GPU fits a step"):
+        settled_batch(Memory(200 * GIB, 1), auto_job(tmp_path), 2, 64, None)
 
 
 def test_the_kept_batch_leaves_a_margin_and_holds_the_global_batch():

@@ -1,17 +1,27 @@
 """`batch.per_gpu: "auto"`: the search for the largest per-GPU batch whose step fits, the batch it keeps, and
 the record a relaunch reuses.
 
-The search is a function of a probe, `fits(per_gpu) -> bool` (on the GPU: a few real steps, agreed over the
-ranks), so that it runs here without one. It starts from the memory model's estimate, doubles while probes
-fit and halves while they do not, then bisects until the largest fit is known within 1/16 (finer costs
-probes that the safety margin throws away). The batch kept is SAFETY of the largest that fit, rounded down
-to a multiple of 8; with `batch.global_batch`, the largest divisor of the per-rank share below that, the
-rest made up by accumulation.
+The search is a function of a probe, `probe(per_gpu) -> (fits, peak_bytes)` (on the GPU: a real step, agreed
+over the ranks), so that it runs here without one. Two searches, as the probe can recover from running out of
+memory or not (`settled_batch`):
+
+- recovering (FSDP's `reset_iter_state`): from the memory model's estimate, double while probes fit and halve
+  while they do not, then bisect until the largest fit is known within 1/16 (finer costs probes that the
+  safety margin throws away);
+- predicted, where nothing may run out of memory: grow from half the estimate only to batches the measured
+  peaks predict under PEAK_MARGIN of the device's memory (at most doubling), until growth is within 1/16;
+  the batch kept is then confirmed by one probe, and an out-of-memory probe ends the search with the
+  batch that failed and the largest that fit.
+
+The batch kept is SAFETY of the largest that fit (or was predicted to), rounded down to a multiple of 8;
+with `batch.global_batch`, the largest divisor of the per-rank share below that, the rest made up by
+accumulation.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -25,11 +35,21 @@ if TYPE_CHECKING:
 
 SAFETY = 0.9  # of the largest batch that fit: room for fragmentation, longer captions, evaluation, a CUDA graph
 MAX_PER_GPU = 2 ** 15  # the search's ceiling without a global batch (or `data.samples` per rank)
+# Of the device's memory, the most a predicted peak may reach: the allocator's fragmentation, what its peak
+# statistics do not count (the CUDA context, NCCL's buffers) and the line's error where it extrapolates.
+PEAK_MARGIN = 0.9
+
+ProbeFn = Callable[[int], tuple[bool, float]]  # per_gpu -> (fits on every rank, the largest peak in bytes)
+
+
+class BatchSearchFailed(Exception):
+    """No batch to keep: nothing fits, or a probe ran out of memory where the search cannot go on after it."""
 
 
 @dataclass
 class Probe:
-    """One probe of the search: its batch, whether it fit on every rank, its peak and time on rank 0."""
+    """One probe of the search: its batch, whether it fit on every rank, its largest peak over the ranks and its
+    time on rank 0."""
 
     per_gpu: int
     fits: bool
@@ -59,6 +79,63 @@ def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+def settled_batch(probe: ProbeFn, job: Job, world: int, start: int, budget: Optional[float]) -> tuple[int, int]:
+    """(per_gpu, grad_accum) for `job` on `world` ranks, searched from `start`: with `budget` None the probe
+    recovers from running out of memory (`largest_fitting`), else every batch probed is predicted to peak
+    under `budget` bytes (`largest_predicted`) and the one kept is confirmed by a probe. Raises
+    BatchSearchFailed where nothing fits or a probe of the predicted search runs out of memory."""
+    limit = search_limit(job, world)
+    if budget is None:
+        largest = largest_fitting(lambda per_gpu: probe(per_gpu)[0], start, limit)
+    else:
+        largest, largest_fit = largest_predicted(probe, start, limit, budget)
+    if largest == 0:
+        raise BatchSearchFailed("batch.per_gpu 'auto': not even one sample per GPU fits a step "
+                                "(more GPUs, activation checkpointing or CPU offload)")
+    per_gpu, accum = kept_batch(largest, world, job.batch.global_batch, job.batch.grad_accum)
+    if budget is not None and not probe(per_gpu)[0]:
+        raise out_of_memory(per_gpu, largest_fit)
+    return per_gpu, accum
+
+
+def largest_predicted(probe: ProbeFn, start: int, limit: int, budget: float) -> tuple[int, int]:
+    """The largest batch in [0, limit] whose peak the probes that fit predict under `budget` bytes, and the
+    largest probed that fit. Only batches so predicted are probed, but the first: half of `start`, the memory
+    model's largest under the whole device. Each probe grows the batch to the largest predicted, at most
+    doubling it, until it would grow by 1/16 or less (after the first, by nothing). Raises BatchSearchFailed
+    when a probe runs out of memory."""
+    batch, fitted = max(1, min(start, limit) // 2), []
+    while True:
+        fits, peak = probe(batch)
+        if not fits:
+            raise out_of_memory(batch, fitted[-1][0] if fitted else 0)
+        fitted.append((batch, peak))
+        largest = largest_under(fitted, budget, limit)
+        larger = min(largest, 2 * batch)
+        if larger <= batch + (batch // 16 if len(fitted) > 1 else 0):  # one point's line is only a bound
+            return largest, batch
+        batch = larger
+
+
+def largest_under(fitted: list[tuple[int, float]], budget: float, limit: int) -> int:
+    """The largest batch in [0, limit] whose peak the line through the two largest fitted (batch, peak) points
+    predicts at most `budget` (one point: the line through the origin, which bounds the peaks above it where
+    memory has a fixed part). The two largest rather than a least-squares line over all: at small batches the
+    peak may be the optimizer step's, flat in the batch, which would flatten the line."""
+    (low, low_peak), (high, peak) = ([(0, 0.0)] + sorted(fitted))[-2:]
+    slope = max(0.0, (peak - low_peak) / (high - low))
+    if slope == 0.0:
+        return limit if peak <= budget else 0
+    return max(0, min(limit, high + math.floor((budget - peak) / slope)))
+
+
+def out_of_memory(batch: int, largest_fit: int) -> BatchSearchFailed:
+    """The one line of a probe that ran out of memory where FSDP cannot recover from it to probe again."""
+    fit = f"the largest that fit: {largest_fit}" if largest_fit else "none fit"
+    return BatchSearchFailed(f"batch.per_gpu 'auto': a step of {batch} per GPU ran out of memory ({fit}), and "
+                             "this torch's FSDP cannot recover from that to probe again: set batch.per_gpu")
 
 
 def kept_batch(largest: int, world: int, global_batch: Optional[int], grad_accum: int) -> tuple[int, int]:

@@ -443,8 +443,9 @@ class BatchSpec(Section):
     per_gpu: AutoOrCount = Field(
         description="Micro batch per GPU (per process) and forward. 'auto' (CUDA only): at start the trainer probes "
                     "real steps from the memory estimate `validate` shows, keeps 90% of the largest batch that fits "
-                    "on every rank (a multiple of 8) and records it in the run directory (auto_batch.json) for "
-                    "relaunches.")
+                    "on every rank (a multiple of 8; where torch's FSDP cannot recover from running out of memory, "
+                    "of the largest its measured peaks predict under 90% of the GPU's memory) and records it in the "
+                    "run directory (auto_batch.json) for relaunches.")
     grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step (with per_gpu 'auto' "
                                                  "and global_batch: set by the search).")
     global_batch: Optional[int] = Field(

@@ -7,10 +7,15 @@ at a batch of random inputs: forward and backward of one micro batch (two where 
 then AdamW at learning rate 0 (its moments allocated as training's are; the weights stay as drawn) on an
 optimizer dropped afterwards. Compiled modules run eager for the probes (`torch.compiler.set_stance`):
 compiling every probed shape would take minutes, and the compiled step keeps fewer activations than the
-eager one, so what fits eager fits compiled. An out-of-memory error is a probe that does not fit; its
-memory is handed back (FSDP's `reset_iter_state`, the allocator's cache emptied) before the next. Every
-rank probes the same batch and the ranks agree on the smallest result (all-reduce MIN): a batch fits
-only where it fits on every GPU.
+eager one, so what fits eager fits compiled. An out-of-memory error is a probe that does not fit. Every
+rank probes the same batch and the ranks agree on the smallest result and the largest peak (all-reduce): a
+batch fits only where it fits on every GPU.
+
+Where FSDP can recover from running out of memory (`reset_iter_state`: in torch 2.14, not in 2.11), the
+failed probe's memory is handed back (that, and the allocator's cache emptied) and the search goes on past
+it. Elsewhere an FSDP module left by a failed step cannot run another, so the search probes only batches
+whose peak the measured peaks predict under `PEAK_MARGIN` of the GPU's memory, and a probe that runs out of
+memory all the same ends the run with one line (`plan.batch.settled_batch`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import torch.distributed as dist
 
 from fsdpclip.model.build import image_shape, text_shape
 from fsdpclip.plan.batch import (
-    BatchRecord, Probe, kept_batch, largest_fitting, micro_batches_probed, recorded_batch, search_basis, search_limit,
-    search_start,
+    PEAK_MARGIN, BatchRecord, BatchSearchFailed, Probe, micro_batches_probed, recorded_batch, search_basis,
+    search_start, settled_batch,
 )
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import memory_model
@@ -69,12 +74,12 @@ class BatchSizing:
         record = self.batch_record
         if record is None:
             began, probes = time.perf_counter(), []
-            largest = largest_fitting(lambda per_gpu: self._fits(per_gpu, probes), self.batch_start,
-                                      search_limit(job, env.world_size))
-            if largest == 0:
-                raise Stop(EXIT_SPEC, "batch.per_gpu 'auto': not even one sample per GPU fits a step "
-                                      "(more GPUs, activation checkpointing or CPU offload)")
-            per_gpu, accum = kept_batch(largest, env.world_size, job.batch.global_batch, job.batch.grad_accum)
+            budget = None if hasattr(self.model, "reset_iter_state") else self._peak_budget()
+            try:
+                per_gpu, accum = settled_batch(lambda per_gpu: self._fits(per_gpu, probes), job, env.world_size,
+                                               self.batch_start, budget)
+            except BatchSearchFailed as failed:
+                raise Stop(EXIT_SPEC, str(failed)) from None
             record = BatchRecord(per_gpu, accum, round(time.perf_counter() - began, 1), self.batch_start,
                                  self.batch_basis, probes)
             if env.is_main:
@@ -89,16 +94,29 @@ class BatchSizing:
                              "searched_s": record.searched_s, "reused": self.batch_record is not None}
         self.job = job.with_batch(record.per_gpu, record.grad_accum)
 
-    def _fits(self, per_gpu: int, probes: list[Probe]) -> bool:
-        """Whether a step of `per_gpu` fits on every rank (one probe each, the smallest result agreed)."""
+    def _peak_budget(self) -> float:
+        """The bytes a probe's predicted peak may reach: PEAK_MARGIN of the memory this process's allocator can
+        have (what is free and what it holds, no more than `launch.gpu_memory_gib`), the smallest over ranks."""
+        device, declared = self.env.device, self.job.launch.gpu_memory_gib
+        free, _ = torch.cuda.mem_get_info(device)
+        room = free + torch.cuda.memory_reserved(device)
+        budget = torch.tensor(PEAK_MARGIN * min(room, declared * GIB if declared else room), device=device)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+        return budget.item()
+
+    def _fits(self, per_gpu: int, probes: list[Probe]) -> tuple[bool, float]:
+        """Whether a step of `per_gpu` fits on every rank, and its largest peak over the ranks in bytes (one probe
+        each, agreed)."""
         env = self.env
         began = time.perf_counter()
         torch.cuda.reset_peak_memory_stats(env.device)
-        fits = torch.tensor(float(self._probe_step(per_gpu)), device=env.device)
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        probes.append(Probe(per_gpu, bool(fits.item()), round(torch.cuda.max_memory_allocated(env.device) / GIB, 2),
-                            round(time.perf_counter() - began, 2)))
-        return probes[-1].fits
+        fits = self._probe_step(per_gpu)
+        agreed = torch.tensor([float(fits), -float(torch.cuda.max_memory_allocated(env.device))], device=env.device,
+                              dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # fits on every rank, the largest peak
+        fits, peak = bool(agreed[0].item()), -agreed[1].item()
+        probes.append(Probe(per_gpu, fits, round(peak / GIB, 2), round(time.perf_counter() - began, 2)))
+        return fits, peak
 
     def _probe_step(self, per_gpu: int) -> bool:
         """One step at `per_gpu` on random inputs, the weights unchanged; False on running out of memory."""
@@ -118,7 +136,8 @@ class BatchSizing:
             fits = True
         except torch.cuda.OutOfMemoryError:  # left here, so that nothing holds the failed step's tensors
             fits = False
-            model.reset_iter_state()  # FSDP's supported recovery: units resharded, the step's state cleared
+            if hasattr(model, "reset_iter_state"):  # else the search ends here (the module docstring says why)
+                model.reset_iter_state()  # FSDP's supported recovery: units resharded, the step's state cleared
         optimizer.zero_grad(set_to_none=True)
         del optimizer, images, texts, batches
         gc.collect()
