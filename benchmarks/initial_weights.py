@@ -14,7 +14,7 @@ import json
 import time
 
 from fsdpclip.model.weights import initial_model
-from fsdpclip.parallel.node import usable_cores
+from fsdpclip.node import usable_cores
 from fsdpclip.spec.job import ModelSpec
 
 

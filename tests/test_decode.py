@@ -19,7 +19,8 @@ from PIL import Image
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import transform as decode
 from fsdpclip.data.batches import WebDatasetBatches
-from fsdpclip.data.webdataset_spec import ColorJitterSpec, PreprocessSpec, WebDatasetSpec
+from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.spec.preprocess import ColorJitterSpec, PreprocessSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
 from fsdpclip.data.augment import coloured, crop_box

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from conftest import REPO, write_job
-from fsdpclip.parallel.node import usable_cores
+from fsdpclip.node import usable_cores
 from fsdpclip.train.metrics import MetricsLog, live_progress
 
 

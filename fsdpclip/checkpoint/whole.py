@@ -20,7 +20,7 @@ from fsdpclip.checkpoint.layout import (
     CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, checkpoint_problem, first_failure, publish,
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
-from fsdpclip.data.webdataset_spec import PREPROCESSING_KEYS
+from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
 from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import SHARED_PARAMETERS
 

@@ -218,7 +218,7 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
 ) -> None:
     """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
-    from fsdpclip.parallel.node import usable_cores
+    from fsdpclip.node import usable_cores
     from fsdpclip.spec.jobfile import parse_job
     from fsdpclip.spec.starter import described_fields, starter_spec
     from fsdpclip.validate.checks import check_job

@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.data.webdataset_spec import PREPROCESSING_KEYS, PreprocessSpec
+from fsdpclip.spec.preprocess import PREPROCESSING_KEYS, PreprocessSpec
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError
 from fsdpclip.run.files import read_text_file

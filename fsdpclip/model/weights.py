@@ -14,7 +14,7 @@ from torch import nn
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
 from fsdpclip.model.build import build_model, tower_of
 from fsdpclip.model.published import weights_file
-from fsdpclip.parallel.node import usable_cores
+from fsdpclip.node import usable_cores
 from fsdpclip.problems import ModelError
 from fsdpclip.spec.job import ModelSpec
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from fsdpclip.data.webdataset_spec import PREPROCESSING_KEYS
+from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
 from fsdpclip.spec.job import Job
 from fsdpclip.spec.registry import DATA_SOURCES
 

@@ -12,7 +12,7 @@ from fsdpclip.model.build import training_flops_per_sample
 from fsdpclip.model.trainable import trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.parallel.distributed import shard_mesh
-from fsdpclip.parallel.node import cores_per_local_rank
+from fsdpclip.node import cores_per_local_rank
 from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, resolve_auto
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree

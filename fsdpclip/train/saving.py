@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, latest_checkpoint
 from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_state
 from fsdpclip.checkpoint.staging import asynchronous_saves
-from fsdpclip.parallel.node import host_memory
+from fsdpclip.node import host_memory
 from fsdpclip.parallel.distributed import all_max
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
 from fsdpclip.spec.job import CheckpointSpec

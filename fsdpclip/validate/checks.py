@@ -14,7 +14,7 @@ from fsdpclip.eval.registry import EvalTask
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
 from fsdpclip.model.trainable import frozen_meta_model
-from fsdpclip.parallel.node import usable_cores
+from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.run.files import special_file

@@ -10,7 +10,7 @@ from typing import Optional
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
-from fsdpclip.parallel.node import host_memory
+from fsdpclip.node import host_memory
 from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory
 from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree, \
     traffic, valid_shard_degrees
