@@ -38,11 +38,10 @@ demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
 	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
-# The whole suite, on pytest-xdist workers that take tests one by one, but a module with a module-scoped fixture whole
-# (its xdist_group mark), so that the fixture is built once; fixtures of the session are computed once for all workers.
+# The whole suite, on pytest-xdist workers that each take whole test modules (a module's fixtures are built once).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup tests
+	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadscope tests
 
 # The inner loop: every test but those marked slow (training runs, processes that import torch).
 test-fast: $(VENV)/.installed

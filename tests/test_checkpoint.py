@@ -15,8 +15,6 @@ from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preempt
 from ranks import run_group, torchrun
 from fsdpclip.checkpoint.layout import complete_checkpoints, latest_checkpoint
 
-pytestmark = pytest.mark.xdist_group("checkpoint")  # a module-scoped fixture: one worker runs the module (make test)
-
 STEPS = 12
 
 

@@ -14,8 +14,6 @@ import webdataset as wds
 from conftest import TINY_CONFIG, squeezed, write_job
 from ranks import run_group, torchrun
 
-pytestmark = pytest.mark.xdist_group("eval")  # a module-scoped fixture: one worker runs the module (make test)
-
 TEMPLATES = ["a photo of the number {c}.", "the digit {c}.", "a handwritten {c}."]
 
 

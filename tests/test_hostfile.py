@@ -22,8 +22,6 @@ from fsdpclip.launch.hostfile import pick_hosts, read_hostfile
 from fsdpclip.launch.launcher import LaunchError
 from fsdpclip.run.lock import process_alive, start_ticks
 
-pytestmark = pytest.mark.xdist_group("hostfile")  # a module-scoped fixture: one worker runs the module (make test)
-
 SSHD = REPO / "cluster" / "local-sshd.sh"
 
 

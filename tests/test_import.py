@@ -23,7 +23,7 @@ from ranks import run_group
 from reference import open_clip_model, open_clip_train_optimizer
 from test_parity import FP32, _merge, batch_source
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("import")]  # an open_clip_train run and launches; the group: one worker runs the module
+pytestmark = pytest.mark.slow  # an open_clip_train run and launches
 
 SEED, BATCH, STEPS, WARMUP = 3, 16, 3, 1  # open_clip_train's batch (fsdpclip: 8 on each of 2 ranks), steps per epoch
 LR, BETAS, EPS, WD, CLIP = 2e-3, (0.9, 0.95), 1e-6, 0.2, 1.0

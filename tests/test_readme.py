@@ -19,8 +19,6 @@ import pytest
 from conftest import REPO, Cli
 from ranks import run_group
 
-pytestmark = pytest.mark.xdist_group("readme")  # a module-scoped fixture: one worker runs the module (make test)
-
 README = REPO / "README.md"
 MARKERS = {"setup", "gpu", "slurm", "yours", "hub"}
 MARKER = re.compile(r"#\s*\[(\w+)\]")

@@ -16,8 +16,6 @@ from fsdpclip.problems import Report
 from fsdpclip.spec.registry import DATA_SOURCES, TOWER_FAMILIES, DataSource, RankData, TowerFamily
 from fsdpclip.spec.section import Section
 
-pytestmark = pytest.mark.xdist_group("seams")  # a module-scoped fixture: one worker runs the module (make test)
-
 
 # --------------------------------------------------------------------- a data source
 class ConstantSpec(Section):

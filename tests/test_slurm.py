@@ -24,7 +24,7 @@ from conftest import PREEMPTIBLE_STEPS, REPO, TINY_CONFIG, assert_same_losses, p
 from ranks import run_group
 from fsdpclip.checkpoint.layout import latest_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # a local Slurm cluster; the group: one worker runs the module
+pytestmark = pytest.mark.slow  # a local Slurm cluster
 
 CLUSTER = REPO / "cluster" / "local-slurm.sh"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
