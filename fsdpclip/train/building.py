@@ -13,7 +13,8 @@ from fsdpclip.model.trainable import trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.parallel.distributed import shard_mesh
 from fsdpclip.node import cores_per_local_rank
-from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, resolve_auto
+from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, resolve_auto, \
+    save_compile_cache
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree
 from fsdpclip.run.directory import EXIT_SPEC
@@ -62,6 +63,12 @@ class ModelBuilding:
             if env.is_main:
                 log.info("cpu offload: the host's optimizer step on %d threads per rank", torch.get_num_threads())
         return model
+
+    def _keep_compile_cache(self) -> None:
+        """The compiled artifacts kept in the run directory (after the first step), for a relaunch elsewhere."""
+        saved = save_compile_cache(self.job.run_dir / COMPILE_CACHE)
+        if saved:
+            log.info("compile cache: %d artifacts kept in %s", saved, self.job.run_dir / COMPILE_CACHE)
 
     def _resolve_auto(self, model: torch.nn.Module, towers) -> FsdpSpec:
         """job.fsdp with its 'auto' compile and cuda_graph decided on rank 0 (parallelize.resolve_auto), the

@@ -23,6 +23,12 @@ class DataFeed:
         if start:
             self.batches.start()
 
+    def _close_batches(self) -> None:
+        """Stop the data workers, where the batches were opened."""
+        if self.batches is not None:
+            self.batch_iter.close()
+            self.batches.close()
+
     def _batches(self, model: torch.nn.Module):
         """The rank's batches from the spec's data source (`spec.registry.DataSource`) for `model` (its shapes
         and preprocessing; the meta-device model will do); also sets `images` (what turns a micro batch's

@@ -24,9 +24,7 @@ from fsdpclip.model.build import build_tokenizer, training_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
 from fsdpclip.parallel.distributed import Dist, all_mean, all_sum
-from fsdpclip.parallel.parallelize import (
-    COMPILE_CACHE, average_replicated_gradients, replicated_parameters, save_compile_cache,
-)
+from fsdpclip.parallel.parallelize import average_replicated_gradients, replicated_parameters
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_SPEC
 from fsdpclip.run.lock import StartupClock, launch_time
 from fsdpclip.run.reports import record_launch
@@ -107,15 +105,12 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
             record_launch(job.run_dir, job.to_json(), self.changes, self.resumed_from)
         self.startup.mark("ready")
 
-
     def close(self) -> None:
         """Stop the data workers (before the process exits, so none outlives it), then drop the step's CUDA
         graph (before the process group is destroyed: NCCL waits for graphs holding its collectives); a
         failure there is logged, not raised over the error that may be ending the run."""
         self.checkpointer.close()
-        if self.batches is not None:
-            self.batch_iter.close()
-            self.batches.close()
+        self._close_batches()
         forward_backward, self.forward_backward = getattr(self, "forward_backward", None), None
         if isinstance(forward_backward, GraphedForwardBackward):
             try:
@@ -192,9 +187,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
                     metrics.announce(f"start-up, seconds since launch at the end of each phase (rank {env.rank}): "
                                      f"{self.startup.summary()}")
                     if self.compiled and env.is_main:
-                        saved = save_compile_cache(job.run_dir / COMPILE_CACHE)
-                        if saved:
-                            log.info("compile cache: %d artifacts kept in %s", saved, job.run_dir / COMPILE_CACHE)
+                        self._keep_compile_cache()
                 last = self.step == self.total_steps
                 if self.step % job.logging.every_steps == 0 or last:
                     record = self._log_record(window, window_loss, grad_norm)
