@@ -43,6 +43,28 @@ def test_overflow_skips_the_step_under_a_grad_scaler(flag):
     assert scaler.get_scale() == 512.0
 
 
+def test_moments_allocated_ahead_change_no_step():
+    """`allocate_state` (the batch search's probes hold the moments through forward and backward, as training
+    does after its first step) allocates what the first step would, and the steps after are the same."""
+    torch.manual_seed(0)
+    grads = [torch.randn(3, 5) for _ in range(3)]
+    params, optimizers = [], []
+    for ahead in (False, True):
+        param = torch.nn.Parameter(torch.ones(3, 5))
+        optimizer = ShardedAdamW([param], lr=0.1, weight_decay=0.1)
+        if ahead:
+            optimizer.allocate_state()
+            assert [t.count_nonzero().item() for t in _adam_state(optimizer, param)] == [0, 0, 0]
+            assert _adam_state(optimizer, param)[0].shape == param.shape
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        params.append(param)
+        optimizers.append(optimizer)
+    assert torch.equal(params[0].detach(), params[1].detach())
+    assert all(torch.equal(a, b) for a, b in zip(*(_adam_state(o, p) for o, p in zip(optimizers, params))))
+
+
 def test_initial_weights_do_not_depend_on_threads(monkeypatch):
     """The initial model is OpenCLIP's own init for the seed, bit for bit, whatever threads build it
     (rank 0 builds it with all the cores it may use)."""

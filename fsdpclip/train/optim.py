@@ -48,11 +48,7 @@ class ShardedAdamW(torch.optim.AdamW):
                 grad = param.grad
                 if grad is None:
                     continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=local(param).device)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state = self._state(param)
                 shard = local(param)
                 lists = by_device.get(shard.device)
                 if lists is None:
@@ -64,6 +60,21 @@ class ShardedAdamW(torch.optim.AdamW):
                 lists[4].append(state["step"])
             for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in by_device.items():
                 self._fused_step(group, device, params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, grad_scale)
+
+    def allocate_state(self) -> None:
+        """Every parameter's moments, as its first step allocates them (zeros): memory the steps after the first
+        hold through forward and backward."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._state(param)
+
+    def _state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local(param).device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
 
     @staticmethod
     def _fused_step(group: dict, device: torch.device, params, grads, exp_avgs, exp_avg_sqs, steps,
