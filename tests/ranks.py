@@ -1,7 +1,15 @@
-"""Start a small torchrun job from a test and stop exactly its processes (by process group)."""
+"""Start a small torchrun job from a test and stop exactly its processes (by process group).
+
+    python tests/ranks.py TORCHRUN-ARGS... /ABS/SCRIPT.py ARGS...     (what `torchrun` below runs)
+
+As a script, this is torchrun with torch, OpenCLIP and the trainer imported, for ranks forked from it (torchrun's
+`--run-path --start-method=fork`), as `fsdpclip launch` forks its ranks: they need not import them again (~4
+CPU-seconds each).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -14,9 +22,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path = REPO,
              env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `torchrun --standalone --nproc-per-node=nproc ARGS`; kill its whole group on timeout."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    """Run `torchrun --standalone --nproc-per-node=nproc ARGS` (ARGS: a script and its arguments, or `-m MODULE`
+    and its arguments), its ranks forked from it (this file as a script); kill its whole group on timeout."""
+    command = [sys.executable, __file__, "--standalone", f"--nproc-per-node={nproc}", "--run-path",
+               "--start-method=fork", *_as_script(args, cwd)]
     return run_group(command, timeout, cwd, env)
+
+
+def _as_script(args: list[str], cwd: Path) -> list[str]:
+    """torchrun's ARGS with the script as an absolute path (`-m MODULE`: its `__main__`'s file)."""
+    if args[0] == "-m":
+        module = args[1] if args[1].endswith("__main__") else f"{args[1]}.__main__"
+        return [importlib.util.find_spec(module).origin, *args[2:]]
+    return [str((cwd / args[0]).resolve()), *args[1:]]
 
 
 def run_group(command: list[str], timeout: float, cwd: Path = REPO, env: dict | None = None, unset: tuple = ()):
@@ -62,3 +80,12 @@ def finish_launch(process: subprocess.Popen, log: Path, timeout: float = 180) ->
         process.wait()
         raise AssertionError(f"launch still running after {timeout}s:\n{log.read_text()[-4000:]}")
     return code, log.read_text()
+
+
+if __name__ == "__main__":
+    import open_clip  # noqa: F401
+
+    import fsdpclip.train.trainer  # noqa: F401
+    from torch.distributed.run import main
+
+    main()
