@@ -34,7 +34,9 @@ def test_setup_work_does_not_grow_with_world_size():
 
 
 # One compiled forward and backward on a fresh machine (its own TORCHINDUCTOR_CACHE_DIR), with the run
-# directory's compile cache loaded first ("load") or kept after the step ("save"), as the trainer does.
+# directory's compile cache loaded first ("load") or kept after the step ("save"), as the trainer does. Its
+# kernels are scalar C++ (TORCHINDUCTOR_VEC_ISA_OK=0): inductor would otherwise build and load a probe of each
+# vector instruction set the CPU has in every fresh cache directory (~5 CPU-seconds of each step here).
 COMPILED_STEP = """
 import json, sys
 from pathlib import Path
@@ -62,7 +64,7 @@ def test_compile_cache_carries_to_a_fresh_machine(tmp_path):
 
     def step(mode: str, machine: str) -> dict:
         return json_result([sys.executable, "-c", COMPILED_STEP, mode, str(cache)], timeout=300,
-                           env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / machine)})
+                           env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / machine), "TORCHINDUCTOR_VEC_ISA_OK": "0"})
 
     first = step("save", "first-machine")
     assert first["misses"] >= 1 and first["hits"] == 0 and first["saved"] >= 2 and cache.is_file()
