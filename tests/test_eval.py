@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 
 import pytest
 import torch
 import webdataset as wds
 
-from conftest import TINY_CONFIG, squeezed, write_job
-from ranks import run_group, torchrun
+from conftest import TINY_CONFIG, Cli, squeezed, write_job
+from ranks import torchrun
 
 TEMPLATES = ["a photo of the number {c}.", "the digit {c}.", "a handwritten {c}."]
 
@@ -22,8 +21,8 @@ def trained(demo_run, tmp_path_factory):
     """The demo run (40 steps on the digits, checkpointed) and its export."""
     run_dir, _ = demo_run
     exported = tmp_path_factory.mktemp("exported") / "tiny.pt"
-    proc = run_group([sys.executable, "-m", "fsdpclip", "export", str(run_dir), str(exported)], timeout=120)
-    assert proc.returncode == 0, proc.stdout
+    result = Cli()("export", run_dir, exported)
+    assert result.exit_code == 0, result.output
     return run_dir, exported
 
 

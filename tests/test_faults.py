@@ -331,9 +331,9 @@ def test_relaunches_of_one_run(tmp_path, cli):
 
     other = tmp_path / "wider.json"
     other.write_text(json.dumps(json.loads(TINY_CONFIG.read_text()) | {"embed_dim": 96}))
-    refused = _launch(path, "--set", f"model.config={other}")
-    assert refused.returncode == 2 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
-    assert "model.config" in refused.stdout and squeezed("differs from") in squeezed(refused.stdout)
+    refused = cli("launch", path, "--set", f"model.config={other}")  # launches that start no rank run in-process
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output[-3000:]
+    assert "model.config" in refused.output and squeezed("differs from") in squeezed(refused.output)
     assert (run_dir / "job.json").read_text() == written
     code, out = cli.validate_json(path, "--set", f"model.config={other}")
     assert code == 2 and out["errors"][0]["location"] == "model.config"
@@ -357,15 +357,15 @@ def test_relaunches_of_one_run(tmp_path, cli):
     history = sorted((run_dir / "launches").glob("*.json"))
     assert len(history) == 2 and "optimizer.lr: 0.001 → 0.002" in json.loads(history[-1].read_text())["changes"]
 
-    finished = _launch(path, *longer, "--set", "batch.per_gpu=8")
-    assert finished.returncode == 0 and "already finished: step 30 of 30" in finished.stdout, finished.stdout[-3000:]
+    finished = cli("launch", path, *longer, "--set", "batch.per_gpu=8")
+    assert finished.exit_code == 0 and "already finished: step 30 of 30" in finished.output, finished.output[-3000:]
     assert max(logged_losses(run_dir)) == 30
 
     for checkpoint in (run_dir / "checkpoints").glob("step-*"):
         (checkpoint / "meta.json").unlink()
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
-    stopped = _launch(path, *longer)
-    assert stopped.returncode == 2 and "checkpoint.resume" in stopped.stdout
+    stopped = cli("launch", path, *longer)
+    assert stopped.exit_code == 2 and "checkpoint.resume" in stopped.output
     code, out = cli.validate_json(path, *longer)
     assert code == 2 and "none can be loaded" in out["errors"][0]["message"]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == kept
@@ -392,9 +392,9 @@ def test_checkpoint_files_that_would_run_code_or_are_damaged(tmp_path, digits_di
     code, out = cli.validate_json(path)
     assert code == 2 and "none can be loaded" in out["errors"][0]["message"]
     assert all(refusal in squeezed(out["errors"][0]["message"]) for refusal in refusals)
-    launched = _launch(path)
-    assert launched.returncode == 2 and "Traceback" not in launched.stdout, launched.stdout[-3000:]
-    assert all(refusal in squeezed(launched.stdout) for refusal in refusals)
+    launched = cli("launch", path)  # in-process: it starts no rank
+    assert launched.exit_code == 2 and "Traceback" not in launched.output, launched.output[-3000:]
+    assert all(refusal in squeezed(launched.output) for refusal in refusals)
     evaluated = cli("eval", run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
     assert evaluated.exit_code == 2 and "Traceback" not in evaluated.output
     assert squeezed(f"{newest} cannot be read: ") + refusals[0] in squeezed(evaluated.output)

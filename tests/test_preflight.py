@@ -76,19 +76,19 @@ def test_a_busy_rendezvous_port_and_too_many_workers(tmp_path, digits_dir):
 
 
 @pytest.mark.slow
-def test_relaunching_a_finished_run_starts_nothing(tmp_path):
-    """A run that trained all its steps, launched again: it says so with the run directory and the next commands,
-    exit 0, and starts no rank (no torchrun, no new launch record, metrics untouched)."""
+def test_relaunching_a_finished_run_starts_nothing(tmp_path, cli):
+    """A run that trained all its steps, launched again (in-process): it says so with the run directory and the
+    next commands, exit 0, and starts no rank (no torchrun, no new launch record, metrics untouched)."""
     path = write_job(tmp_path, _job(tmp_path))
     first = _launch(path)
     assert first.returncode == 0, first.stdout[-3000:]
     run_dir = tmp_path / "runs" / "pre"
     launches, metrics = sorted((run_dir / "launches").iterdir()), (run_dir / "metrics.jsonl").read_bytes()
-    again = _launch(path)
-    assert again.returncode == 0, again.stdout[-3000:]
-    assert "✓ already finished: step 3 of 3, nothing to train" in again.stdout, again.stdout
-    assert f"next: fsdpclip report {run_dir}" in again.stdout
-    assert "fsdpclip.launch.torchrun" not in again.stdout
+    again = cli("launch", path)
+    assert again.exit_code == 0, again.output[-3000:]
+    assert "✓ already finished: step 3 of 3, nothing to train" in again.output, again.output
+    assert f"next: fsdpclip report {run_dir}" in again.output
+    assert "fsdpclip.launch.torchrun" not in again.output
     assert sorted((run_dir / "launches").iterdir()) == launches and (run_dir / "metrics.jsonl").read_bytes() == metrics
     more = _launch(path, "--set", "schedule.steps=4")  # a longer schedule still trains
     assert more.returncode == 0 and json.loads((run_dir / "exit.json").read_text())["step"] == 4, more.stdout[-3000:]
