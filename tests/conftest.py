@@ -151,9 +151,14 @@ def straight_losses(tmp_path_factory, digits_dir) -> dict[int, float]:
 
 @pytest.fixture
 def tiny_job(tmp_path, digits_dir) -> dict:
-    """A valid tiny job (2 CPU ranks) on the digits shards, as a dict to edit."""
+    """`tiny_job_in` the test's directory."""
+    return tiny_job_in(tmp_path, digits_dir)
+
+
+def tiny_job_in(directory: Path, digits_dir: Path, name: str = "t") -> dict:
+    """A valid tiny job (2 CPU ranks) on the digits shards, run in `directory`/runs, as a dict to edit."""
     return {
-        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+        "run": {"name": name, "output_dir": str(directory / "runs")},
         "model": {"config": str(TINY_CONFIG)},
         "fsdp": {"param_dtype": "fp32"},
         "data": {"urls": str(digits_dir / "train-{000000..000007}.tar"), "samples": 1438, "workers": 1},

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import tiny_job_in, write_job
 from ranks import REPO, json_result
 
 OURS = ("mesh", "build", "plan", "materialize", "optimizer")
@@ -194,9 +195,10 @@ def test_flops_are_counted_on_plain_meta_tensors_the_same_as_on_fake_ones(monkey
     assert training_flops_per_sample(model) == plain > 0
 
 
-# Builds a Trainer on a world of one that fails in its model build ("fresh", "resumed": with a checkpoint to
-# resume from) or after it ("late": building the optimizer), recording the live data workers at the failure;
-# argv: the job file and the case.
+# Builds a Trainer on a world of one for each case, in one process: a build that fails in its model build ("fresh",
+# "resumed": with a checkpoint to resume from) or after it ("late": building the optimizer), recording the live data
+# workers at the failure; argv: the job file of each case, in CASES' order.
+CASES = ("fresh", "resumed", "late")
 _WORKERS_DURING_BUILD = """
 import json, multiprocessing, sys
 from pathlib import Path
@@ -204,40 +206,51 @@ from fsdpclip.train import trainer
 from fsdpclip.parallel.distributed import init_distributed
 from fsdpclip.spec.jobfile import load_job
 
-job, case = load_job(Path(sys.argv[1])), sys.argv[2]
-job.run_dir.mkdir(parents=True)
 env = init_distributed("cpu", 60)
-if case == "resumed":
-    trainer.Checkpointer.resume_candidates = lambda self: [job.run_dir / "step_00000001"]
+originals = (trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.Trainer._build_model)
 seen = {}
+for case, path in zip(%r, sys.argv[1:]):
+    job, seen[case] = load_job(Path(path)), {}
+    job.run_dir.mkdir(parents=True)
 
-def fail(*args, **kwargs):
-    seen["during"] = len(multiprocessing.active_children())
-    raise RuntimeError("start stopped by the test")
+    def fail(*args, case=case, **kwargs):
+        seen[case]["during"] = len(multiprocessing.active_children())
+        raise RuntimeError("start stopped by the test")
 
-if case == "late":
-    trainer.build_optimizer = fail
-else:
-    trainer.Trainer._build_model = fail
-try:
-    trainer.Trainer(job, env)
-except RuntimeError as exc:  # its traceback still holds the trainer: the workers are stopped, not collected
-    seen["error"], seen["after"] = str(exc), len(multiprocessing.active_children())
+    if case == "resumed":
+        trainer.Checkpointer.resume_candidates = lambda self, job=job: [job.run_dir / "step_00000001"]
+    if case == "late":
+        trainer.build_optimizer = fail
+    else:
+        trainer.Trainer._build_model = fail
+    try:
+        trainer.Trainer(job, env)
+    except RuntimeError as exc:  # its traceback still holds the trainer: the workers are stopped, not collected
+        seen[case]["error"], seen[case]["after"] = str(exc), len(multiprocessing.active_children())
+    trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.Trainer._build_model = originals
 print(json.dumps(seen))
-"""
+""" % (CASES,)
+
+
+@pytest.fixture(scope="module")
+def workers_during_build(tmp_path_factory, digits_dir) -> dict:
+    """What each case of _WORKERS_DURING_BUILD saw, its job 2 data workers on the digits."""
+    tmp = tmp_path_factory.mktemp("build")
+    paths = []
+    for case in CASES:
+        job = tiny_job_in(tmp, digits_dir, case)
+        job["data"]["workers"], job["launch"]["gpus_per_node"] = 2, 1
+        paths.append(write_job(tmp, job, f"{case}.json"))
+    return json_result([sys.executable, "-c", _WORKERS_DURING_BUILD, *map(str, paths)], timeout=180)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fresh", "resumed", "late"])
-def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(tmp_path, tiny_job, case):
+@pytest.mark.parametrize("case", CASES)
+def test_data_workers_of_a_fresh_run_start_before_the_model_is_built(workers_during_build, case):
     """A fresh run's data workers are running while the model is built (they fill their queues
     meanwhile), and stop when the build, or anything after it, fails; a resumed run starts them only
     after its position is loaded."""
-    tiny_job["data"]["workers"] = 2
-    tiny_job["launch"]["gpus_per_node"] = 1
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(tiny_job))
-    seen = json_result([sys.executable, "-c", _WORKERS_DURING_BUILD, str(path), case], timeout=180)
+    seen = workers_during_build[case]
     assert seen["error"] == "start stopped by the test"
     assert seen["during"] == (0 if case == "resumed" else 2)
     assert seen["after"] == 0
