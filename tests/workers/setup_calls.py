@@ -27,6 +27,7 @@ def calls(fn):
 
 
 def main(world: int, model_name: str) -> None:
+    import open_clip  # noqa: F401  (a rank has it imported before its set-up: no call of the build stage)
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdpclip.model.build import build_model, find_towers, original_shapes
