@@ -219,17 +219,21 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     launch.env before it imports torch and imports OpenCLIP as the ranks do (without transformers here); a
     variable that acts when an interpreter loads (PYTHONPATH, LD_*) keeps new interpreters, as do
     launch.fork_ranks false and a launcher that had imported torch already."""
-    for sub in ("pythonpath", "asked", "env"):
+    for sub in ("pythonpath", "asked"):
         (tmp_path / sub).mkdir()
-    plain = _tiny(tmp_path)
+    plain = _tiny(tmp_path, env={"FSDPCLIP_PROBE": "from the spec"})
     pythonpath = _tiny(tmp_path / "pythonpath", env={"PYTHONPATH": str(tmp_path)})
 
     def dry_run(path: Path) -> str:
-        """The printed command, and whether the launcher imported transformers (`fsdpclip launch` in-process)."""
-        code = ("import sys\nfrom fsdpclip.cli.commands import app\n"
+        """The printed command, whether the launcher imported transformers and took launch.env (`fsdpclip launch`
+        in-process), and then, with the variable gone and torch imported, what the ranks of a second launch get."""
+        code = ("import os, sys\nfrom fsdpclip.cli.commands import app\n"
+                "from fsdpclip.launch.local import prepare_forked_ranks\nfrom fsdpclip.spec.jobfile import load_job\n"
                 f"sys.argv = ['fsdpclip', 'launch', {str(path)!r}, '--dry-run']\n"
                 "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
-                "print('transformers imported:', 'transformers' in sys.modules)\n")
+                "print('transformers imported:', 'transformers' in sys.modules)\n"
+                "print('launch.env taken:', os.environ.pop('FSDPCLIP_PROBE', None))\n"
+                f"print('again:', prepare_forked_ranks(load_job({str(path)!r})), os.environ.get('FSDPCLIP_PROBE'))\n")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return squeezed(proc.stdout)
@@ -239,6 +243,8 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     assert squeezed(f"run directory {tmp_path / 'runs' / 't'} {sys.executable} -m fsdpclip.launch.torchrun") in forked
     assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train' / 'entry.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
+    assert squeezed("launch.env taken: from the spec") in forked
+    assert squeezed("again: this process had imported torch before it could take launch.env None") in forked
     for path, why in ((pythonpath, "launch.env sets PYTHONPATH, read when a process loads"),
                       (_tiny(tmp_path / "asked", fork_ranks=False), "launch.fork_ranks is false")):
         new_interpreters = dry_run(path)
@@ -246,18 +252,6 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
         assert squeezed("-m fsdpclip.train.entry ") in new_interpreters
         assert squeezed("transformers imported: True") in new_interpreters
     assert squeezed("new interpreters") not in forked
-    code = (
-        "import os, sys\n"
-        "from fsdpclip.spec.jobfile import load_job\n"
-        "from fsdpclip.launch.local import prepare_forked_ranks\n"
-        f"job = load_job({str(_tiny(tmp_path / 'env', env={'FSDPCLIP_PROBE': 'x'}))!r})\n"
-        "print(prepare_forked_ranks(job), os.environ.get('FSDPCLIP_PROBE'))\n"
-        "import torch\n"
-        "del os.environ['FSDPCLIP_PROBE']\n"
-        "print(prepare_forked_ranks(job), os.environ.get('FSDPCLIP_PROBE'))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.splitlines() == ["None x", "this process had imported torch before it could take launch.env None"], \
-        proc.stderr
 
 
 def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypatch):
