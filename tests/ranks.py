@@ -22,11 +22,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path = REPO,
              env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `torchrun --standalone --nproc-per-node=nproc ARGS` (ARGS: a script and its arguments, or `-m MODULE`
-    and its arguments), its ranks forked from it (this file as a script); kill its whole group on timeout."""
-    command = [sys.executable, __file__, "--standalone", f"--nproc-per-node={nproc}", "--run-path",
-               "--start-method=fork", *_as_script(args, cwd)]
-    return run_group(command, timeout, cwd, env)
+    """Run `torchrun_command(args, nproc)`; kill its whole group on timeout."""
+    return run_group(torchrun_command(args, nproc, cwd), timeout, cwd, env)
+
+
+def torchrun_command(args: list[str], nproc: int = 2, cwd: Path = REPO) -> list[str]:
+    """`torchrun --standalone --nproc-per-node=nproc ARGS` (ARGS: a script and its arguments, or `-m MODULE` and its
+    arguments), its ranks forked from it (this file as a script)."""
+    return [sys.executable, __file__, "--standalone", f"--nproc-per-node={nproc}", "--run-path", "--start-method=fork",
+            *_as_script(args, cwd)]
 
 
 def _as_script(args: list[str], cwd: Path) -> list[str]:

@@ -27,7 +27,7 @@ import torch
 from conftest import (
     PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job,
 )
-from ranks import REPO, finish_launch, json_result, run_group, start_launch
+from ranks import REPO, finish_launch, json_result, run_group, start_launch, torchrun_command
 
 
 def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -703,8 +703,7 @@ def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_
     job["eval"] = {"zeroshot": [{"dataset": "digits", "path": str(digits_dir / "test"), "max_samples": 8}],
                    "every_steps": 2, "batch_per_gpu": 8}
     path = write_job(tmp_path, job)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "tests/workers/faults.py", str(path), "eval-crash"]
+    command = torchrun_command(["tests/workers/faults.py", str(path), "eval-crash"])
     with open(tmp_path / "run.log", "w") as log:  # a file: ranks left running would hold a pipe open
         process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
