@@ -136,10 +136,9 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     _wait_for_step(run_dir, 2, first, tmp_path / "first.log")
     _all_running(run_dir, path)
     written = (run_dir / "job.json").read_text()
-    second = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), "--set", "optimizer.lr=0.5"],
-                       timeout=120)
-    assert second.returncode == 2, second.stdout[-3000:]
-    assert squeezed(f"is in use by pid {first.pid} on {socket.gethostname()}") in squeezed(second.stdout)
+    second = cli("launch", path, "--set", "optimizer.lr=0.5")  # in-process: it is refused before any rank starts
+    assert second.exit_code == 2, second.output[-3000:]
+    assert squeezed(f"is in use by pid {first.pid} on {socket.gethostname()}") in squeezed(second.output)
     assert (run_dir / "job.json").read_text() == written
     running = _report(cli, run_dir, tmp_path)  # `fsdpclip report` on the live run
     assert running["state"] == "running" and running["holder"].startswith(f"pid {first.pid} ")
@@ -207,7 +206,7 @@ def _pause(pids: list[int], signum: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["hangup", "sigkill"])
-def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, digits_dir, fault):
+def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, digits_dir, fault, cli):
     """The launcher's terminal hangs up (SIGHUP to it, EIO to every process writing to the terminal), or the
     launcher is killed with SIGKILL, while 2 ranks with data workers train. The ranks checkpoint and exit 75
     as on a stop request (after a hang-up, writing on to RUN_DIR/logs/; after SIGKILL, once they see their
@@ -234,9 +233,9 @@ def test_the_lock_outlives_the_launcher_and_the_ranks_stop_cleanly(tmp_path, dig
             launcher.wait()
         paused = [pid for pid in _job_processes(run_dir, path) if pid != launcher.pid]
         _pause(paused, signal.SIGSTOP)
-        second = _launch(path)
-        assert second.returncode == 2 and "Traceback" not in second.stdout, second.stdout[-3000:]
-        refusal = squeezed(second.stdout)
+        second = cli("launch", path)  # in-process: it is refused before any rank starts
+        assert second.exit_code == 2 and "Traceback" not in second.output, second.output[-3000:]
+        refusal = squeezed(second.output)
         assert squeezed(f"is in use by pid {launcher.pid} on {socket.gethostname()}") in refusal
         if fault == "sigkill":
             assert squeezed("which has ended; its processes") in refusal
