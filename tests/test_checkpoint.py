@@ -156,12 +156,23 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000008", "step-00000012"]
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> Path:
+    """The plain job launched to its end, its checkpoints (steps 4, 8, 12) saved in the background: its run
+    directory, which the tests only read or copy."""
+    tmp = tmp_path_factory.mktemp("plain")
+    result = _launch(write_job(tmp, _plain_job(tmp, checkpoint={"async_save": True})))
+    assert result.returncode == 0, result.stdout[-3000:]
+    return tmp / "runs" / "plain"
+
+
 @pytest.mark.slow
-def test_rank_state_damaged_after_the_check_falls_back_on_every_rank(tmp_path):
+def test_rank_state_damaged_after_the_check_falls_back_on_every_rank(tmp_path, plain_run):
     """Rank 1's state file in the newest checkpoint is damaged after rank 0 chose it (between the check and the
     load): every rank learns it before anything is loaded, and all resume from the checkpoint before it."""
-    assert _launch(write_job(tmp_path, _plain_job(tmp_path))).returncode == 0
-    longer = write_job(tmp_path, _plain_job(tmp_path, schedule={"steps": STEPS + 4}), "longer.json")
+    shutil.copytree(plain_run, tmp_path / "runs" / "plain")
+    longer = write_job(tmp_path, _plain_job(tmp_path, schedule={"steps": STEPS + 4}, checkpoint={"async_save": True}),
+                       "longer.json")
     resumed = _with_fault(longer, "damage-rank-state:1")
     checkpoints = tmp_path / "runs" / "plain" / "checkpoints"
     assert resumed.returncode == 0, resumed.stdout[-4000:]
@@ -330,14 +341,10 @@ def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_save_records_how_long_training_waited(tmp_path):
+def test_every_save_records_how_long_training_waited(plain_run):
     """Each checkpoint, in the background or not, writes one metrics.jsonl record of how long the step
     waited for it and where its state was copied."""
-    run_dir = tmp_path / "runs" / "plain"
-    path = write_job(tmp_path, _plain_job(tmp_path, checkpoint={"async_save": True}))
-    result = _launch(path)
-    assert result.returncode == 0, result.stdout[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (plain_run / "metrics.jsonl").read_text().splitlines()]
     saves = {r["step"]: r for r in records if "checkpoint_blocked_s" in r}
     assert sorted(saves) == [4, 8, 12], records
     assert all(r["checkpoint"] == f"step-{step:08d}" and r["checkpoint_blocked_s"] >= 0 for step, r in saves.items())
