@@ -123,7 +123,6 @@ class BatchSizing:
         """One step at `per_gpu` on random inputs, the weights unchanged; False on running out of memory."""
         job, env, model = self.job, self.env, self.model
         optimizer = build_optimizer(model, self.decay_groups, job.optimizer)
-        optimizer.allocate_state()  # held through every training step's forward and backward but the first
         for group in optimizer.param_groups:
             group["lr"] = 0.0  # AdamW's update and its decoupled weight decay both scale with it
         context, vocabulary = text_shape(model)
@@ -131,6 +130,7 @@ class BatchSizing:
         texts = torch.randint(vocabulary, (per_gpu, context), device=env.device)
         batches = [(images, texts)] * micro_batches_probed(job, env.world_size, per_gpu)
         try:
+            optimizer.allocate_state()  # held through every training step's forward and backward but the first
             with torch.compiler.set_stance("force_eager"):
                 backward_micro_batches(model, build_loss(job.loss, env.rank, env.world_size), batches, None)
             optimizer.step()
