@@ -167,6 +167,20 @@ def tiny_job_in(directory: Path, digits_dir: Path, name: str = "t") -> dict:
     }
 
 
+def synthetic_job(directory: Path, name: str = "t", **launch) -> dict:
+    """A valid tiny job of 4 steps on synthetic data on the CPU, run in `directory`/runs, as a dict to edit;
+    `launch` adds to its launch section."""
+    return {
+        "run": {"name": name, "output_dir": str(directory / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "schedule": {"steps": 4},
+        "data": {"source": "synthetic"},
+        "batch": {"per_gpu": 16},
+        "launch": {"device": "cpu", "collective_timeout_s": 60, **launch},
+    }
+
+
 def write_job(tmp_path: Path, job: dict, name: str = "job.json") -> Path:
     path = tmp_path / name
     path.write_text(json.dumps(job))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_CONFIG, assert_same_losses, logged_losses, preemptible_job, write_job
+from conftest import REPO, assert_same_losses, logged_losses, preemptible_job, synthetic_job, write_job
 from ranks import finish_launch, start_launch
 from fsdpclip.launch.hostfile import pick_hosts, read_hostfile
 from fsdpclip.launch.launcher import LaunchError
@@ -52,15 +52,7 @@ def test_hostfile_and_filters_as_deepspeed_reads_them(tmp_path):
 
 
 def _job(tmp_path: Path, **launch) -> Path:
-    return write_job(tmp_path, {
-        "run": {"name": "ssh", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"steps": 4},
-        "data": {"source": "synthetic"},
-        "batch": {"per_gpu": 16},
-        "launch": {"device": "cpu", "collective_timeout_s": 60, **launch},
-    })
+    return write_job(tmp_path, synthetic_job(tmp_path, "ssh", **launch))
 
 
 def test_a_dry_run_prints_one_ssh_command_per_host(cli, tmp_path):

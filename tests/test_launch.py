@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_CONFIG, squeezed, write_job
+from conftest import REPO, squeezed, synthetic_job, write_job
 from ranks import run_group
 from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.launch.launcher import render, resolve_paths
@@ -313,16 +313,9 @@ def test_a_forked_rank_takes_what_torchrun_gives_a_new_interpreter():
 
 
 def _tiny(tmp_path, **launch) -> Path:
-    return write_job(tmp_path, {
-        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"steps": 4},
-        "data": {"source": "synthetic"},
-        "batch": {"per_gpu": 16, "global_batch": 32},
-        "logging": {"every_steps": 1},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60, **launch},
-    })
+    job = synthetic_job(tmp_path, **{"gpus_per_node": 2, **launch})
+    job["batch"]["global_batch"], job["logging"] = 32, {"every_steps": 1}
+    return write_job(tmp_path, job)
 
 
 def test_slurm_dry_run_prints_the_script_and_writes_nothing(cli, tmp_path):
