@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_CONFIG
 from ranks import json_result
 from fsdpclip.spec.job import ModelSpec
-from fsdpclip.train.optim import ShardedAdamW
+from fsdpclip.train.optim import ShardedAdamW, squared_norm
 
 
 def _adam_state(optimizer, param) -> list[torch.Tensor]:
@@ -161,3 +161,14 @@ def test_layer_decay_is_checked(tmp_path):
     assert {p.location for p in refused.value.problems} == {"optimizer.layer_decay.image", "optimizer.layer_decay.text"}
     job = load_job(spec, ["optimizer.layer_decay.image=0.6", "model.image.block_classes=[\"Nothing\"]"])
     assert "optimizer.layer_decay.image" in {p.location for p in check_job(job, check_paths=False).errors}
+
+
+def test_squared_norm_on_the_host_sums_every_square():
+    """The host path (a dot per tensor) counts every element of tensors of any shape, dtype and size, empty too."""
+    torch.manual_seed(3)
+    tensors = [torch.randn(1000) * 5, torch.randn(7, 3).bfloat16(), torch.randn(4, 5).t(), torch.empty(0)]
+    want = sum(t.double().square().sum() for t in tensors).item()
+    got = squared_norm(tensors, torch.device("cpu"))
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(got.item() - want) < 1e-5 * want
+    assert squared_norm([], torch.device("cpu")).item() == 0
