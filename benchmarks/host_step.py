@@ -1,21 +1,77 @@
-"""The optimizer step CPU offload runs on the host: torch's fused AdamW over N fp32 parameters, in tensors
-of a large model's shard sizes, at several thread counts.
+"""The host's share of a CPU offload step, part by part, over N fp32 parameters in tensors of a large model's
+shard sizes: the fused AdamW at several thread counts, the gradient norm (torch's `get_total_norm` beside the
+trainer's `squared_norm`), the clip's scaling, and (with a GPU) the copies to and from it, page-locked and
+pageable.
 
-    python benchmarks/host_adamw.py --parameters 1e9 --threads 1 4 8 16
+    python benchmarks/host_step.py --parameters 2.54e9 --threads 1 4 8 16
 
-Prints one JSON line per thread count: the best of three steps and the seconds per 10^9 parameters. The step
-reads and writes each parameter, both moments and the gradient (28 bytes a parameter): memory-bound.
+Prints one JSON line per part and thread count: the best of three and the seconds per 10^9 parameters. AdamW
+reads and writes each parameter, both moments and the gradient (28 bytes a parameter); the norm reads the
+gradient (4 bytes): both memory-bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
+from torch.nn.utils import get_total_norm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fsdpclip.train.optim import squared_norm  # noqa: E402
 
 TENSOR = 13_000_000  # elements per tensor, about a ViT-bigG-14 block's largest
+
+
+def best_of_three(work: Callable[[], object], synchronize: bool = False) -> float:
+    work()
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        work()
+        if synchronize:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def host_parts(count: int, threads: int) -> dict[str, float]:
+    """Seconds of each host part of the step over `count` tensors, on `threads` threads."""
+    torch.set_num_threads(threads)
+    params, moments, squares = ([torch.zeros(TENSOR) for _ in range(count)] for _ in range(3))
+    grads = [torch.randn(TENSOR) for _ in range(count)]
+    steps = [torch.zeros(()) for _ in range(count)]
+
+    def adamw():
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_(params, grads, moments, squares, [], steps, amsgrad=False, lr=1e-4, beta1=0.9,
+                            beta2=0.98, weight_decay=0.2, eps=1e-6, maximize=False)
+
+    cpu = torch.device("cpu")
+    return {"adamw": best_of_three(adamw),
+            "norm get_total_norm": best_of_three(lambda: get_total_norm(grads)),
+            "norm squared_norm": best_of_three(lambda: squared_norm(grads, cpu)),
+            "clip scaling": best_of_three(lambda: torch._foreach_mul_(grads, torch.tensor(0.999)))}
+
+
+def copy_parts(count: int) -> dict[str, float]:
+    """Seconds to copy `count` tensors to the GPU and back, from page-locked and pageable host memory."""
+    device = [torch.empty(TENSOR, device="cuda") for _ in range(count)]
+    seconds = {}
+    for pinned in (True, False):
+        host = [torch.empty(TENSOR, pin_memory=pinned) for _ in range(count)]
+        for direction, sources, targets in (("to GPU", host, device), ("to host", device, host)):
+            def copy():
+                for target, source in zip(targets, sources):
+                    target.copy_(source, non_blocking=True)
+            seconds[f"copy {direction}, {'page-locked' if pinned else 'pageable'}"] = best_of_three(copy, True)
+        del host
+    return seconds
 
 
 def main() -> None:
@@ -24,21 +80,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     args = parser.parse_args()
     count = max(1, int(args.parameters) // TENSOR)
-    params, moments, squares = ([torch.zeros(TENSOR) for _ in range(count)] for _ in range(3))
-    grads = [torch.randn(TENSOR) for _ in range(count)]
-    steps = [torch.zeros(()) for _ in range(count)]
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        times = []
-        for _ in range(3):
-            began = time.perf_counter()
-            torch._foreach_add_(steps, 1)
-            torch._fused_adamw_(params, grads, moments, squares, [], steps, amsgrad=False, lr=1e-4, beta1=0.9,
-                                beta2=0.98, weight_decay=0.2, eps=1e-6, maximize=False)
-            times.append(time.perf_counter() - began)
-        print(json.dumps({"parameters": count * TENSOR, "threads": threads, "step_s": round(min(times), 3),
-                          "s_per_1e9_parameters": round(min(times) / (count * TENSOR) * 1e9, 3),
-                          "torch": torch.__version__}), flush=True)
+    rows = [(threads, host_parts(count, threads)) for threads in args.threads]
+    if torch.cuda.is_available():
+        rows.append((None, copy_parts(count)))
+    for threads, seconds in rows:
+        for part, s in seconds.items():
+            print(json.dumps({"part": part, "parameters": count * TENSOR, "threads": threads, "s": round(s, 3),
+                              "s_per_1e9_parameters": round(s / (count * TENSOR) * 1e9, 3),
+                              "torch": torch.__version__}), flush=True)
 
 
 if __name__ == "__main__":

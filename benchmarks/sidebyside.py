@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -31,12 +32,13 @@ from fsdpclip.model.build import build_model, training_flops_per_sample  # noqa:
 from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
 from fsdpclip.spec.job import ModelSpec  # noqa: E402
 from fsdpclip.spec.jobfile import parse_job  # noqa: E402
+from fsdpclip.train import trainer as trainer_module  # noqa: E402
 from fsdpclip.train.metrics import Window  # noqa: E402
 from fsdpclip.train.trainer import Trainer  # noqa: E402
 
 
 def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, env, run_root: str,
-                 profile: bool) -> dict:
+                 profile: bool, parts: bool) -> dict:
     job = parse_job({"run": {"name": "variant", "output_dir": run_root}, "model": {"name": model}, "fsdp": fsdp,
                      "schedule": {"kind": "constant", "steps": 10 ** 6}, "data": {"source": "synthetic"},
                      "batch": {"per_gpu": batch}, "checkpoint": {"resume": None, "at_end": False},
@@ -60,6 +62,8 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
     elapsed = time.perf_counter() - began
     result = {"samples_per_s_per_gpu": batch * steps / elapsed, "build_s": build_s,
               "peak_memory_gib": torch.cuda.max_memory_allocated(env.device) / 2 ** 30}
+    if parts:
+        result["parts_s"] = step_parts(trainer, window, steps)
     if profile:
         from torch.profiler import ProfilerActivity
         with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -75,11 +79,42 @@ def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, en
     return result
 
 
+def step_parts(trainer: Trainer, window: Window, steps: int) -> dict[str, float]:
+    """The median seconds of a step's parts over `steps` more steps, each part synchronised with the device:
+    forward and backward (with CPU offload, also the parameters' copies to the GPU and the gradients' back),
+    the gradient norm and clip, the optimizer step, and the whole step."""
+    seen: dict[str, list[float]] = {}
+
+    def timed(part: str, work):
+        def run(*args, **kwargs):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            result = work(*args, **kwargs)
+            torch.cuda.synchronize()
+            seen.setdefault(part, []).append(time.perf_counter() - began)
+            return result
+        return run
+
+    forward_backward, optimizer_step, clip = trainer.forward_backward, trainer.optimizer.step, trainer_module.clip_gradients
+    trainer.forward_backward = timed("forward_backward", forward_backward)
+    trainer.optimizer.step = timed("optimizer", optimizer_step)
+    trainer_module.clip_gradients = timed("norm_and_clip", clip)
+    step = timed("step", trainer.train_step)
+    try:
+        for _ in range(steps):
+            step(window)
+    finally:
+        trainer.forward_backward, trainer_module.clip_gradients = forward_backward, clip
+        del trainer.optimizer.step
+    return {part: round(statistics.median(times), 4) for part, times in seen.items()}
+
+
 PROFILED_STEPS = 3
 # Kernel names -> kind, first match wins (attention before matmul: efficient attention's kernels are CUTLASS's).
 KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")),
                 ("collectives", ("nccl",)), ("compiled (triton)", ("triton_",)),
-                ("optimizer", ("multi_tensor", "adam", "foreach")), ("copies", ("memcpy", "memset", "copy")))
+                ("optimizer", ("multi_tensor", "adam", "foreach")), ("copies to the GPU", ("memcpy htod",)),
+                ("copies to the host", ("memcpy dtoh",)), ("copies", ("memcpy", "memset", "copy")))
 
 
 def device_time_by_kind(prof, steps: int, top: int = 30) -> str:
@@ -110,6 +145,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", default="", help="variant name to profile")
+    parser.add_argument("--parts", action="store_true",
+                        help="after the timed steps, time each step's parts over as many steps (parts_s)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bf16 peak of one GPU, for MFU (default: the bf16 matmul rate measured here)")
     parser.add_argument("--out", required=True)
@@ -135,7 +172,7 @@ def main() -> None:
         share = f"{mfu:.1%} MFU" if mfu else ""
         print(f"{args.model} bs{args.batch} {row['variant']:<28} {rate or 0:8.1f} /s/GPU {share:>10} "
               f"{row.get('peak_memory_gib', 0):6.1f} GiB build {row.get('build_s', 0):5.1f} s {ratio} "
-              f"{row.get('error', '')}", flush=True)
+              f"{row.get('error', '')}{row.get('parts_s', '')}", flush=True)
 
     for kind in [k for k in args.reference.split(",") if k != "none"]:
         report({"variant": f"reference {kind}", **reference_rate(args.model, args.batch, args.warmup, args.steps,
@@ -146,7 +183,7 @@ def main() -> None:
         for name, fsdp in json.loads(args.variants).items():
             try:
                 result = trainer_rate(args.model, args.batch, fsdp, args.warmup, args.steps, env, run_root,
-                                      profile=name == args.profile)
+                                      profile=name == args.profile, parts=args.parts)
             except Exception as exc:  # one broken variant must not hide the others
                 result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             report({"variant": name, "fsdp": fsdp, **result})
