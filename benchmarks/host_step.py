@@ -40,9 +40,8 @@ def best_of_three(work: Callable[[], object], synchronize: bool = False) -> floa
     return min(times)
 
 
-def host_parts(count: int, threads: int) -> dict[str, float]:
-    """Seconds of each host part of the step over `count` tensors, on `threads` threads."""
-    torch.set_num_threads(threads)
+def host_parts(count: int, thread_counts: list[int]) -> list[tuple[int, dict[str, float]]]:
+    """Seconds of each host part of the step over `count` tensors, on each of `thread_counts` threads."""
     params, moments, squares = ([torch.zeros(TENSOR) for _ in range(count)] for _ in range(3))
     grads = [torch.randn(TENSOR) for _ in range(count)]
     steps = [torch.zeros(()) for _ in range(count)]
@@ -52,11 +51,14 @@ def host_parts(count: int, threads: int) -> dict[str, float]:
         torch._fused_adamw_(params, grads, moments, squares, [], steps, amsgrad=False, lr=1e-4, beta1=0.9,
                             beta2=0.98, weight_decay=0.2, eps=1e-6, maximize=False)
 
-    cpu = torch.device("cpu")
-    return {"adamw": best_of_three(adamw),
-            "norm get_total_norm": best_of_three(lambda: get_total_norm(grads)),
-            "norm squared_norm": best_of_three(lambda: squared_norm(grads, cpu)),
-            "clip scaling": best_of_three(lambda: torch._foreach_mul_(grads, torch.tensor(0.999)))}
+    cpu, rows = torch.device("cpu"), []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        rows.append((threads, {"adamw": best_of_three(adamw),
+                               "norm get_total_norm": best_of_three(lambda: get_total_norm(grads)),
+                               "norm squared_norm": best_of_three(lambda: squared_norm(grads, cpu)),
+                               "clip scaling": best_of_three(lambda: torch._foreach_mul_(grads, torch.tensor(0.999)))}))
+    return rows
 
 
 def copy_parts(count: int) -> dict[str, float]:
@@ -80,7 +82,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     args = parser.parse_args()
     count = max(1, int(args.parameters) // TENSOR)
-    rows = [(threads, host_parts(count, threads)) for threads in args.threads]
+    rows = host_parts(count, args.threads)
     if torch.cuda.is_available():
         rows.append((None, copy_parts(count)))
     for threads, seconds in rows:

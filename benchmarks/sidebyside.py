@@ -95,7 +95,8 @@ def step_parts(trainer: Trainer, window: Window, steps: int) -> dict[str, float]
             return result
         return run
 
-    forward_backward, optimizer_step, clip = trainer.forward_backward, trainer.optimizer.step, trainer_module.clip_gradients
+    forward_backward, optimizer_step = trainer.forward_backward, trainer.optimizer.step
+    clip = trainer_module.clip_gradients
     trainer.forward_backward = timed("forward_backward", forward_backward)
     trainer.optimizer.step = timed("optimizer", optimizer_step)
     trainer_module.clip_gradients = timed("norm_and_clip", clip)

@@ -168,7 +168,7 @@ def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
 def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
     """The global gradient norm, clipping to `max_norm` when set; no host sync.
 
-    FSDP's gradients are DTensor shards: the norm is the squared norm of each rank's local shards
+    FSDP's gradients are DTensor shards: the norm is the root of the squares of each rank's local shards
     (`squared_norm`), summed over the shard group (one all-reduce; HSDP replicas hold the same
     shards, each counted once), plus the replicated gradients (the temperature and bias, the same on
     every rank: counted once). Clipping scales the local shards
@@ -199,7 +199,7 @@ def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Ten
 
     Tensors on the host (CPU offload's gradients) take one BLAS dot each, which uses the host's threads;
     ATen's CPU vector norm, which torch's `get_total_norm` calls per tensor there, hardly does (ViT-bigG-14's
-    2.5B gradients on 16 cores: 0.12 s against 0.92 s, benchmarks/host_step.py). Others take `get_total_norm`.
+    2.54B gradients on 16 cores: 0.11 s against 0.90 s, benchmarks/host_step.py). Others take `get_total_norm`.
     """
     squares = torch.zeros((), dtype=torch.float32, device=device)
     host = [t.reshape(-1).float() for t in tensors if t.device.type == "cpu"]

@@ -6,11 +6,11 @@ A probe is one optimizer step of the parallelized model (its units, activation c
 at a batch of random inputs: forward and backward of one micro batch (two where the step accumulates),
 then AdamW at learning rate 0 (the weights stay as drawn) on an optimizer dropped afterwards. Its moments
 are allocated before the forward, as every training step after the first holds them (left out, the peak
-missed 8 bytes per parameter: ViT-bigG-14's 19 GiB). Compiled modules run eager for the probes (`torch.compiler.set_stance`):
-compiling every probed shape would take minutes, and the compiled step keeps fewer activations than the
-eager one, so what fits eager fits compiled. An out-of-memory error is a probe that does not fit. Every
-rank probes the same batch and the ranks agree on the smallest result and the largest peak (all-reduce): a
-batch fits only where it fits on every GPU.
+missed 8 bytes per parameter: ViT-bigG-14's 19 GiB). Compiled modules run eager for the probes
+(`torch.compiler.set_stance`): compiling every probed shape would take minutes, and the compiled step keeps
+fewer activations than the eager one, so what fits eager fits compiled. An out-of-memory error is a probe
+that does not fit. Every rank probes the same batch and the ranks agree on the smallest result and the
+largest peak (all-reduce): a batch fits only where it fits on every GPU.
 
 Where FSDP can recover from running out of memory (`reset_iter_state`: in torch 2.14, not in 2.11), the
 failed probe's memory is handed back (that, and the allocator's cache emptied) and the search goes on past
