@@ -389,6 +389,45 @@ def test_validate_wants_a_shard_for_every_worker(cli, tiny_job, tmp_path):
     assert "fewer samples than one micro batch on every rank" in out["errors"][0]["message"]
 
 
+def test_auto_workers_are_the_ranks_cores_less_one_and_no_more_than_its_shards():
+    """data.workers 'auto': a rank's share of the cores less one for itself (at least 1), capped by the shards each
+    rank has of its smallest source unless shards are drawn with replacement; a number stays as written."""
+    spec = WebDatasetSpec(urls="s-{000..063}.tar", samples=1000)
+    assert spec.workers == "auto"
+    assert spec.settled_workers(world_size=1, local_ranks=1, cores=16) == 15
+    assert spec.settled_workers(world_size=8, local_ranks=8, cores=128) == 8  # 64 shards: 8 a rank
+    assert spec.settled_workers(world_size=2, local_ranks=2, cores=2) == 1
+    assert spec.model_copy(update={"resampled": True}).settled_workers(8, 8, 128) == 15
+    mixture = WebDatasetSpec(sources=[{"urls": "a-{0..99}.tar", "samples": 10}, {"urls": "b-{0..5}.tar",
+                                                                                  "samples": 10}])
+    assert mixture.settled_workers(world_size=2, local_ranks=2, cores=64) == 3  # b: 6 shards over 2 ranks
+    assert WebDatasetSpec(urls="s.tar", samples=10, workers=6).settled_workers(1, 1, 2) == 6
+
+
+def test_auto_workers_resume_with_the_count_the_checkpoint_was_saved_with(tmp_path):
+    """A run whose 'auto' settles another count on the node it resumes on (other cores) keeps the count its data
+    position was saved with, so the stream carries on exactly as the uninterrupted one; a number written in the
+    spec is applied as written (its change restarts the epoch, as `spec.resume` says)."""
+    urls = write_shards(tmp_path, [9, 12, 7, 11])
+    with closing(iter(_stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5))) as reference:
+        want = [next(reference)[0] for _ in range(12)]
+    first = _stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5)
+    with closing(iter(first)) as iterator:
+        head = [next(iterator)[0] for _ in range(5)]
+    saved = _saved(first)
+    assert saved["worker_count"] == 2
+    stream = _stream(urls, batch=4, workers=3, samples=39, shuffle_buffer=5).stream
+    resumed = WebDatasetBatches(stream, 3, pin_memory=False, settled=True)
+    resumed.load_state_dict(saved)
+    assert resumed.workers == 2
+    with closing(iter(resumed)) as iterator:
+        tail = [next(iterator)[0] for _ in range(7)]
+    assert all(torch.equal(got, expected) for got, expected in zip(head + tail, want))
+    written = WebDatasetBatches(stream, 3, pin_memory=False)
+    written.load_state_dict(saved)
+    assert written.workers == 3
+
+
 # ------------------------------------------------------------------- mixtures
 MIXTURE = {"a": ([20, 20, 20, 20], 5.0), "b": ([15, 15, 15, 15], 3.0), "c": ([8, 8, 8, 8], 2.0)}  # shards, weight
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
 from fsdpclip.data.transform import TrainImages, decode_mode
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.node import local_ranks, usable_cores
 
 log = logging.getLogger("fsdpclip.data.batches")
 
@@ -48,8 +49,9 @@ class WebDatasetBatches:
     """An endless iterator of (images, texts) micro batches for one rank, epoch after epoch, each epoch
     exactly `stream.batches_per_epoch` of them, taken from the logical workers in turn."""
 
-    def __init__(self, stream: ShardStream, workers: int, pin_memory: bool):
+    def __init__(self, stream: ShardStream, workers: int, pin_memory: bool, settled: bool = False):
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
+        self.settled = settled  # `workers` settled from 'auto': a resumed stream keeps its saved count
         self.position = StreamPosition()
         self.started: Optional[Iterator] = None  # a loader set going ahead (`start`, the next epoch's), not iterated
 
@@ -83,7 +85,7 @@ class WebDatasetBatches:
         self.position = StreamPosition(epoch=epoch)
 
     def state_dict(self) -> dict:
-        return asdict(self.position)
+        return {**asdict(self.position), "worker_count": self.workers}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position (before the first batch is drawn)."""
@@ -91,6 +93,12 @@ class WebDatasetBatches:
 
         if self.started is not None:
             raise RuntimeError("internal: the data position is loaded after the data workers were started")
+        state = dict(state)
+        saved_workers = state.pop("worker_count", None)
+        if self.settled and saved_workers and saved_workers != self.workers:
+            log.info("data.workers 'auto': %d workers, as the checkpoint's stream had (%d here), so that its data "
+                     "position carries on exactly", saved_workers, self.workers)
+            self.workers = saved_workers
         try:
             self.position = StreamPosition(**{**state, "workers": {
                 int(w): _worker_position(s) for w, s in state["workers"].items()}})
@@ -165,7 +173,8 @@ def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Cal
     stream = ShardStream(spec.model_copy(update={"decode": decode}), images.worker_transform, tokenizer, batch_size,
                          rank, world_size, seed)
     pin = device.type == "cuda" if pin_memory is None else pin_memory
-    return WebDatasetBatches(stream, spec.workers, pin_memory=pin), images
+    workers = spec.settled_workers(world_size, local_ranks(), usable_cores())
+    return WebDatasetBatches(stream, workers, pin_memory=pin, settled=spec.workers == "auto"), images
 
 
 def shutdown_workers(batches: Iterator) -> None:

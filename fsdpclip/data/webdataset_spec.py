@@ -8,6 +8,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
+from fsdpclip.data.urls import ShardPatterns
 from fsdpclip.spec.preprocess import PreprocessSpec
 from fsdpclip.spec.section import Section
 
@@ -26,8 +27,6 @@ class MixedSource(Section):
     name: Optional[str] = Field(None, min_length=1, description="Its name in metrics.jsonl's per-source counts and "
                                                                 "validate's summary (default: its place in the "
                                                                 "list, '0', '1', ...).")
-
-
 
 
 class WebDatasetSpec(Section):
@@ -49,8 +48,12 @@ class WebDatasetSpec(Section):
                                 "OpenCLIP's with_epoch).")
     resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
     shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
-    workers: int = Field(4, ge=0, description="DataLoader workers per rank; each reads its own shards, so "
-                                               "without `resampled` there must be ≥ world size × workers shards.")
+    workers: Union[int, Literal["auto"]] = Field(
+        "auto", description="DataLoader workers per rank; each reads its own shards, so without `resampled` there "
+                            "must be ≥ world size × workers shards. 'auto' (the default): the rank's share of the "
+                            "node's cores less one for the rank itself (at least 1), and no more than its shards "
+                            "allow; a resumed run keeps the count its checkpoint was saved with, so that its data "
+                            "position carries on exactly (`settled_workers`).")
     image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
     text_key: str = Field("txt", description="Sample key of the caption.")
     decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
@@ -83,6 +86,21 @@ class WebDatasetSpec(Section):
                                  "source's `samples`)")
             self.samples = sum(s.samples for s in self.sources)
         return self
+
+    def settled_workers(self, world_size: int, local_ranks: int, cores: int) -> int:
+        """`workers`, with 'auto' settled for a rank of `local_ranks` on a node of `cores` in a world of
+        `world_size` ranks: its share of the cores less one for the rank's own process, at least 1, and (without
+        `resampled`) at most the shards each rank has of its smallest source."""
+        if self.workers != "auto":
+            return self.workers
+        workers = max(1, cores // max(1, local_ranks) - 1)
+        if not self.resampled:
+            try:
+                shards = min(ShardPatterns(source.urls).count for source in self.mixture())
+            except ValueError:  # unbalanced braces: validate says so
+                return workers
+            workers = min(workers, max(1, shards // max(1, world_size)))
+        return workers
 
     def mixture(self) -> list[MixedSource]:
         """The sources to mix, named: `sources`, or `urls` as the one source (weight 1, named '0')."""

@@ -197,8 +197,9 @@ def _check_files(job: Job, report: Report) -> None:
 def _check_workers_against_cores(job: Job, report: Report) -> None:
     """The data workers of every rank of a node against the cores this machine lets fsdpclip use (said once
     here instead of by each rank's DataLoader)."""
-    workers = getattr(job.data, "workers", 0)
     cores, ranks = usable_cores(), report.gpus_per_node
+    settle = getattr(job.data, "settled_workers", None)
+    workers = settle(report.world_size, ranks, cores) if settle is not None else 0
     if workers * ranks > cores:
         report.warn("data.workers", f"{workers} workers × {ranks} ranks per node = {workers * ranks} data workers, "
                     f"more than the {cores} cores here: they will share cores", workers,

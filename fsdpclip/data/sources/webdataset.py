@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem, shard_urls
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.node import usable_cores
 from fsdpclip.spec.registry import DATA_SOURCES, DataSource, RankData
 
 if TYPE_CHECKING:
@@ -90,9 +91,10 @@ class WebDatasetSource(DataSource):
             report.error(where, f"{len(missing)} of {of} shards not found", missing[0],
                          hint="check the path and the brace range" if len(missing) < len(sample) else
                          "paths are relative to the directory you run fsdpclip in")
-        needed = report.world_size * max(1, spec.workers)
+        workers = max(1, spec.settled_workers(report.world_size, report.gpus_per_node, usable_cores()))
+        needed = report.world_size * workers
         if not spec.resampled and count < needed:  # each worker of each rank reads shards of its own
-            report.error(where, f"{count} shards for {report.world_size} ranks × {max(1, spec.workers)} "
+            report.error(where, f"{count} shards for {report.world_size} ranks × {workers} "
                          f"workers: some workers would get none (shards must be ≥ world size × data.workers, as "
                          f"OpenCLIP requires)", count,
                          hint=f"use ≥ {needed} shards, fewer workers, or data.resampled")
@@ -123,6 +125,19 @@ class WebDatasetSource(DataSource):
         from fsdpclip.data.transform import decode_mode
 
         return decode_mode(spec.decode, device)
+
+    def waiting_hints(self, spec: WebDatasetSpec, world_size: int, local_ranks: int,
+                      cores: Optional[int]) -> list[str]:
+        """More data workers where the node has spare cores, the workers' crops resized on the device where they
+        also resize, and shards of images resized near the model's size."""
+        hints = []
+        if spec.workers != "auto" and (cores is None or spec.workers < cores // max(1, local_ranks) - 1):
+            hints.append(f"data.workers 'auto' (one per core of the rank's share, less one; now {spec.workers})")
+        if spec.decode == "cpu":
+            hints.append("data.decode 'auto' (the workers decode and crop, the GPU resizes)")
+        hints.append("shards of smaller images: fsdpclip data resize SHARDS OUT --size N (N: about 1.15 × the "
+                     "model's image size)")
+        return hints
 
     def fingerprint(self, spec: WebDatasetSpec) -> Optional[dict]:
         """The local shards' count and a digest of their paths, sizes and modification times (one stat
