@@ -162,3 +162,21 @@ def test_host_memory_of_the_first_node(cli, tmp_path, monkeypatch):
     code, out = cli.validate_json(path, "--set", "fsdp.cpu_offload=false")  # 8 processes and the initial weights
     assert [w["location"] for w in out["warnings"]] == ["launch.gpus_per_node"]
     assert out["summary"]["host_memory_gib"]["offloaded_state"] == 0
+
+
+def test_the_data_workers_and_the_rate_the_gpus_ask_of_them(cli, tmp_path, monkeypatch):
+    """validate's summary: the workers a rank starts (data.workers 'auto' settled for this machine's cores and the
+    ranks of a node) and, on CUDA, the samples/s each GPU asks of them at the plan's step time (its sustained rate
+    over the FLOPs of a sample); none asked on the CPU, and no workers for synthetic data."""
+    monkeypatch.setattr("fsdpclip.validate.summary.usable_cores", lambda: 16)
+    data = {"urls": "/data/{000..099}.tar", "samples": 10 ** 6}
+    code, out = cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32", data=data)), "--no-check-paths")
+    assert code == 0, out
+    supply = out["summary"]["supply"]
+    assert supply["workers"] == 15 and supply["auto"] and supply["cores"] == 16
+    flops = 3 * 2 * (4.41e9 + 2.95e9)  # ViT-B-32's forward: image ~4.4, text ~2.9 GFLOP a sample
+    assert supply["asked_per_gpu"] == pytest.approx(315e12 / flops, rel=0.05)
+    cpu = _vit_job("ViT-B-32", data={**data, "workers": 3}, launch={"device": "cpu"})
+    supply = cli.validate_json(write_job(tmp_path, cpu), "--no-check-paths")[1]["summary"]["supply"]
+    assert supply["workers"] == 3 and not supply["auto"] and supply["asked_per_gpu"] is None
+    assert cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32")))[1]["summary"]["supply"] is None

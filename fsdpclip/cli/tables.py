@@ -64,8 +64,21 @@ def summary_tables(summary: dict) -> list:
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
     data = [f"data: {escape(summary['data'])}"] if summary.get("data") else []
+    if summary.get("supply"):
+        data.append(supply_line(summary["supply"]))
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line,
             preprocess_line(summary["preprocess"]), *data]
+
+
+def supply_line(supply: dict) -> str:
+    """The data workers a rank starts and, on CUDA, the rate each GPU will ask of them."""
+    auto = (f" (data.workers 'auto': {supply['cores']} cores here for {supply['ranks_per_node']} ranks a node, "
+            "settled again on the node that trains)" if supply["auto"] else "")
+    line = f"data workers: {supply['workers']} per rank{auto}"
+    if supply["asked_per_gpu"]:
+        line += (f"; each GPU will ask ~{supply['asked_per_gpu']:,.0f} samples/s of them (the step time `fsdpclip "
+                 "plan` models)")
+    return line
 
 
 def preprocess_line(preprocess: dict) -> str:
@@ -156,6 +169,8 @@ def report_lines(info: dict) -> list[str]:
     lines.append(f"last complete checkpoint: {info['last_checkpoint'] or 'none'}")
     restarts = f", resumed at step {', '.join(map(str, info['restarts_at']))}" if info["restarts_at"] else ""
     lines.append(f"launches: {info['launches']}{restarts}")
+    if info.get("data_bound"):
+        lines.append(f"[yellow]{escape(info['data_bound'])}[/yellow]")
     if info["exit"] and not info["holder"]:
         lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
     from fsdpclip.eval.tasks import eval_tasks

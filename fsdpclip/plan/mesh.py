@@ -159,10 +159,11 @@ def traffic(job: Job, units: list[Unit], world: int, degree: int) -> Traffic:
                    all_reduce=2 * (replicas - 1) / replicas * accum * trainable / degree * reduce)
 
 
-# Sustained bf16 rate of one H200 in fsdpclip's own 2-GPU runs (docs/benchmarks.md, 2026-11-29: MFU
-# × the 781 TFLOP/s matmul peak measured there): ViT-B-32 (151M) is host-bound at 103 TFLOP/s;
-# ViT-L-14, ViT-H-14 and ViT-bigG-14 sustain 314, 283 and 258, here their mean.
-MEASURED_TFLOPS = ((300e6, 103.0), (float("inf"), 285.0))
+# Sustained bf16 rate of one H200 in fsdpclip's own runs (docs/benchmarks.md): ViT-B-32 (151M) at 315 TFLOP/s
+# (7,142 samples/s of 44.1 GFLOP at 256/GPU with the default spec, 1×H200, 2026-12-04; the 2-GPU runs of
+# 2026-11-29, before CUDA graphs, were host-bound at 103); ViT-L-14, ViT-H-14 and ViT-bigG-14 sustain 314, 283
+# and 258 (2026-11-29: MFU × the 781 TFLOP/s matmul peak measured there), here their mean.
+MEASURED_TFLOPS = ((300e6, 315.0), (float("inf"), 285.0))
 # Bandwidths of the defaults, Gb/s per GPU: NCCL's bus bandwidth on H100/H200 NVLink (~360 GB/s),
 # and one 400 Gb/s InfiniBand NDR adapter per GPU at the ~90% NCCL reaches across nodes.
 INTRA_GBPS, INTER_GBPS = 2880.0, 360.0

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count
+from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count, training_flops_per_sample
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
-from fsdpclip.node import host_memory
+from fsdpclip.node import host_memory, usable_cores
 from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory
 from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree, \
-    traffic, valid_shard_degrees
+    sustained_tflops, traffic, valid_shard_degrees
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import TOWERS, Job
 from fsdpclip.spec.registry import DATA_SOURCES
@@ -45,6 +45,7 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                         "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
     summary["preprocess"] = preprocess_summary(model)
     summary["data"] = DATA_SOURCES[job.data.source].describe(job.data)
+    summary["supply"] = _supply(job, model, report, summary["parameters"]["parameters"])
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
@@ -145,3 +146,18 @@ def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_machin
                  f"processes {gib['processes']:.1f}, offloaded state {gib['offloaded_state']:.1f}, initial weights "
                  f"{gib['initial_weights']:.1f}) exceeds {where} {limit:.1f} GiB", job.launch.host_memory_gib,
                  hint=hint)
+
+
+def _supply(job: Job, model, report: Report, parameters: int) -> Optional[dict]:
+    """The data workers a rank starts (`data.workers` settled for this machine's cores) and, on CUDA, the
+    samples/s each GPU asks of them at the step time `plan` models (its sustained rate for a model of this
+    size); None for data without workers."""
+    settle = getattr(job.data, "settled_workers", None)
+    if settle is None:
+        return None
+    cores = usable_cores()
+    asked = None
+    if job.launch.device == "cuda":
+        asked = sustained_tflops(parameters) * 1e12 / training_flops_per_sample(model)
+    return {"workers": settle(report.world_size, report.gpus_per_node, cores), "auto": job.data.workers == "auto",
+            "cores": cores, "ranks_per_node": report.gpus_per_node, "asked_per_gpu": asked}
