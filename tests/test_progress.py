@@ -12,6 +12,8 @@ from rich.console import Console
 
 from conftest import REPO, write_job
 from fsdpclip.node import usable_cores
+from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.train.metrics import MetricsLog, live_progress
 
 
@@ -40,6 +42,36 @@ def test_a_checkpoint_record_leaves_the_bar_showing_training(tmp_path, monkeypat
     log.close()
     assert task.description == "loss 2.5" and task.fields["rate"] == "1,234 samples/s"
     assert "step 40 checkpoint_blocked_s 0.7" in capsys.readouterr().out  # said once, above the bar
+
+
+def test_a_data_bound_window_is_said_with_its_rate_and_the_fixes(tmp_path, capsys):
+    """A log window whose step waited for its batches over 10% of its time shows the wait on its line, and the
+    first such window (then every NOTICE_EVERY-th) says so with the rate the data supplies, the step's own and
+    the fixes that apply; a window that waited less says nothing."""
+    log = MetricsLog(tmp_path, total_steps=100, tensorboard=False, enabled=True, data_hints=("more data workers",))
+    record = {"loss": 2.5, "samples_per_s": 1500.0, "samples_per_s_per_gpu": 1500.0, "step_time_s": 0.2}
+    for step, wait in ((10, 0.79), (20, 0.05), (30, 0.5)):
+        log.write({"step": step, **record, "data_wait_fraction": wait})
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    notices = [line for line in lines if line.startswith("data-bound")]
+    assert notices == ["data-bound: the step waited for its batches 79% of the time: the data supplies ~1,500 "
+                       "samples/s per GPU, the step alone would take ~7,143 (to feed it: more data workers)"]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert "data wait 79%" in steps[0] and "data wait" not in steps[1] and "data wait 50%" in steps[2]
+
+
+def test_the_webdataset_sources_fixes_for_a_waiting_step():
+    """More workers where they are written below the rank's cores, the device's resize where the workers also
+    resize, and smaller images (fsdpclip data resize) always."""
+    source = DATA_SOURCES["webdataset"]
+    spec = WebDatasetSpec(urls="s-{0..99}.tar", samples=100, workers=4, decode="cpu")
+    hints = source.waiting_hints(spec, world_size=1, local_ranks=1, cores=16)
+    assert [hint.split(" (")[0] for hint in hints] == ["data.workers 'auto'", "data.decode 'auto'",
+                                                        "shards of smaller images: fsdpclip data resize SHARDS OUT --size N"]
+    settled = source.waiting_hints(spec.model_copy(update={"workers": "auto", "decode": "auto"}), 1, 1, 16)
+    assert [hint.split(":")[0] for hint in settled] == ["shards of smaller images"]
+    assert source.waiting_hints(spec.model_copy(update={"workers": 15}), 1, 1, 16)[0].startswith("data.decode")
 
 
 def test_validate_weighs_every_ranks_workers_against_the_cores(cli, tiny_job, tmp_path, monkeypatch):

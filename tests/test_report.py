@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from fsdpclip.cli.report import read_run, summary
 from PIL import Image
 
 
@@ -51,6 +53,30 @@ def test_report_of_a_run_cut_short(cli, tmp_path):
     info = json.loads(result.stdout)
     assert info["state"] == "ended without a report" and info["step"] == 3 and info["launches"] == 1
     assert info["restarts_at"] == [] and info["panels"] == ["loss", "learning rate"]
+
+
+def test_report_says_a_run_waits_for_its_data_and_what_would_feed_it(cli, tmp_path):
+    """A run whose step waited for its batches over 10% of its time (the median of its last windows, the
+    start-up's first one left out): the report says so with the rate and the fixes its spec leaves open."""
+    run_dir = tmp_path / "waits"
+    run_dir.mkdir()
+    job = {"model": {"name": "ViT-B-32"}, "data": {"urls": "/data/{0..99}.tar", "samples": 10 ** 6, "workers": 4},
+           "batch": {"per_gpu": 256}}
+    (run_dir / "job.json").write_text(json.dumps(job))
+    waits = [0.0, 0.8, 0.7, 0.75, 0.02]
+    records = [{"step": 10 * i, "total_steps": 100, "time": float(i), "loss": 5.0, "samples_per_s_per_gpu": 1500.0,
+                "data_wait_fraction": wait} for i, wait in enumerate(waits, 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    info = summary(read_run(run_dir))
+    assert info["data_wait_fraction"] == 0.75
+    assert info["data_bound"].startswith("data-bound: the step waited for its batches 75% of the time: the data "
+                                         "supplies ~1,500 samples/s per GPU")
+    assert "data.workers 'auto'" in info["data_bound"] and "fsdpclip data resize" in info["data_bound"]
+    result = cli("report", run_dir, "--png", tmp_path / "waits.png")
+    assert result.exit_code == 0 and "data-bound: the step waited for its batches 75%" in result.output
+    fed = [{**r, "data_wait_fraction": 0.01} for r in records]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fed))
+    assert summary(read_run(run_dir))["data_bound"] is None
 
 
 def test_report_of_metrics_with_bytes_that_are_not_utf8(cli, tmp_path):

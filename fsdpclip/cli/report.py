@@ -12,7 +12,11 @@ from typing import Optional
 
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES
+from fsdpclip.problems import SpecError
 from fsdpclip.run.lock import lock_holder
+from fsdpclip.run.reports import DATA_BOUND, data_wait_notice
+from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.spec.registry import DATA_SOURCES
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),
@@ -101,7 +105,30 @@ def summary(run: Run, now: Optional[float] = None) -> dict:
                for kind in eval_tasks()}
     return {"run_dir": str(run.path), "state": state, "holder": run.running, "step": done, "total_steps": total,
             "eta_s": eta, "last_checkpoint": run.last_checkpoint, "launches": run.launches,
-            "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), **results}
+            "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), **data_wait(run), **results}
+
+
+def data_wait(run: Run) -> dict:
+    """The share of its time the step waited for data over the last log windows (the first, which holds the
+    start-up, left out; their median) and, where over DATA_BOUND, the notice saying so with the fixes that
+    apply to the run's spec (`DataSource.waiting_hints`, for a node whose cores are not known here)."""
+    waits = sorted(r["data_wait_fraction"] for r in run.records[1:][-RATE_WINDOW * 4:]
+                   if isinstance(r.get("data_wait_fraction"), (int, float)))
+    if not waits:
+        return {"data_wait_fraction": None, "data_bound": None}
+    wait = waits[len(waits) // 2]
+    rates = [r["samples_per_s_per_gpu"] for r in run.records[1:][-RATE_WINDOW * 4:]
+             if isinstance(r.get("samples_per_s_per_gpu"), (int, float))]
+    hints: list[str] = []
+    if wait > DATA_BOUND:
+        try:
+            job = parse_job(_json(_text(run.path / "job.json")) or {})
+            hints = DATA_SOURCES[job.data.source].waiting_hints(job.data, job.launch.world_size,
+                                                                 job.launch.gpus_per_node, None)
+        except (OSError, SpecError):  # a run directory without a usable spec: the rate alone
+            pass
+    rate = sorted(rates)[len(rates) // 2] if rates else 0.0
+    return {"data_wait_fraction": wait, "data_bound": data_wait_notice(wait, rate, hints)}
 
 
 def plot(run: Run, png: Path) -> list[str]:

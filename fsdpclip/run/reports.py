@@ -122,3 +122,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+DATA_BOUND = 0.10  # a step that waits for its batches longer than this share of its time is bound by its data
+
+
+def data_wait_notice(wait: float, samples_per_s_per_gpu: float, hints: list[str]) -> Optional[str]:
+    """What to tell of a log window whose step waited `wait` of its time for its batches, at that rate: the rate
+    the data supplies, what the step alone would take, and `hints` (the fixes that apply:
+    `DataSource.waiting_hints`); None where the step waited no more than DATA_BOUND."""
+    if wait <= DATA_BOUND:
+        return None
+    alone = samples_per_s_per_gpu / max(1e-9, 1 - wait)
+    text = (f"data-bound: the step waited for its batches {wait:.0%} of the time: the data supplies "
+            f"~{samples_per_s_per_gpu:,.0f} samples/s per GPU, the step alone would take ~{alone:,.0f}")
+    return text + (" (to feed it: " + "; ".join(hints) + ")" if hints else "")
+

@@ -78,6 +78,11 @@ class DataSource:
         """Where its images are decoded on `device` ('cpu', 'gpu', 'mixed'; `validate`'s summary), or None."""
         return None
 
+    def waiting_hints(self, spec: Section, world_size: int, local_ranks: int, cores: Optional[int]) -> list[str]:
+        """What would feed a step that waits for its batches, for `local_ranks` ranks of `world_size` on a node of
+        `cores` (None: not known here), each a short clause; none by default."""
+        return []
+
     def fingerprint(self, spec: Section) -> Optional[dict]:
         """What tells its local files apart cheaply (a resumed run keeps its saved position only while it
         is unchanged); None: nothing to compare."""

@@ -8,6 +8,7 @@ from collections import deque
 
 import torch
 
+from fsdpclip.node import local_ranks, usable_cores
 from fsdpclip.spec.registry import DATA_SOURCES, RankData
 from fsdpclip.train.metrics import Window
 
@@ -33,12 +34,14 @@ class DataFeed:
         """The rank's batches from the spec's data source (`spec.registry.DataSource`) for `model` (its shapes
         and preprocessing; the meta-device model will do); also sets `images` (what turns a micro batch's
         images into the model's input on the device, e.g. transform.TrainImages; None where they are that
-        already)."""
+        already) and `waiting_hints` (what would feed a step that waits for them)."""
         job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
         rank = RankData(model, self.tokenizer, job.batch.per_gpu, env.rank, env.world_size, job.run.seed, env.device,
                         env.is_main)
-        batches, self.images = DATA_SOURCES[job.data.source].batches(job.data, rank)
+        source = DATA_SOURCES[job.data.source]
+        batches, self.images = source.batches(job.data, rank)
+        self.waiting_hints = source.waiting_hints(job.data, env.world_size, local_ranks(), usable_cores())
         return batches
 
     def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:

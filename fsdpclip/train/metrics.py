@@ -15,6 +15,7 @@ import torch
 
 from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE
 from fsdpclip.run.files import write_atomically
+from fsdpclip.run.reports import data_wait_notice
 from fsdpclip.spec.job import WandbSpec
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
@@ -77,8 +78,9 @@ class MetricsLog:
     a progress display; rank 0 only."""
 
     def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, enabled: bool,
-                 wandb: Optional[WandbSpec] = None, config: Optional[dict] = None):
-        self.enabled, self.total_steps = enabled, total_steps
+                 wandb: Optional[WandbSpec] = None, config: Optional[dict] = None, data_hints: tuple[str, ...] = ()):
+        self.enabled, self.total_steps, self.data_hints = enabled, total_steps, list(data_hints)
+        self.data_bound = 0  # log windows so far in which the step waited for its data over DATA_BOUND
         self.file = self.writer = self.progress = self.wandb = None
         if not enabled:
             return
@@ -117,6 +119,13 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(record)
         line = " ".join(f"{k} {_short(v)}" for k, v in record.items() if k in SHOWN and v is not None)
+        notice = data_wait_notice(record.get("data_wait_fraction") or 0.0, record.get("samples_per_s_per_gpu") or 0.0,
+                                  self.data_hints) if "loss" in record else None
+        if notice is not None:
+            line += f" data wait {record['data_wait_fraction']:.0%}"
+            if self.data_bound % NOTICE_EVERY == 0:
+                self.announce(notice, style="yellow")
+            self.data_bound += 1
         rate = f"{record['samples_per_s']:,.0f} samples/s" if record.get("samples_per_s") else ""
         if self.progress is not None and "loss" in record:  # the bar shows training; other records, a line above it
             self.progress.update(self.task, completed=record.get("step", 0), description=line,
@@ -175,6 +184,7 @@ class WandbRun:
         self.run.finish(exit_code=exit_code)
 
 
+NOTICE_EVERY = 20  # data-bound log windows between two notices saying so
 SHOWN = ("loss", "lr", "samples_per_s_per_gpu", "mfu", "peak_memory_gib", "checkpoint_blocked_s")
 
 

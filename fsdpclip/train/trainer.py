@@ -59,7 +59,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         meta_model, towers = frozen_meta_model(self.model_config, job)
         self.startup.mark("meta_model")
         self.tokenizer = build_tokenizer(self.model_config)
-        self.batches, self.batch_iter, self.batch_search = None, None, None
+        self.batches, self.batch_iter, self.batch_search, self.waiting_hints = None, None, None, []
         if not job.batch.searched:  # else the batch is known once the model is built (train.sizing)
             self._open_batches(meta_model, start=not candidates)
         try:
@@ -161,7 +161,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         """Train to the end (or to a stop); returns the exit code."""
         job, env = self.job, self.env
         metrics = MetricsLog(job.run_dir, self.total_steps, job.logging.tensorboard, enabled=env.is_main,
-                             wandb=job.logging.wandb, config=json.loads(job.to_json()))
+                             wandb=job.logging.wandb, config=json.loads(job.to_json()), data_hints=self.waiting_hints)
         self.metrics = metrics
         window, window_loss = Window(), torch.zeros((), device=env.device)
         first_step_s, first_step_done = None, False
