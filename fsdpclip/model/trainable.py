@@ -107,12 +107,12 @@ def trainable_decay_groups(model: nn.Module, spec: OptimizerSpec) -> list[DecayG
 # The towers OpenCLIP main gives layer groups (`layer_groups()` in src/open_clip), as a refusal names them.
 GROUPED_TOWERS = "OpenCLIP's VisionTransformer, ModifiedResNet, TextTransformer, HFTextEncoder and timm trunks " \
                  "with a group_matcher"
-Member = Union[nn.Module, nn.Parameter]
 # Main's hf_configs.py: where each Hugging Face architecture keeps its token embeddings and its encoder's layers
 # (token_embeddings_attr, layer_attr; the installed OpenCLIP lacks BERT's and M2M-100's; T5 is built as mT5).
 HF_LAYERS = {"roberta": ("embeddings", "layer"), "xlm-roberta": ("embeddings", "layer"),
              "bert": ("embeddings", "layer"), "mt5": ("embed_tokens", "block"), "t5": ("embed_tokens", "block"),
              "m2m_100": ("embed_tokens", "layers")}
+Member = Union[nn.Module, nn.Parameter]  # of a layer group, as main's groups hold them
 
 
 def layer_groups(model: nn.Module, tower: str) -> Optional[list[list[str]]]:
