@@ -185,6 +185,8 @@ def _check_decay(job: Job, model, report: Report) -> Optional[list[DecayGroup]]:
                          rule.pattern if rule.pattern is not None else f"max_ndim={rule.max_ndim}",
                          hint=f"parameter names look like '{next(iter(shapes))}'")
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        report.error("freeze", "every parameter is frozen: nothing to train")
     try:
         groups = trainable_decay_groups(model, job.optimizer)
     except ModelError as exc:
@@ -193,8 +195,6 @@ def _check_decay(job: Job, model, report: Report) -> Optional[list[DecayGroup]]:
     grouped = [name for g in groups for name in g.names]
     if sorted(grouped) != sorted(trainable):
         report.error("optimizer.decay_rules", "internal: optimizer groups do not partition the trainable parameters")
-    if not trainable:
-        report.error("freeze", "every parameter is frozen: nothing to train")
     return groups
 
 
