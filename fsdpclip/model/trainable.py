@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, find_towers, model_from_config, original_shapes
-from fsdpclip.spec.job import DecayRule, FreezeSpec, Job, LayerDecaySpec, OptimizerSpec
+from fsdpclip.problems import ModelError
+from fsdpclip.spec.job import TOWERS, DecayRule, FreezeSpec, Job, LayerDecaySpec, OptimizerSpec
 
 
 # -------------------------------------------------------------------------- freeze
@@ -95,40 +96,113 @@ def decay_groups(shapes: dict[str, torch.Size], rules: list[DecayRule], default_
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0] is None, k[0] or 0, -k[1]))]
 
 
-def trainable_decay_groups(model: nn.Module, towers: dict[str, Tower], spec: OptimizerSpec) -> list[DecayGroup]:
+def trainable_decay_groups(model: nn.Module, spec: OptimizerSpec) -> list[DecayGroup]:
     """The decay groups of the trainable parameters of `model` (freeze applied), by original name."""
     shapes = original_shapes(model)
     trainable = {name: shapes[name] for name, p in model.named_parameters() if p.requires_grad}
-    return decay_groups(trainable, spec.decay_rules, spec.weight_decay, layer_lr_scales(towers, spec.layer_decay))
+    return decay_groups(trainable, spec.decay_rules, spec.weight_decay, layer_lr_scales(model, spec.layer_decay))
 
 
 # ------------------------------------------------------------- layer-wise LR decay
-FINAL_NORM_RE = re.compile(r"^(visual\.|text\.)?(ln_post|ln_final)\.")  # OpenCLIP's, grouped with the last block
+# The towers OpenCLIP main gives layer groups (`layer_groups()` in src/open_clip), as a refusal names them.
+GROUPED_TOWERS = "OpenCLIP's VisionTransformer, ModifiedResNet, TextTransformer, HFTextEncoder and timm trunks " \
+                 "with a group_matcher"
+# Main's hf_configs.py: where each Hugging Face architecture keeps its token embeddings and its encoder's layers
+# (token_embeddings_attr, layer_attr; the installed OpenCLIP lacks BERT's and M2M-100's; T5 is built as mT5).
+HF_LAYERS = {"roberta": ("embeddings", "layer"), "xlm-roberta": ("embeddings", "layer"),
+             "bert": ("embeddings", "layer"), "mt5": ("embed_tokens", "block"), "t5": ("embed_tokens", "block"),
+             "m2m_100": ("embed_tokens", "layers")}
+Member = Union[nn.Module, nn.Parameter]  # of a layer group, as main's groups hold them
 
 
-def layer_ids(tower: Tower) -> dict[str, int]:
-    """Each parameter's depth in its tower (original name -> id), as OpenCLIP main's `layer_groups` order it from
-    input to output: the embeddings 0, block i at i + 1 with the final norm in the last block's group, the rest of
-    the head (the projection, a pooler) at the top."""
-    last = len(tower.blocks)
-    ids = {}
-    for name in tower.parameters:
-        part = tower.part_of(name)
-        ids[name] = 0 if part == "embeddings" else tower.block_of(name) + 1 if part == "block" else \
-            last if FINAL_NORM_RE.search(name) else last + 1
-    return ids
+def layer_groups(model: nn.Module, tower: str) -> Optional[list[list[str]]]:
+    """OpenCLIP main's layer groups of one tower of `model` ('image' or 'text'), input to output, as original
+    parameter names: its towers' `layer_groups()` (src/open_clip; the text pooler in the head, main's default).
+    Parameters in no group (a ViT's attention pool, a T5 encoder's final norm) are absent. None for a tower main
+    has no groups for."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = image_members(model.visual) if tower == "image" else text_members(getattr(model, "text", model))
+    if groups is None:
+        return None
+    return [[names[id(p)] for member in members for p in parameters_of(member)] for members in groups]
 
 
-def layer_lr_scales(towers: dict[str, Tower], decay: LayerDecaySpec) -> dict[str, float]:
-    """The LR multiplier of each parameter of the towers that `decay` names: decay^(top − id), the top being the
-    tower's highest id (1 for its head). By position, as open_clip_train's `lr_scales_for_groups` (OpenCLIP main,
-    src/open_clip_train/optim.py). Other parameters (an undecayed tower's, the temperature) are absent: 1."""
+def parameters_of(member: Member) -> list[nn.Parameter]:
+    return [member] if isinstance(member, nn.Parameter) else list(member.parameters())
+
+
+def image_members(visual: nn.Module) -> Optional[list[list[Member]]]:
+    """Main's groups of an image tower: VisionTransformer's (the embeddings, each block with ln_post in the last,
+    the projection), ModifiedResNet's (the stem, the 4 stages, the attention pool) and TimmModel's (timm's own
+    `group_matcher` over the trunk, then OpenCLIP's head where it has parameters); None for any other."""
+    from open_clip.modified_resnet import ModifiedResNet
+    from open_clip.timm_model import TimmModel
+    from open_clip.transformer import VisionTransformer
+
+    if isinstance(visual, VisionTransformer):
+        embeddings = [visual.conv1, getattr(visual, "class_embedding", None),
+                      getattr(visual, "positional_embedding", None), visual.ln_pre]
+        return [[m for m in embeddings if m is not None], *blocks_with_final_norm(visual.transformer, visual.ln_post),
+                *([[visual.proj]] if visual.proj is not None else [])]
+    if isinstance(visual, ModifiedResNet):
+        stem = [visual.conv1, visual.bn1, visual.conv2, visual.bn2, visual.conv3, visual.bn3]
+        return [stem, [visual.layer1], [visual.layer2], [visual.layer3], [visual.layer4], [visual.attnpool]]
+    if isinstance(visual, TimmModel) and hasattr(visual.trunk, "group_matcher"):
+        from timm.models import group_parameters
+
+        trunk = visual.trunk
+        by_layer = group_parameters(trunk, trunk.group_matcher())
+        head = [[visual.head]] if parameters_of(visual.head) else []
+        return [[trunk.get_parameter(name) for name in by_layer[layer]] for layer in sorted(by_layer)] + head
+    return None
+
+
+def text_members(text: nn.Module) -> Optional[list[list[Member]]]:
+    """Main's groups of a text tower: OpenCLIP's own, on CLIP or a TextTransformer (the embeddings, each block
+    with ln_final in the last, the projection), and HFTextEncoder's (the encoder's embeddings, each layer, the
+    pooler with the projection); None for any other."""
+    from open_clip import CLIP
+    from open_clip.hf_model import HFTextEncoder
+    from open_clip.transformer import TextTransformer
+
+    if isinstance(text, (CLIP, TextTransformer)):
+        embeddings = [m for m in (text.token_embedding, text.positional_embedding, getattr(text, "cls_emb", None))
+                      if m is not None]
+        return [embeddings, *blocks_with_final_norm(text.transformer, text.ln_final),
+                *([[text.text_projection]] if text.text_projection is not None else [])]
+    if isinstance(text, HFTextEncoder) and text.config.model_type in HF_LAYERS:
+        embeddings, layers = HF_LAYERS[text.config.model_type]
+        encoder = getattr(text.transformer, "encoder", text.transformer)
+        pooler = getattr(text.transformer, "pooler", None)
+        head = [m for m in (pooler, text.proj) if m is not None and parameters_of(m)]
+        return [[getattr(text.transformer, embeddings)], *([layer] for layer in getattr(encoder, layers)),
+                *([head] if head else [])]
+    return None
+
+
+def blocks_with_final_norm(transformer: nn.Module, final_norm: nn.Module) -> list[list[Member]]:
+    groups: list[list[Member]] = [[block] for block in transformer.resblocks]
+    if groups:
+        groups[-1].append(final_norm)
+    return groups
+
+
+def layer_lr_scales(model: nn.Module, decay: LayerDecaySpec) -> dict[str, float]:
+    """The LR multiplier of each parameter of the towers that `decay` names: decay^(depth below the top group), by
+    position in `layer_groups`, as open_clip_train's `lr_scales_for_groups` (OpenCLIP main,
+    src/open_clip_train/optim.py; a decay of 1 is off there). Other parameters (in no group, an undecayed tower's,
+    the temperature) are absent: 1. A tower without groups is a ModelError at optimizer.layer_decay.<tower>."""
     scales = {}
-    for tower in towers.values():
-        factor = getattr(decay, tower.name)
-        if factor is None:
+    for tower in TOWERS:
+        factor = getattr(decay, tower)
+        if factor is None or factor == 1.0:
             continue
-        ids = layer_ids(tower)
-        top = max(ids.values(), default=0)
-        scales.update((name, factor ** (top - depth)) for name, depth in ids.items())
+        groups = layer_groups(model, tower)
+        if groups is None:
+            module = model.visual if tower == "image" else getattr(model, "text", model)
+            raise ModelError(f"OpenCLIP main has no layer groups for this {tower} tower "
+                             f"({type(getattr(module, 'trunk', module)).__name__})", f"optimizer.layer_decay.{tower}",
+                             factor, hint=f"layer decay covers {GROUPED_TOWERS}")
+        scales.update((name, factor ** (len(groups) - 1 - depth)) for depth, group in enumerate(groups)
+                      for name in group)
     return scales

@@ -393,9 +393,12 @@ class OptimizerSpec(Section):
                     "fewer than 2 dims and names containing 'bn', 'ln', 'bias' or 'logit_scale'.")
     layer_decay: LayerDecaySpec = Field(
         default_factory=LayerDecaySpec,
-        description="Layer-wise LR decay per tower, as OpenCLIP main's layer_groups: embeddings at the bottom, then "
-                    "each block (the final norm with the last), the projection on top at the schedule's LR; "
-                    "the temperature and an undecayed tower keep it.")
+        description="Layer-wise LR decay per tower by OpenCLIP main's layer_groups, the top group at the schedule's "
+                    "LR: a ViT's or text transformer's embeddings, each block (the final norm with the last), the "
+                    "projection; a ModifiedResNet's stem, 4 stages, attention pool; a timm trunk's groups by timm's "
+                    "group_matcher, then OpenCLIP's head; a Hugging Face encoder's embeddings, each layer, the pooler "
+                    "with the projection. Parameters in no group, the temperature and an undecayed tower keep the "
+                    "schedule's LR; a tower main has no groups for is refused.")
 
     @field_validator("betas")
     @classmethod

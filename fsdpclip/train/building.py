@@ -33,7 +33,7 @@ class ModelBuilding:
         it applies: train.sizing), parallelized, then filled from rank 0.
         The last rank counts the FLOPs while rank 0 draws the initial weights."""
         job, env = self.job, self.env
-        self.decay_groups = trainable_decay_groups(model, towers, job.optimizer)
+        self.decay_groups = trainable_decay_groups(model, job.optimizer)
         self.shard_degree = self._shard_degree(model, towers)
         self.mesh = shard_mesh(env, self.shard_degree)
         self.planned_per_gpu = self._plan_batch(model, towers) if job.batch.searched else job.batch.per_gpu

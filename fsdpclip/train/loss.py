@@ -27,9 +27,11 @@ def backward_micro_batches(model: nn.Module, loss_fn: nn.Module, batches: list[t
     With several micro batches (`batch.grad_accum`) this is OpenCLIP's `accum_freq`: the features of
     every micro batch are first computed without gradient; then each micro batch runs forward
     again, its features take their place among the cached ones, and the loss over the whole batch
-    is backpropagated through them alone. The summed gradients are the whole batch's, every micro
-    batch is contrasted against all of it, and each loss equals the whole batch's loss; it costs
-    one more forward per micro batch and keeps every micro batch's inputs until the step ends.
+    is backpropagated through them alone. Every micro batch is contrasted against all of it and each
+    loss equals the whole batch's loss; the towers' summed gradients are the whole batch's, but the
+    temperature and bias, live in every micro batch's loss, get the whole batch's gradient once per
+    micro batch (`grad_accum` times it, as in OpenCLIP). It costs one more forward per micro batch
+    and keeps every micro batch's inputs until the step ends.
     `scale` is the fp16 loss scaler's (none otherwise).
     """
     if len(batches) == 1:

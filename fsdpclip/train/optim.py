@@ -128,9 +128,13 @@ class Schedule:
         self.set_step(0)
 
     def set_step(self, step: int) -> None:
-        self.current, self.lr = step, self.peak * self.factor(step)
+        self.current, self.lr = step, self.lr_of(step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * group.get("lr_scale", 1.0)
+
+    def lr_of(self, step: int) -> float:
+        """The learning rate of step `step` (from 0), before the groups' `lr_scale`."""
+        return self.peak * self.factor(step)
 
     def step(self) -> None:
         self.set_step(self.current + 1)

@@ -4,7 +4,8 @@ and GPU.
 
 A probe is one optimizer step of the parallelized model (its units, activation checkpointing, CPU offload)
 at a batch of random inputs: forward and backward of one micro batch (two where the step accumulates),
-then AdamW at learning rate 0 (the weights stay as drawn) on an optimizer dropped afterwards. Its moments
+then AdamW at learning rate 0 (the weights stay as drawn) on an optimizer dropped afterwards; the forward runs
+in train mode, as the step's does, and the batch norms' running statistics it moved are put back. Its moments
 are allocated before the forward, as every training step after the first holds them (left out, the peak
 missed 8 bytes per parameter: ViT-bigG-14's 19 GiB). Compiled modules run eager for the probes
 (`torch.compiler.set_stance`): compiling every probed shape would take minutes, and the compiled step keeps
@@ -24,6 +25,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -131,7 +134,7 @@ class BatchSizing:
         batches = [(images, texts)] * micro_batches_probed(job, env.world_size, per_gpu)
         try:
             optimizer.allocate_state()  # held through every training step's forward and backward but the first
-            with torch.compiler.set_stance("force_eager"):
+            with torch.compiler.set_stance("force_eager"), running_statistics_kept(model):
                 backward_micro_batches(model, build_loss(job.loss, env.rank, env.world_size), batches, None)
             optimizer.step()
             torch.cuda.synchronize(env.device)
@@ -145,3 +148,18 @@ class BatchSizing:
         gc.collect()
         torch.cuda.empty_cache()
         return fits
+
+
+@contextmanager
+def running_statistics_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, forwards in train mode may move the batch norms' running statistics (a ModifiedResNet's, a timm
+    ConvNet's); on leaving, they are as they were."""
+    saved = [(buffer, buffer.clone()) for module in model.modules()
+             if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+             for buffer in module.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)

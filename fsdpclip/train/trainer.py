@@ -234,7 +234,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         logit_scale = self.model.logit_scale.exp().item()
         record = {"step": self.step, "total_steps": self.total_steps, "time": round(time.time(), 3),
                   "samples_seen": self.samples_seen, "loss": loss,
-                  "lr": self.scheduler.lr, "logit_scale": logit_scale,
+                  "lr": self.scheduler.lr_of(self.step - 1), "logit_scale": logit_scale,
                   "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
                   "skipped_steps": int(self.skipped_steps.item())}
         if by_source:

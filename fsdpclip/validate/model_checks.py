@@ -54,7 +54,7 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     if frozen is None:
         return
     apply_freeze(model, frozen)
-    groups = if_parsed(_check_decay, job, model, towers, report)
+    groups = if_parsed(_check_decay, job, model, report)
     if_parsed(_check_loss_fits, job, model, report)
     if classes_ok and text_ok and groups is not None and report.world_size:
         if_parsed(summarise, job, model, towers, frozen, groups, steps, report, this_machine)
@@ -174,9 +174,9 @@ def _check_freeze(job: Job, towers: dict[str, Tower], report: Report) -> None:
             report.error(f"freeze.{name}.blocks", why, blocks)
 
 
-def _check_decay(job: Job, model, towers: dict[str, Tower], report: Report) -> list[DecayGroup]:
-    """Every rule matches a parameter; a tower with layer decay has blocks to count; every trainable parameter
-    lands in exactly one group."""
+def _check_decay(job: Job, model, report: Report) -> Optional[list[DecayGroup]]:
+    """Every rule matches a parameter; a tower with layer decay has OpenCLIP main's layer groups; every trainable
+    parameter lands in exactly one group."""
     rules = job.optimizer.decay_rules
     shapes = original_shapes(model)
     for i, rule in enumerate(rules):
@@ -184,18 +184,17 @@ def _check_decay(job: Job, model, towers: dict[str, Tower], report: Report) -> l
             report.error(f"optimizer.decay_rules[{i}]", "matches no parameter of the model",
                          rule.pattern if rule.pattern is not None else f"max_ndim={rule.max_ndim}",
                          hint=f"parameter names look like '{next(iter(shapes))}'")
-    for name, tower in towers.items():
-        if getattr(job.optimizer.layer_decay, name) is not None and not tower.blocks:
-            report.error(f"optimizer.layer_decay.{name}", f"the {name} tower has no blocks to count its layers by",
-                         getattr(job.optimizer.layer_decay, name),
-                         hint=f"model.{name}.block_classes names its block classes")
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    groups = trainable_decay_groups(model, towers, job.optimizer)
+    if not trainable:
+        report.error("freeze", "every parameter is frozen: nothing to train")
+    try:
+        groups = trainable_decay_groups(model, job.optimizer)
+    except ModelError as exc:
+        report.error(exc.location, exc.message, exc.value, exc.hint)
+        return None
     grouped = [name for g in groups for name in g.names]
     if sorted(grouped) != sorted(trainable):
         report.error("optimizer.decay_rules", "internal: optimizer groups do not partition the trainable parameters")
-    if not trainable:
-        report.error("freeze", "every parameter is frozen: nothing to train")
     return groups
 
 
