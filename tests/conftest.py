@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shlex
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -221,3 +223,19 @@ def squeezed(text: str) -> str:
     import re
 
     return re.sub(r"[\s│┃]+", "", text)
+
+
+@contextlib.contextmanager
+def hangs_fail_after(seconds: float):
+    """Fail the test as hung once the block has run `seconds` (SIGALRM interrupts a blocking open or read of a FIFO;
+    pytest's failure is no Exception, which the code under test or CliRunner would catch)."""
+    def hung(signum, frame):
+        pytest.fail(f"still running after {seconds} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

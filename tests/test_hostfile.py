@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_same_losses, logged_losses, preemptible_job, synthetic_job, write_job
+from conftest import (
+    REPO, assert_same_losses, hangs_fail_after, logged_losses, preemptible_job, synthetic_job, write_job,
+)
 from ranks import finish_launch, start_launch
 from fsdpclip.launch.hostfile import pick_hosts, read_hostfile
 from fsdpclip.launch.launcher import LaunchError
@@ -49,6 +51,19 @@ def test_hostfile_and_filters_as_deepspeed_reads_them(tmp_path):
                           ("a slots=1\na slots=2\n", ":2: a is in the hostfile twice"), ("# none\n", "names no host")]:
         with pytest.raises(LaunchError, match=message):
             read_hostfile(_hostfile(tmp_path, text))
+
+
+def test_a_hostfile_that_is_no_text_file_is_refused(cli, tmp_path):
+    """A FIFO as the hostfile waited forever for a writer, /dev/zero was read until the memory ran out: the hostfile
+    is read as the job file is, a regular UTF-8 file of bounded size."""
+    fifo = tmp_path / "hosts.fifo"
+    os.mkfifo(fifo)
+    for hostfile, why in ((fifo, "not a regular file but a FIFO"), ("/dev/zero", "not a regular file but a character "
+                                                                                 "device")):
+        with hangs_fail_after(20):
+            result = cli("launch", _job(tmp_path), "--hostfile", hostfile, "--dry-run")
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert f"cannot read the hostfile {hostfile}: {why}" in result.output
 
 
 def _job(tmp_path: Path, **launch) -> Path:

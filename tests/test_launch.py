@@ -366,6 +366,17 @@ def test_bad_launch_flags_are_user_errors(cli, tmp_path, flags, message):
     assert message in result.output
 
 
+@pytest.mark.parametrize("flags, block", [([], "launch.env"), (["--slurm"], "launch.slurm.env")])
+def test_the_launchers_own_variables_are_refused_in_a_spec(cli, tmp_path, flags, block):
+    """A spec's FSDPCLIP_LOCK_TOKEN let two jobs hold one run directory's lock; its FSDPCLIP_LAUNCHER, exported
+    by the batch script, stopped every Slurm launch after a step as if its launcher were gone."""
+    for name in ("FSDPCLIP_LOCK_TOKEN", "FSDPCLIP_LAUNCHER"):
+        result = cli("launch", _tiny(tmp_path), "--dry-run", *flags, "--set", f'{block}={{"{name}": "1"}}')
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert block in result.output and squeezed(f"'{name}': FSDPCLIP_* variables are set by") in squeezed(result.output)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_slurm_without_sbatch_is_a_user_error(cli, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     result = cli("launch", _tiny(tmp_path), "--slurm")

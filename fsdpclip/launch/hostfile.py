@@ -41,7 +41,7 @@ from fsdpclip.launch.local import (
 )
 from fsdpclip.launch.torchrun import DELIBERATE
 from fsdpclip.run.directory import EXIT_CRASH, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
-from fsdpclip.run.files import keep_output
+from fsdpclip.run.files import keep_output, read_text_file
 from fsdpclip.run.lock import HeldLock, RunLocked
 from fsdpclip.run.reports import exit_report, finish_exit_report, write_exit_report
 from fsdpclip.spec.job import Job
@@ -62,9 +62,9 @@ TERM, KILL = "TERM", "KILL"  # the lines a node's launcher acts on: a SIGTERM of
 def read_hostfile(path: Path) -> dict[str, list[int]]:
     """A hostfile's hosts in order, each with its slots (0 .. slots-1); LaunchError naming the line that is wrong."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LaunchError(f"cannot read the hostfile {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        lines = read_text_file(Path(path)).splitlines()
+    except OSError as exc:
+        raise LaunchError(f"cannot read the hostfile {path}: {exc.strerror or exc}") from None
     hosts: dict[str, list[int]] = {}
     for number, line in enumerate(lines, 1):
         words = line.split("#", 1)[0].split()

@@ -603,12 +603,19 @@ class LoggingSpec(Section):
 ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+OWN_ENVIRONMENT = "FSDPCLIP_"  # the launcher's own variables to its ranks (the lock token, the launcher's pid)
+
+
 def environment_names(value: dict[str, str]) -> dict[str, str]:
-    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first)."""
+    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first), none of
+    fsdpclip's own (a spec's lock token would let two jobs share a run directory)."""
     for name in value:
         if not ENVIRONMENT_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits and '_', not a "
                              "digit first)")
+        if name.startswith(OWN_ENVIRONMENT):
+            raise ValueError(f"{name!r}: {OWN_ENVIRONMENT}* variables are set by fsdpclip's launcher for its ranks, "
+                             "not by a spec")
     return value
 
 
