@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fsdpclip.cli.console import WithRegisteredOptions, console, fail, option, stop
+from fsdpclip.cli.console import WithRegisteredOptions, check_destination, console, fail, option, stop
 from fsdpclip.problems import SpecError
 
 
@@ -63,7 +63,7 @@ def eval_command(
     except ValueError as exc:
         stop(str(exc))
     if output is not None and os.environ.get("RANK", "0") == "0":
-        _check_destination(output)
+        check_destination(output)
     bar = Progress(TextColumn(f"[bold]{task.title} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
 
@@ -118,25 +118,6 @@ def task_options() -> list[inspect.Parameter]:
 
 
 evaluate = WithRegisteredOptions(eval_command, task_options, after="checkpoint")
-
-
-def _check_destination(path: Path) -> None:
-    """A file written at the end of a long command, tried now: its folder made and the file opened for appending
-    (a file this made is removed again); one line and the user-error code when it cannot be written."""
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        stop(f"cannot write {path}: {path.parent} is not a directory")
-    except OSError as exc:
-        stop(f"cannot write {path}: {exc.strerror or exc}")
-    try:
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as exc:
-        stop(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def export(
