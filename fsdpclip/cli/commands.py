@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.cli import evaluating, launching
-from fsdpclip.cli.console import console, fail, problem_table, stop
+from fsdpclip.cli.console import check_destination, console, fail, problem_table, stop
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -225,8 +225,7 @@ def init(
 
     if (data is None) != (samples is None):
         stop("--data and --samples go together: the shards and how many pairs they hold (without them: synthetic)")
-    if out.exists() and not force:
-        stop(f"{out} exists: give another path, or --force to overwrite it")
+    check_destination(out, overwrite=force)
     if gpus is None:
         import torch
 

@@ -124,14 +124,17 @@ def export(
     checkpoint: Path = typer.Argument(..., help="A run directory (its latest checkpoint) or one checkpoint directory."),
     out: Path = typer.Argument(..., help="OUT.pt / OUT.safetensors, or a directory for open_clip's 'local-dir:'."),
     safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle."),
+    force: bool = typer.Option(False, "--force", help="Overwrite what OUT holds."),
 ) -> None:
     """Write a sharded checkpoint as one OpenCLIP checkpoint."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
-    from fsdpclip.checkpoint.whole import export_checkpoint
+    from fsdpclip.checkpoint.whole import export_checkpoint, exported_files
     from fsdpclip.model.build import model_from_config
 
     try:
         source = resolve_checkpoint(checkpoint)
+        for path in exported_files(out, safetensors):
+            check_destination(path, overwrite=force)
         meta = read_meta(source)
         config = meta["model"]["open_clip_config"]
         written = export_checkpoint(source, model_from_config(config, device="meta"), out, config,
