@@ -316,7 +316,9 @@ def _check_output_dir(job: Job, report: Report) -> bool:
         report.error("run.output_dir", "not a directory", str(existing))
         return False
     if not os.access(existing, os.W_OK | os.X_OK):
-        report.error("run.output_dir", "cannot create the run directory: no write permission", str(existing))
+        what = "write into the run directory" if existing == job.run_dir else "create the run directory"
+        why = "a read-only filesystem" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
+        report.error("run.output_dir", f"cannot {what}: {why}", str(existing))
         return False
     return True
 
