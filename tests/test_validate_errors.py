@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -498,3 +499,22 @@ def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp
     assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name"}
     code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
     assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name", "batch.global_batch"}
+
+
+def test_a_run_directory_too_deep_for_the_files_a_run_writes(cli, tiny_job, tmp_path):
+    """A run directory's path a few bytes under PATH_MAX passed validate, then every rank crashed writing its launch
+    record (ENAMETOOLONG): validate counts the longest name a run writes below it."""
+    from fsdpclip.validate.checks import longest_run_file
+
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    output_dir = tmp_path
+    while len(str(output_dir)) < limit - 200:
+        output_dir /= "d" * 150
+    output_dir /= "d" * (limit - 20 - len(str(output_dir)))  # RUN_DIR is output_dir/t: 18 bytes under the limit
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(output_dir))))
+    errors = {error["location"]: error["message"] for error in out["errors"]}
+    assert code == 2 and "too long a path for the files a run writes" in errors["run.output_dir"], out["errors"]
+    assert f"{len(str(output_dir / 't' / longest_run_file())):,} bytes" in errors["run.output_dir"]
+    fits = tmp_path / ("d" * 150)
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(fits))))
+    assert code == 0, out["errors"]

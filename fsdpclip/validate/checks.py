@@ -303,6 +303,14 @@ def _check_resume(job: Job, report: Report) -> None:
                         change.after)
 
 
+def longest_run_file() -> str:
+    """The longest path below a run directory that a run writes: a rank's file in a checkpoint being saved, at a
+    ten-digit step of a world of 2^20 ranks."""
+    from fsdpclip.checkpoint.layout import CHECKPOINTS, PARTIAL_SUFFIX, checkpoint_name
+
+    return f"{CHECKPOINTS}/{checkpoint_name(10 ** 9)}{PARTIAL_SUFFIX}/__{MAX_WORLD_SIZE}_0.distcp"
+
+
 def _check_output_dir(job: Job, report: Report) -> bool:
     """The run directory exists or can be made; whether it can be used."""
     existing = job.run_dir
@@ -314,6 +322,13 @@ def _check_output_dir(job: Job, report: Report) -> bool:
         return False
     if not existing.is_dir():
         report.error("run.output_dir", "not a directory", str(existing))
+        return False
+    longest = len(os.fsencode(Path(os.path.abspath(job.run_dir)) / longest_run_file()))
+    limit = os.pathconf(existing, "PC_PATH_MAX")
+    if longest >= limit:  # the limit counts the terminating NUL
+        report.error("run.output_dir", f"too long a path for the files a run writes: {longest:,} bytes with the "
+                                       f"longest of them, the filesystem allows {limit - 1:,}", job.run.output_dir,
+                     hint="a shorter run.output_dir or run.name")
         return False
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "write into the run directory" if existing == job.run_dir else "create the run directory"
