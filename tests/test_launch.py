@@ -82,6 +82,16 @@ def test_each_mixed_sources_urls_are_made_absolute():
     assert [source.urls for source in job.data.sources] == ["/project/a/{0..3}.tar", ["/abs/b.tar", "pipe:cat b.tar"]]
 
 
+def test_eval_sets_are_made_absolute():
+    """Zero-shot and retrieval sets alike (a retrieval set's path stayed relative in the run's job.json, which the
+    ranks read from wherever they start)."""
+    job = resolve_paths(load_job(REPO / "examples/tiny-cpu.json", [
+        'eval={"zeroshot": [{"dataset": "folder", "path": "zs", "classnames": "zs.txt"}], '
+        '"retrieval": [{"path": "pairs"}, {"path": "s3://bucket/pairs"}]}']), Path("/project"))
+    assert (job.eval.zeroshot[0].path, job.eval.zeroshot[0].classnames) == ("/project/zs", "/project/zs.txt")
+    assert [retrieval.path for retrieval in job.eval.retrieval] == ["/project/pairs", "s3://bucket/pairs"]
+
+
 def test_sbatch_content():
     script = _render(*CASES["tiny-cpu-two-nodes"])
     lines = script.splitlines()
