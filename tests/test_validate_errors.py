@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import write_job
+from conftest import RunsCode, write_job
 
 
 def _set(job: dict, dotted: str, value) -> dict:
@@ -529,3 +529,39 @@ def test_a_run_directory_too_deep_for_the_files_a_run_writes(cli, tiny_job, tmp_
     fits = tmp_path / ("d" * 150)
     code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(fits))))
     assert code == 0, out["errors"]
+
+
+def test_weights_the_spec_names_are_checked_for_their_format(cli, tiny_job, tmp_path):
+    """`model.pretrained: "/etc/passwd"` passed validate, then every rank failed with an IndexError; a plain pickle
+    that runs os.system was refused by torch with its hint to load it with weights_only=False. validate reads each
+    local weights file's format (a safetensors header, torch.save's pickle) without loading its tensors, and the
+    ranks refuse a pickle with the project's own line."""
+    import pickle
+
+    import torch
+
+    from fsdpclip.model.weights import read_state_dict
+    from fsdpclip.problems import ModelError
+
+    marker = tmp_path / "code-ran"
+    text = tmp_path / "passwd.pt"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    zipped, plain, torn = tmp_path / "zipped.pt", tmp_path / "plain.pt", tmp_path / "torn.safetensors"
+    torch.save({"state_dict": {"w": RunsCode(marker)}}, zipped)
+    plain.write_bytes(pickle.dumps({"w": RunsCode(marker)}, protocol=4))  # torch stops at its FRAME opcode
+    torn.write_bytes(b"\xff" * 16)
+    fine = tmp_path / "fine.pt"
+    torch.save({"w": torch.zeros(2)}, fine)
+    for weights, why in ((text, "is no weights file: neither torch.save's format nor safetensors"),
+                         (zipped, "holds a pickle that names posix.system: refusing"),
+                         (plain, "holds a pickle that names posix.system: refusing"),
+                         (torn, "is not a safetensors file")):
+        code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "model.image.pretrained", str(weights))))
+        errors = {error["location"]: error["message"] for error in out["errors"]}
+        assert code == 2 and why in errors.get("model.image.pretrained", ""), out["errors"]
+    with pytest.raises(ModelError, match="holds a pickle that names posix.system: refusing") as refused:
+        read_state_dict(str(plain))
+    assert "weights_only" not in str(refused.value)
+    assert not marker.exists()
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "model.image.pretrained", str(fine))))
+    assert "model.image.pretrained" not in {error["location"] for error in out["errors"]}, out["errors"]

@@ -14,6 +14,7 @@ from fsdpclip.eval.registry import EvalTask
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
 from fsdpclip.model.trainable import frozen_meta_model
+from fsdpclip.model.weights import check_weights_file
 from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
@@ -192,6 +193,13 @@ def _check_files(job: Job, report: Report) -> None:
             report.error(location, "file not found", path)
         elif path is not None and location != "checkpoint.resume" and (kind := special_file(Path(path))):
             report.error(location, f"not a regular file but {kind}", path)
+        elif path is not None and location != "checkpoint.resume" and Path(path).is_file():
+            try:
+                check_weights_file(path)
+            except ModelError as exc:
+                report.error(location, exc.message, path)
+            except OSError as exc:
+                report.error(location, f"cannot read: {exc.strerror or exc}", path)
 
 
 def _check_workers_against_cores(job: Job, report: Report) -> None:
