@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -179,6 +180,7 @@ def import_command(
         stop(f"cannot write into {job.run_dir}: {exc.strerror or exc}")
     for note in imported.notes:
         console.print(f"[yellow]![/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+    launch = shlex.join(["fsdpclip", "launch", str(job_file), *(part for o in overrides for part in ("--set", o))])
     done = (f"{checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step {imported.step} of "
-            f"{imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with `fsdpclip launch {job_file}`")
+            f"{imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with `{launch}`")
     console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
