@@ -54,8 +54,8 @@ def test_hostfile_and_filters_as_deepspeed_reads_them(tmp_path):
                           ("a slots=1\na slots=2\n", ":2: a is in the hostfile twice"),
                           ("node-a slots=1\nNODE-A slots=1\n", ":2: NODE-A is in the hostfile twice (as node-a: host "
                                                                 "names ignore case)"),
-                          ("-oProxyCommand=touch${IFS}/tmp/x slots=1\n", ":1: '-oProxyCommand=touch${IFS}/tmp/x' is not "
-                                                                          "a host name"),
+                          ("-oProxyCommand=touch${IFS}/tmp/x slots=1\n",
+                           ":1: '-oProxyCommand=touch${IFS}/tmp/x' is not a host name"),
                           ("user@node-a slots=1\n", "'user@node-a' is not a host name or IPv4 address"),
                           ("[::1] slots=1\n", "an IPv6 address goes in ~/.ssh/config"), ("# none\n", "names no host")]:
         with pytest.raises(LaunchError, match=re.escape(message)):
