@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -221,3 +224,34 @@ def squeezed(text: str) -> str:
     import re
 
     return re.sub(r"[\s│┃]+", "", text)
+
+
+@contextlib.contextmanager
+def hangs_fail_after(seconds: float):
+    """Fail the test as hung once the block has run `seconds` (SIGALRM interrupts a blocking open or read of a FIFO;
+    pytest's failure is no Exception, which the code under test or CliRunner would catch)."""
+    def hung(signum, frame):
+        pytest.fail(f"still running after {seconds} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, megabytes: int):
+    """A tmpfs of `megabytes` at `path` (root only), unmounted afterwards; the test is skipped where none can be
+    mounted."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

@@ -286,6 +286,25 @@ def test_export_of_a_pruned_checkpoint_lists_those_that_exist(tmp_path, cli):
     assert squeezed(f"{checkpoints} holds no complete checkpoint") in squeezed(result.output)
 
 
+def test_export_refuses_to_overwrite_without_force(tmp_path, cli):
+    """An existing weights file, or a local-dir folder holding a config or weights, is kept (it was overwritten
+    silently), as `init` keeps an existing spec; refused before the checkpoint is read."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text("{}")
+    (tmp_path / "model.pt").write_text("kept")
+    (tmp_path / "local-dir").mkdir()
+    (tmp_path / "local-dir" / "open_clip_model.safetensors").write_text("kept")
+    for out, flags, existing in ((tmp_path / "model.pt", [], tmp_path / "model.pt"),
+                                 (tmp_path / "local-dir", ["--safetensors"],
+                                  tmp_path / "local-dir" / "open_clip_model.safetensors")):
+        result = cli("export", tmp_path / "run", out, *flags)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert squeezed(f"{existing} exists: give another path, or --force to overwrite it") in squeezed(result.output)
+        assert existing.read_text() == "kept"
+    assert not (tmp_path / "local-dir" / "open_clip_config.json").exists()
+
+
 @pytest.mark.slow
 def test_export_to_an_impossible_destination(tmp_path, cli, trained_for_export):
     """A destination under a file, or in /proc: one line naming it, exit 2, before the model is read."""

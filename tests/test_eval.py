@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from conftest import TINY_CONFIG, Cli, squeezed, write_job
+from conftest import TINY_CONFIG, Cli, hangs_fail_after, squeezed, write_job
 from ranks import torchrun
 
 TEMPLATES = ["a photo of the number {c}.", "the digit {c}.", "a handwritten {c}."]
@@ -414,14 +415,18 @@ def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
 
 
 def test_an_unwritable_output_is_found_before_the_evaluation(digits_dir, tmp_path, cli):
-    """--output where no file can be written (under a file; a directory): said before the checkpoint is even
-    read (here it does not exist), not after the whole evaluation; nothing is left behind."""
+    """--output where no file can be written (under a file; a directory; a FIFO, whose opening waited forever for a
+    reader): said before the checkpoint is even read (here it does not exist), not after the whole evaluation;
+    nothing is left behind."""
     (tmp_path / "a-file").write_text("")
     (tmp_path / "a-folder").mkdir()
+    os.mkfifo(tmp_path / "a-fifo")
     for output, why in ((tmp_path / "a-file" / "result.json", f"{tmp_path / 'a-file'} is not a directory"),
-                        (tmp_path / "a-folder", "Is a directory")):
-        result = cli("eval", tmp_path / "no-run", "--zeroshot", "digits", "--data", digits_dir / "test",
-                     "--output", output)
+                        (tmp_path / "a-folder", "not a regular file but a directory"),
+                        (tmp_path / "a-fifo", "not a regular file but a FIFO")):
+        with hangs_fail_after(20):
+            result = cli("eval", tmp_path / "no-run", "--zeroshot", "digits", "--data", digits_dir / "test",
+                         "--output", output)
         assert result.exit_code == 2, result.output
         assert squeezed(result.output).startswith(squeezed(f"✗ cannot write {output}: {why}")), result.output
     writable = tmp_path / "new" / "result.json"

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from conftest import (
-    PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job,
+    PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, small_disk, squeezed,
+    write_job,
 )
 from ranks import REPO, finish_launch, json_result, run_group, start_launch, torchrun_command
 
@@ -721,21 +722,6 @@ def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_
         assert "out of memory in the evaluation (injected)" in report["error"]
 
 
-@contextlib.contextmanager
-def _small_disk(path: Path, megabytes: int):
-    """A tmpfs of `megabytes` at `path` (root only), unmounted afterwards; the test is skipped where none can be
-    mounted."""
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
 @pytest.mark.slow
 def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
     """A run directory on a 64 MB disk where the second checkpoint (~41 MB) does not fit beside the first: the
@@ -743,7 +729,7 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
     the mount point, the checkpoint's path, the space needed and free (no OSError or traceback from any
     rank); the first checkpoint stays latest and whole, and once the disk is larger a relaunch resumes from
     it and finishes."""
-    with _small_disk(tmp_path / "disk", 64) as disk:
+    with small_disk(tmp_path / "disk", 64) as disk:
         job = _short_job(tmp_path, run={"name": "full", "output_dir": str(disk), "seed": 1}, schedule={"steps": 8},
                          checkpoint={"every_steps": 4, "keep": 2})
         path, run_dir = write_job(tmp_path, job), disk / "full"
@@ -768,7 +754,7 @@ def test_a_disk_that_fills_during_the_write_is_named_like_a_full_one(tmp_path):
     """Another writer fills the disk after the ranks agreed that a checkpoint fits: the failed write, synchronous
     or asynchronous (reported when it is waited for, once), is DiskFull naming the disk, not DCP's
     CheckpointException with every rank's traceback; the last complete checkpoint stays latest."""
-    with _small_disk(tmp_path / "disk", 16) as disk:
+    with small_disk(tmp_path / "disk", 16) as disk:
         ended = json_result([sys.executable, "tests/workers/disk_fills.py", str(disk / "run")], timeout=240)
     for save, step in (("synchronous", 2), ("asynchronous", 3)):
         assert ended[save].startswith(f"DiskFull: no space left on tmpfs ({disk}) writing "

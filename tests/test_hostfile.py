@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_same_losses, logged_losses, preemptible_job, synthetic_job, write_job
+from conftest import (
+    REPO, assert_same_losses, hangs_fail_after, logged_losses, preemptible_job, synthetic_job, write_job,
+)
 from ranks import finish_launch, start_launch
 from fsdpclip.launch.hostfile import pick_hosts, read_hostfile
 from fsdpclip.launch.launcher import LaunchError
@@ -46,9 +49,32 @@ def test_hostfile_and_filters_as_deepspeed_reads_them(tmp_path):
         with pytest.raises(LaunchError, match=message):
             pick_hosts(hosts, include, exclude)
     for text, message in [("node-a 4\n", ":1: 'node-a 4' is not 'HOST slots=N'"), ("node-a slots=0\n", "at least 1"),
-                          ("a slots=1\na slots=2\n", ":2: a is in the hostfile twice"), ("# none\n", "names no host")]:
-        with pytest.raises(LaunchError, match=message):
+                          ("node-a slots=²\n", "'node-a slots=²' is not 'HOST slots=N'"),  # a digit int() refuses
+                          ("node-a slots=99999999999999\n", "at most 1,048,576"),
+                          ("a slots=1\na slots=2\n", ":2: a is in the hostfile twice"),
+                          ("node-a slots=1\nNODE-A slots=1\n", ":2: NODE-A is in the hostfile twice (as node-a: host "
+                                                                "names ignore case)"),
+                          ("-oProxyCommand=touch${IFS}/tmp/x slots=1\n",
+                           ":1: '-oProxyCommand=touch${IFS}/tmp/x' is not a host name"),
+                          ("user@node-a slots=1\n", "'user@node-a' is not a host name or IPv4 address"),
+                          ("[::1] slots=1\n", "an IPv6 address goes in ~/.ssh/config"), ("# none\n", "names no host")]:
+        with pytest.raises(LaunchError, match=re.escape(message)):
             read_hostfile(_hostfile(tmp_path, text))
+    assert read_hostfile(_hostfile(tmp_path, "10.0.0.1 slots=2\nnode_b.cluster slots=2\n")) == {
+        "10.0.0.1": [0, 1], "node_b.cluster": [0, 1]}
+
+
+def test_a_hostfile_that_is_no_text_file_is_refused(cli, tmp_path):
+    """A FIFO as the hostfile waited forever for a writer, /dev/zero was read until the memory ran out: the hostfile
+    is read as the job file is, a regular UTF-8 file of bounded size."""
+    fifo = tmp_path / "hosts.fifo"
+    os.mkfifo(fifo)
+    for hostfile, why in ((fifo, "not a regular file but a FIFO"), ("/dev/zero", "not a regular file but a character "
+                                                                                 "device")):
+        with hangs_fail_after(20):
+            result = cli("launch", _job(tmp_path), "--hostfile", hostfile, "--dry-run")
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert f"cannot read the hostfile {hostfile}: {why}" in result.output
 
 
 def _job(tmp_path: Path, **launch) -> Path:
@@ -63,11 +89,11 @@ def test_a_dry_run_prints_one_ssh_command_per_host(cli, tmp_path):
     result = cli("launch", path, "--hostfile", hostfile, "--include", "node-a:0,2@node-c:1,3", "--dry-run")
     assert result.exit_code == 0, result.output
     nodes = [shlex.split(line.split(": ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("node ")]
-    assert [command[:7] for command in nodes] == [["ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", host]
-                                                  for host in ("node-a", "node-c")]
+    assert [command[:8] for command in nodes] == [["ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "--", host]
+                                                  for host in ("node-a", "node-c")]  # no host is read as an option
     run_dir = tmp_path / "runs" / "ssh"
     for rank, (command, gpus) in enumerate(zip(nodes, ("0,2", "1,3"))):
-        remote = shlex.split(command[7])
+        remote = shlex.split(command[8])
         assert remote[:4] == ["cd", os.getcwd(), "&&", "exec"] and f"CUDA_VISIBLE_DEVICES={gpus}" in remote
         assert remote[-6:] == [sys.executable, "-m", "fsdpclip.launch.hostfile", str(run_dir / "job.json"), str(rank),
                                "node-a"]
@@ -81,6 +107,19 @@ def test_a_dry_run_prints_one_ssh_command_per_host(cli, tmp_path):
         assert refused.exit_code == 2 and message in refused.output, refused.output
     refused = cli("launch", path, "--include", "node-a", "--dry-run")
     assert refused.exit_code == 2 and "add --hostfile FILE" in refused.output
+
+
+def test_a_single_host_that_ssh_cannot_reach_is_named(cli, tmp_path):
+    """The only host of a hostfile does not resolve: its ssh ends before any other node could see it fail, and the
+    launch still ends with the line naming the host and ssh's reason (it said "the job was killed (exit status
+    255)")."""
+    hostfile = _hostfile(tmp_path, "no-such-host.invalid slots=1\n")
+    with hangs_fail_after(120):
+        result = cli("launch", _job(tmp_path), "--hostfile", hostfile)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    line = "ssh to no-such-host.invalid (node 0) failed: ssh: Could not resolve hostname no-such-host.invalid"
+    assert f"✗ {line}" in result.output and "Traceback" not in result.output
+    assert json.loads((tmp_path / "runs" / "ssh" / "exit.json").read_text())["message"].startswith(line)
 
 
 def _free_port() -> int:

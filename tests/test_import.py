@@ -10,6 +10,7 @@ for open_clip_train's one process. No hook into the trainer: the real launch res
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import sys
@@ -199,3 +200,51 @@ def test_resume_from_the_file_points_at_import(open_clip_train_run, tmp_path, cl
     code, out = cli.validate_json(spec)
     assert code == 2 and [e["location"] for e in out["errors"]] == ["checkpoint.resume"]
     assert f"fsdpclip import {path} JOB_FILE" in out["errors"][0]["message"]
+
+
+def _malformed(checkpoint: dict, case: str) -> dict:
+    """`checkpoint` with one thing a hand-edited or foreign file might hold."""
+    state, groups = checkpoint["optimizer"]["state"], checkpoint["optimizer"]["param_groups"]
+    if case == "a string for a tensor":
+        checkpoint["state_dict"][next(iter(checkpoint["state_dict"]))] = "weights"
+    elif case == "a string for the learning rate":
+        groups[0]["lr"] = "high"
+    elif case == "a NaN step count":
+        for entry in state.values():
+            entry["step"] = torch.tensor(float("nan"))
+    elif case == "more epochs than steps":
+        checkpoint["epoch"] = 10 ** 30
+    elif case == "a string for a moment":
+        next(iter(state.values()))["exp_avg"] = "moment"
+    return checkpoint
+
+
+@pytest.mark.parametrize("case, message", [
+    ("a string for a tensor", "state_dict['module.positional_embedding'] is str, not a tensor"),
+    ("a string for the learning rate", "the optimizer's param_groups[0] has lr 'high', not a finite number"),
+    ("a NaN step count", "the optimizer state of parameter 0 has step nan, not a count of steps"),
+    ("more epochs than steps", "counts 1000000000000000000000000000000 epochs in 1 optimizer steps"),
+    ("a string for a moment", "the optimizer state of parameter 0 holds exp_avg str, not a tensor"),
+])
+def test_a_malformed_checkpoint_is_refused_in_one_line(tmp_path, cli, case, message):
+    """What a malformed open_clip_train checkpoint holds ended in a traceback (exit 1): one line naming it, exit 2,
+    nothing written. A good one's next command keeps the --set overrides (without them it named the file's run)."""
+    model = train_model(SEED)
+    optimizer = open_clip_train_optimizer(model, LR, BETAS, EPS, WD)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    checkpoint = {"epoch": 1, "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()},
+                  "optimizer": optimizer.state_dict()}
+    job_file = write_job(tmp_path, continuation(tmp_path / "runs"))
+    override = ["--set", 'run.name="renamed"']
+    torch.save(_malformed(copy.deepcopy(checkpoint), case), tmp_path / "bad.pt")
+    result = cli("import", tmp_path / "bad.pt", job_file, *override)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert squeezed(message) in squeezed(result.output)
+    assert not list((tmp_path / "runs").glob("*/checkpoints/step-*"))
+    torch.save(checkpoint, tmp_path / "good.pt")
+    result = cli("import", tmp_path / "good.pt", job_file, *override)
+    assert result.exit_code == 0, result.output
+    assert f"continue with `fsdpclip launch {job_file} --set 'run.name=\"renamed\"'`" in result.output
+    assert (tmp_path / "runs" / "renamed" / "checkpoints" / "step-00000001").is_dir()

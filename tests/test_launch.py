@@ -82,6 +82,16 @@ def test_each_mixed_sources_urls_are_made_absolute():
     assert [source.urls for source in job.data.sources] == ["/project/a/{0..3}.tar", ["/abs/b.tar", "pipe:cat b.tar"]]
 
 
+def test_eval_sets_are_made_absolute():
+    """Zero-shot and retrieval sets alike (a retrieval set's path stayed relative in the run's job.json, which the
+    ranks read from wherever they start)."""
+    job = resolve_paths(load_job(REPO / "examples/tiny-cpu.json", [
+        'eval={"zeroshot": [{"dataset": "folder", "path": "zs", "classnames": "zs.txt"}], '
+        '"retrieval": [{"path": "pairs"}, {"path": "s3://bucket/pairs"}]}']), Path("/project"))
+    assert (job.eval.zeroshot[0].path, job.eval.zeroshot[0].classnames) == ("/project/zs", "/project/zs.txt")
+    assert [retrieval.path for retrieval in job.eval.retrieval] == ["/project/pairs", "s3://bucket/pairs"]
+
+
 def test_sbatch_content():
     script = _render(*CASES["tiny-cpu-two-nodes"])
     lines = script.splitlines()
@@ -364,6 +374,18 @@ def test_bad_launch_flags_are_user_errors(cli, tmp_path, flags, message):
     result = cli("launch", _tiny(tmp_path), "--dry-run", *flags)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert message in result.output
+
+
+@pytest.mark.parametrize("flags, block", [([], "launch.env"), (["--slurm"], "launch.slurm.env")])
+def test_the_launchers_own_variables_are_refused_in_a_spec(cli, tmp_path, flags, block):
+    """A spec's FSDPCLIP_LOCK_TOKEN let two jobs hold one run directory's lock; its FSDPCLIP_LAUNCHER, exported
+    by the batch script, stopped every Slurm launch after a step as if its launcher were gone."""
+    for name in ("FSDPCLIP_LOCK_TOKEN", "FSDPCLIP_LAUNCHER"):
+        result = cli("launch", _tiny(tmp_path), "--dry-run", *flags, "--set", f'{block}={{"{name}": "1"}}')
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert block in result.output
+        assert squeezed(f"'{name}': FSDPCLIP_* variables are set by") in squeezed(result.output)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_slurm_without_sbatch_is_a_user_error(cli, tmp_path, monkeypatch):

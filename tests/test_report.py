@@ -4,11 +4,14 @@ every curve the run logged (the stopped, resumed and running cases are in tests/
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
 from fsdpclip.cli.report import read_run, summary
 from PIL import Image
+
+from conftest import small_disk, synthetic_job, write_job
 
 
 @pytest.mark.slow
@@ -95,3 +98,35 @@ def test_report_of_metrics_with_bytes_that_are_not_utf8(cli, tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert info["step"] == 3 and info["launches"] == 1 and info["exit"]["message"] == "rank 0 failed: \ufffd"
+
+
+def _cut_run(run_dir) -> None:
+    """A run directory of three logged steps and no exit report."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records = [{"step": step, "total_steps": 10, "time": float(step), "loss": 4.0, "lr": 1e-3} for step in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_report_to_a_file_that_is_no_png(cli, tmp_path):
+    """`--png out.txt` ended in matplotlib's traceback: one line, exit 2, nothing written."""
+    _cut_run(tmp_path / "run")
+    result = cli("report", tmp_path / "run", "--png", tmp_path / "out.txt")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "the curves are drawn as a PNG: give a path ending in .png" in result.output
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_a_read_only_run_directory(cli, tmp_path):
+    """A run directory on a filesystem mounted read-only: `report` prints its summary and says only that the plot
+    could not be written (it printed nothing else); `validate` says the run directory cannot be written into (not
+    that it cannot be created)."""
+    with small_disk(tmp_path / "disk", 4) as disk:
+        _cut_run(disk / "runs" / "t")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        result = cli("report", disk / "runs" / "t")
+        assert result.exit_code == 0, result.output
+        assert "step 3/10, loss 4" in result.stdout and "ended without a report" in result.stdout
+        assert f"! cannot write the plot {disk / 'runs' / 't' / 'report.png'}: Read-only file system" in result.output
+        code, out = cli.validate_json(write_job(tmp_path, synthetic_job(disk)))
+        errors = {error["location"]: error["message"] for error in out["errors"]}
+        assert code == 2 and errors["run.output_dir"] == "cannot write into the run directory: a read-only filesystem"

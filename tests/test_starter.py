@@ -68,6 +68,13 @@ def test_init_refuses_in_one_line(cli, tmp_path):
     bracketed.write_text("{}")
     result = cli("init", bracketed)
     assert result.exit_code == 2 and f"{bracketed} exists" in result.output.replace("\n", ""), result.output
+    dangling = tmp_path / "link.json"
+    dangling.symlink_to(tmp_path / "elsewhere.json")
+    result = cli("init", dangling, "--gpus", "0", "--force")  # the write would make the link's target
+    assert result.exit_code == 2 and "a symlink to" in result.output and "which does not exist" in result.output
+    assert not (tmp_path / "elsewhere.json").exists()
+    result = cli("init", tmp_path / "new.json", "--gpus", "0", "--per-gpu", "999999999999999999999")  # overflowed
+    assert result.exit_code == 2 and "batch.per_gpu" in result.output and not (tmp_path / "new.json").exists()
     result = cli("init", tmp_path / "new.json", "--data", "/shards/{0..9}.tar")
     assert result.exit_code == 2 and "--samples" in result.output and not (tmp_path / "new.json").exists()
     result = cli("init", tmp_path / "new.json", "--model", "ViT-B-32x", "--gpus", "0")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import write_job
+from conftest import RunsCode, write_job
 
 
 def _set(job: dict, dotted: str, value) -> dict:
@@ -95,9 +96,9 @@ CASES = [
     ("shard-degree-not-divisor", lambda j: _set(j, "fsdp.shard_degree", 3), "fsdp.shard_degree",
      "does not divide the world size 2", "valid for 1 node(s) × 2: 1, 2 (or 'auto')"),
     ("shard-degree-zero", lambda j: _set(j, "fsdp.shard_degree", 0), "fsdp.shard_degree",
-     "expected 'auto' or an integer ≥ 1", None),
+     "expected 'auto' or an integer from 1 to 1,048,576", None),
     ("unit-size-word", lambda j: _set(j, "fsdp.unit_size", "big"), "fsdp.unit_size",
-     "expected 'auto' or an integer ≥ 1", None),
+     "expected 'auto' or an integer from 1 to 1,048,576", None),
     ("cuda-graph-on-cpu", lambda j: _set(j, "fsdp.cuda_graph", True), "fsdp.cuda_graph", "need CUDA devices",
      "'auto'"),
     ("cuda-graph-offload", lambda j: _set(_set(j, "launch.device", "cuda"), "fsdp", {"cuda_graph": True,
@@ -127,6 +128,10 @@ CASES = [
      "not an environment variable name", None),
     ("slurm-env-name", lambda j: _set(j, "launch.slurm.env", {"MY VAR": "1"}), "launch.slurm.env",
      "not an environment variable name", None),
+    ("env-own-variable", lambda j: _set(j, "launch.env", {"FSDPCLIP_LOCK_TOKEN": "shared"}), "launch.env",
+     "'FSDPCLIP_LOCK_TOKEN': FSDPCLIP_* variables are set by fsdpclip's launcher", None),
+    ("slurm-env-own-variable", lambda j: _set(j, "launch.slurm.env", {"FSDPCLIP_LAUNCHER": "1:2"}), "launch.slurm.env",
+     "'FSDPCLIP_LAUNCHER': FSDPCLIP_* variables are set by fsdpclip's launcher", None),
     ("min-lr-above-lr", lambda j: _set(_set(j, "optimizer.lr", 0.5), "schedule.min_lr", 1.0), "schedule.min_lr",
      "above the peak learning rate optimizer.lr 0.5", "at most optimizer.lr"),
     ("lr-infinite", lambda j: _set(j, "optimizer.lr", float("inf")), "optimizer.lr", "finite number", None),
@@ -136,6 +141,17 @@ CASES = [
      "a number, not true/false", None),
     ("boolean-unit-size", lambda j: _set(j, "fsdp.unit_size", True), "fsdp.unit_size", "a number, not true/false",
      None),
+    ("batch-in-a-string", lambda j: _set(j, "batch.per_gpu", "32"), "batch.per_gpu",
+     "expected 'auto' or an integer from 1 to 1,048,576", None),
+    ("batch-beyond-any-gpu", lambda j: _set(j, "batch.per_gpu", 999999999999999999999), "batch.per_gpu",
+     "expected 'auto' or an integer from 1 to 1,048,576", None),
+    ("accumulation-beyond-any-job", lambda j: _set(j, "batch.grad_accum", 2 ** 64), "batch.grad_accum",
+     "less than or equal to 1048576", None),
+    ("mixture-weights-overflow", lambda j: _set(j, "data", {"sources": [{"urls": j["data"]["urls"], "weight": 1e308,
+                                                                         "samples": 700},
+                                                                        {"urls": j["data"]["urls"], "weight": 1e308,
+                                                                         "samples": 738}], "workers": 1}),
+     "data.sources", "the weights sum to more than a float holds", None),
     ("wandb-project", lambda j: _set(j, "logging.wandb", {"project": "team/clip", "mode": "disabled"}),
      "logging.wandb.project", "W&B refuses project names containing /", None),
     ("wandb-long-project", lambda j: _set(j, "logging.wandb", {"project": "p" * 129, "mode": "disabled"}),
@@ -494,3 +510,58 @@ def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp
     assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name"}
     code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
     assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name", "batch.global_batch"}
+
+
+def test_a_run_directory_too_deep_for_the_files_a_run_writes(cli, tiny_job, tmp_path):
+    """A run directory's path a few bytes under PATH_MAX passed validate, then every rank crashed writing its launch
+    record (ENAMETOOLONG): validate counts the longest name a run writes below it."""
+    from fsdpclip.validate.checks import longest_run_file
+
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    output_dir = tmp_path
+    while len(str(output_dir)) < limit - 200:
+        output_dir /= "d" * 150
+    output_dir /= "d" * (limit - 20 - len(str(output_dir)))  # RUN_DIR is output_dir/t: 18 bytes under the limit
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(output_dir))))
+    errors = {error["location"]: error["message"] for error in out["errors"]}
+    assert code == 2 and "too long a path for the files a run writes" in errors["run.output_dir"], out["errors"]
+    assert f"{len(str(output_dir / 't' / longest_run_file())):,} bytes" in errors["run.output_dir"]
+    fits = tmp_path / ("d" * 150)
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "run.output_dir", str(fits))))
+    assert code == 0, out["errors"]
+
+
+def test_weights_the_spec_names_are_checked_for_their_format(cli, tiny_job, tmp_path):
+    """`model.pretrained: "/etc/passwd"` passed validate, then every rank failed with an IndexError; a plain pickle
+    that runs os.system was refused by torch with its hint to load it with weights_only=False. validate reads each
+    local weights file's format (a safetensors header, torch.save's pickle) without loading its tensors, and the
+    ranks refuse a pickle with the project's own line."""
+    import pickle
+
+    import torch
+
+    from fsdpclip.model.weights import read_state_dict
+    from fsdpclip.problems import ModelError
+
+    marker = tmp_path / "code-ran"
+    text = tmp_path / "passwd.pt"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    zipped, plain, torn = tmp_path / "zipped.pt", tmp_path / "plain.pt", tmp_path / "torn.safetensors"
+    torch.save({"state_dict": {"w": RunsCode(marker)}}, zipped)
+    plain.write_bytes(pickle.dumps({"w": RunsCode(marker)}, protocol=4))  # torch stops at its FRAME opcode
+    torn.write_bytes(b"\xff" * 16)
+    fine = tmp_path / "fine.pt"
+    torch.save({"w": torch.zeros(2)}, fine)
+    for weights, why in ((text, "is no weights file: neither torch.save's format nor safetensors"),
+                         (zipped, "holds a pickle that names posix.system: refusing"),
+                         (plain, "holds a pickle that names posix.system: refusing"),
+                         (torn, "is not a safetensors file")):
+        code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "model.image.pretrained", str(weights))))
+        errors = {error["location"]: error["message"] for error in out["errors"]}
+        assert code == 2 and why in errors.get("model.image.pretrained", ""), out["errors"]
+    with pytest.raises(ModelError, match="holds a pickle that names posix.system: refusing") as refused:
+        read_state_dict(str(plain))
+    assert "weights_only" not in str(refused.value)
+    assert not marker.exists()
+    code, out = cli.validate_json(write_job(tmp_path, _set(tiny_job, "model.image.pretrained", str(fine))))
+    assert "model.image.pretrained" not in {error["location"] for error in out["errors"]}, out["errors"]

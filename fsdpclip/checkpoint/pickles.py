@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import pickletools
 import re
 import sys
 from pathlib import Path
@@ -104,10 +105,54 @@ def load_weights_only(source, where: str, **kwargs: Any) -> Any:
     try:
         return torch.load(source, weights_only=True, **kwargs)
     except pickle.UnpicklingError as exc:
-        raise refusal(exc, where) or exc from None
+        raise refusal(exc, where, source) or exc from None
 
 
-def refusal(exc: BaseException, where: str) -> Optional[PickleRefused]:
-    """A weights-only load's refusal of a global (torch names it in its message) as PickleRefused, else None."""
-    named = re.search(r"GLOBAL ([\w.]+)", str(exc)) if isinstance(exc, pickle.UnpicklingError) else None
-    return PickleRefused(where, named.group(1)) if named else None
+def refusal(exc: BaseException, where: str, source=None) -> Optional[PickleRefused]:
+    """A weights-only load's refusal of a global as PickleRefused, else None: the global torch names in its
+    message, or, where it names none (a plain pickle of protocol 4 stops it at an opcode it lacks), the first
+    global the pickle in `source` (a path or a binary file) names that torch would not admit."""
+    if not isinstance(exc, pickle.UnpicklingError):
+        return None
+    named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    name = named.group(1) if named else None if source is None else unadmitted_global(source)
+    return PickleRefused(where, name) if name else None
+
+
+def unadmitted_global(source) -> Optional[str]:
+    """The first global a pickle names that torch's weights-only load does not admit, read from its opcodes
+    (nothing is built or run); None where it names none or is no pickle."""
+    from torch import _weights_only_unpickler
+
+    admitted = set(_weights_only_unpickler._get_allowed_globals())  # torch's own list; it keeps no public one
+    try:
+        file = open(source, "rb") if isinstance(source, (str, Path)) else source
+    except OSError:
+        return None
+    try:
+        file.seek(0)
+        pushed, memo = [], {}  # the values pushed (strings, else None), the memo's (STACK_GLOBAL takes two pushed)
+        for opcode, argument, _ in pickletools.genops(file):
+            if opcode.name == "GLOBAL":
+                pushed.append(None)
+                name = argument.replace(" ", ".", 1)
+            elif opcode.name == "STACK_GLOBAL" and len(pushed) >= 2 and None not in pushed[-2:]:
+                name = f"{pushed[-2]}.{pushed[-1]}"
+            elif opcode.name == "MEMOIZE" and pushed:
+                memo[len(memo)] = pushed[-1]
+                continue
+            elif opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and pushed:
+                memo[argument] = pushed[-1]
+                continue
+            else:
+                getting = opcode.name in ("GET", "BINGET", "LONG_BINGET")
+                pushed.append(memo.get(argument) if getting else argument if isinstance(argument, str) else None)
+                continue
+            if name not in admitted:
+                return name
+    except (ValueError, EOFError, OSError):  # not a pickle, or one cut short
+        return None
+    finally:
+        if file is not source:
+            file.close()
+    return None

@@ -66,6 +66,17 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tens
     return state
 
 
+def exported_files(out: Path, safetensors: bool = False) -> list[Path]:
+    """The files an export to `out` writes: `out` itself for a weights file (`.pt`, `.bin`, `.pth`,
+    `.safetensors`), else open_clip's `local-dir:` layout, its config and then its weights (safetensors or a
+    torch pickle)."""
+    out = Path(out)
+    if out.suffix in (".pt", ".bin", ".pth", ".safetensors"):
+        return [out]
+    return [out / "open_clip_config.json",
+            out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin")]
+
+
 def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False) -> Path:
     """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.
 
@@ -77,9 +88,8 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
     """
     out = Path(out)
     safetensors = safetensors or out.suffix == ".safetensors"
-    folder = out.suffix not in (".pt", ".bin", ".pth", ".safetensors")
-    (out if folder else out.parent).mkdir(parents=True, exist_ok=True)
-    weights = out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin") if folder else out
+    *config_file, weights = exported_files(out, safetensors)
+    weights.parent.mkdir(parents=True, exist_ok=True)
     partial = weights.with_name(weights.name + PARTIAL_SUFFIX)
     partial.touch()
     try:
@@ -87,8 +97,8 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
         for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
             if name in state:
                 state[name] = state[name].reshape(())
-        if folder:
-            write_atomically(out / "open_clip_config.json", json.dumps(
+        for path in config_file:
+            write_atomically(path, json.dumps(
                 {"model_cfg": {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS},
                  "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
         if safetensors:

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.cli import evaluating, launching
-from fsdpclip.cli.console import console, fail, problem_table, stop
+from fsdpclip.cli.console import check_destination, console, err_console, fail, problem_table, stop
 from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -163,22 +163,33 @@ def report(
     from fsdpclip.cli.report import ReportError, plot, read_run, summary
     from fsdpclip.cli.tables import report_lines
 
+    if png is not None and png.suffix.lower() != ".png":
+        stop(f"--png {png}: the curves are drawn as a PNG: give a path ending in .png")
+    out = png or run_dir / "report.png"
+    unwritten = None
     try:
         run = read_run(run_dir)
-        info = summary(run)
-        out = png or run_dir / "report.png"
+    except ReportError as exc:
+        stop(str(exc))
+    except OSError as exc:
+        stop(f"cannot read {run_dir}: {exc.strerror or exc}")
+    info = summary(run)
+    try:
         info["panels"], info["png"] = plot(run, out), str(out)
     except ReportError as exc:
         stop(str(exc))
     except ImportError:
         stop("fsdpclip report draws with matplotlib: pip install 'fsdpclip[report]'")
-    except OSError as exc:
-        stop(f"cannot write the plot: {exc.strerror or exc}")
+    except OSError as exc:  # a read-only run directory, say: the summary still stands
+        unwritten = f"cannot write the plot {out}: {exc.strerror or exc}"
+        info["panels"], info["png"] = [], None
     if as_json:
         print(json.dumps(info, indent=2))
-        return
-    for line in report_lines(info):
-        console.print(line, highlight=False, soft_wrap=True)
+    else:
+        for line in report_lines(info):
+            console.print(line, highlight=False, soft_wrap=True)
+    if unwritten:
+        err_console.print(f"[yellow]![/yellow] {escape(unwritten)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -225,8 +236,7 @@ def init(
 
     if (data is None) != (samples is None):
         stop("--data and --samples go together: the shards and how many pairs they hold (without them: synthetic)")
-    if out.exists() and not force:
-        stop(f"{out} exists: give another path, or --force to overwrite it")
+    check_destination(out, overwrite=force)
     if gpus is None:
         import torch
 

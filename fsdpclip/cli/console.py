@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
 import typer
@@ -14,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.problems import ModelError, Problem
+from fsdpclip.run.files import special_file
 
 # Logs and pipes get wide lines (rich would wrap them at 80 columns); terminals keep their width.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -36,6 +39,33 @@ def stop(message: str) -> NoReturn:
     """A mistake outside any spec (a path, a checkpoint): one line, the user-error code."""
     err_console.print(f"[red]✗[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(USER_ERROR)
+
+
+def check_destination(path: Path, overwrite: bool = True) -> None:
+    """A file a command writes once its work is done, tried first: its folder made and the file opened for appending
+    (a file this made is removed again); one line and the user-error code when it cannot be written, when it is no
+    regular file (a FIFO would block the opening, a device take the result) or a dangling symlink (the write would
+    make its target), or when it exists and `overwrite` is false."""
+    if path.is_symlink() and not path.exists():
+        stop(f"cannot write {path}: a symlink to {os.readlink(path)}, which does not exist")
+    if kind := special_file(path):
+        stop(f"cannot write {path}: not a regular file but {kind}")
+    existed = path.exists()
+    if existed and not overwrite:
+        stop(f"{path} exists: give another path, or --force to overwrite it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        stop(f"cannot write {path}: {path.parent} is not a directory")
+    except OSError as exc:
+        stop(f"cannot write {path}: {exc.strerror or exc}")
+    try:
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        stop(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def problem_table(problems: list[Problem], out: Console) -> None:

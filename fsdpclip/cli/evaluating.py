@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -13,7 +14,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fsdpclip.cli.console import WithRegisteredOptions, console, fail, option, stop
+from fsdpclip.cli.console import WithRegisteredOptions, check_destination, console, fail, option, stop
 from fsdpclip.problems import SpecError
 
 
@@ -63,7 +64,7 @@ def eval_command(
     except ValueError as exc:
         stop(str(exc))
     if output is not None and os.environ.get("RANK", "0") == "0":
-        _check_destination(output)
+        check_destination(output)
     bar = Progress(TextColumn(f"[bold]{task.title} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=console, disable=os.environ.get("RANK", "0") != "0")
 
@@ -120,37 +121,21 @@ def task_options() -> list[inspect.Parameter]:
 evaluate = WithRegisteredOptions(eval_command, task_options, after="checkpoint")
 
 
-def _check_destination(path: Path) -> None:
-    """A file written at the end of a long command, tried now: its folder made and the file opened for appending
-    (a file this made is removed again); one line and the user-error code when it cannot be written."""
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        stop(f"cannot write {path}: {path.parent} is not a directory")
-    except OSError as exc:
-        stop(f"cannot write {path}: {exc.strerror or exc}")
-    try:
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as exc:
-        stop(f"cannot write {path}: {exc.strerror or exc}")
-
-
 def export(
     checkpoint: Path = typer.Argument(..., help="A run directory (its latest checkpoint) or one checkpoint directory."),
     out: Path = typer.Argument(..., help="OUT.pt / OUT.safetensors, or a directory for open_clip's 'local-dir:'."),
     safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle."),
+    force: bool = typer.Option(False, "--force", help="Overwrite what OUT holds."),
 ) -> None:
     """Write a sharded checkpoint as one OpenCLIP checkpoint."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
-    from fsdpclip.checkpoint.whole import export_checkpoint
+    from fsdpclip.checkpoint.whole import export_checkpoint, exported_files
     from fsdpclip.model.build import model_from_config
 
     try:
         source = resolve_checkpoint(checkpoint)
+        for path in exported_files(out, safetensors):
+            check_destination(path, overwrite=force)
         meta = read_meta(source)
         config = meta["model"]["open_clip_config"]
         written = export_checkpoint(source, model_from_config(config, device="meta"), out, config,
@@ -195,6 +180,7 @@ def import_command(
         stop(f"cannot write into {job.run_dir}: {exc.strerror or exc}")
     for note in imported.notes:
         console.print(f"[yellow]![/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+    launch = shlex.join(["fsdpclip", "launch", str(job_file), *(part for o in overrides for part in ("--set", o))])
     done = (f"{checkpoint} (epoch {imported.epoch}) → {imported.checkpoint} (step {imported.step} of "
-            f"{imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with `fsdpclip launch {job_file}`")
+            f"{imported.total_steps}; notes in {job.run_dir / IMPORT_FILE}); continue with `{launch}`")
     console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)

@@ -177,7 +177,8 @@ def report_lines(info: dict) -> list[str]:
 
     lines += [escape(task.line(name, values)) for kind, task in eval_tasks().items()
               for name, values in info.get(kind, {}).items()]
-    lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")
+    if info["png"] is not None:
+        lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")
     return lines
 
 

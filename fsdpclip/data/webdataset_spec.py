@@ -4,9 +4,10 @@ reads. No torch."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from fsdpclip.data.urls import ShardPatterns
 from fsdpclip.spec.preprocess import PreprocessSpec
@@ -75,6 +76,14 @@ class WebDatasetSpec(Section):
         default_factory=PreprocessSpec, description="Normalisation, evaluation resize and training augmentation "
                                                     "(crop scale, colour jitter, grayscale), each field over the "
                                                     "model's own; applied alike on every decode path.")
+
+    @field_validator("sources")
+    @classmethod
+    def _finite_total_weight(cls, sources: Optional[list[MixedSource]]) -> Optional[list[MixedSource]]:
+        if sources and not math.isfinite(sum(source.weight for source in sources)):
+            raise ValueError("the weights sum to more than a float holds (the draw needs their total): give them on "
+                             "a smaller scale, as shares (0.7 and 0.3, or 7 and 3)")
+        return sources
 
     @model_validator(mode="after")
     def _urls_or_sources(self) -> "WebDatasetSpec":

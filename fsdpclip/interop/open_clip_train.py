@@ -82,6 +82,9 @@ def import_open_clip_train(source: Path, job: Job) -> Imported:
         model, groups, notes = _model_with_weights(saved["state_dict"], source, job)
         optimizer, step = _optimizer_with_moments(saved["optimizer"], model, groups, source, job, notes)
         world = job.launch.nodes * job.launch.gpus_per_node
+        if saved["epoch"] > step:
+            raise CheckpointError(f"{source} counts {saved['epoch']} epochs in {step} optimizer steps: an epoch takes "
+                                  "at least one")
         samples_seen = _samples_seen(job, world, saved["epoch"], step, notes)
         total = job.total_steps(world, step, samples_seen)
         if total <= step:
@@ -120,7 +123,39 @@ def read_checkpoint(path: Path) -> dict:
                               "use model.pretrained")
     if not isinstance(saved.get("epoch"), int) or saved["epoch"] < 0:
         raise CheckpointError(f"{path} has no epoch count (open_clip_train saves 'epoch', the epochs completed)")
+    odd = next((k for k, v in saved["state_dict"].items() if not isinstance(v, torch.Tensor)), None)
+    if odd is not None:
+        raise CheckpointError(f"{path}: state_dict[{odd!r}] is {type(saved['state_dict'][odd]).__name__}, not a tensor")
+    for index, group in enumerate(optimizer["param_groups"]):
+        problem = _group_problem(group)
+        if problem:
+            raise CheckpointError(f"{path}: the optimizer's param_groups[{index}] {problem}")
     return saved
+
+
+def _group_problem(group) -> Optional[str]:
+    """What is wrong with a parameter group of torch's AdamW state as the import reads it, else None."""
+    if not isinstance(group, dict):
+        return f"is {type(group).__name__}, not a dict"
+    params = group.get("params")
+    if not isinstance(params, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in params):
+        return "has no list of parameter indices ('params')"
+    for key in ("lr", "eps", "weight_decay"):
+        if not _finite(group.get(key)):
+            return f"has {key} {group.get(key)!r}, not a finite number"
+    betas = group.get("betas")
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(map(_finite, betas)):
+        return f"has betas {betas!r}, not two finite numbers"
+    return None
+
+
+def _finite(value) -> bool:
+    """A finite real number, or a tensor of one (AdamW may keep its hyperparameters and step counts as tensors)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return False
+        value = value.item()
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _model_with_weights(state: dict, source: Path, job: Job) -> tuple[nn.Module, list[DecayGroup], list[str]]:
@@ -195,6 +230,15 @@ def _moments(optimizer: dict, names: list[list[str]], shapes: dict[str, torch.Si
                 held = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
                 raise CheckpointError(f"{source}: the optimizer state of parameter {index} is not AdamW's "
                                       f"(exp_avg, exp_avg_sq, step): {held}")
+            odd = next((k for k in MOMENTS if not isinstance(entry[k], torch.Tensor)), None)
+            if odd is not None:
+                raise CheckpointError(f"{source}: the optimizer state of parameter {index} holds {odd} "
+                                      f"{type(entry[odd]).__name__}, not a tensor")
+            step = entry["step"]
+            if not _finite(step) or float(step) < 0:
+                shown = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+                raise CheckpointError(f"{source}: the optimizer state of parameter {index} has step {shown!r}, not a "
+                                      "count of steps")
             if not entry["exp_avg"].shape == entry["exp_avg_sq"].shape == shapes[name]:
                 raise CheckpointError(f"{source}: the optimizer state of parameter {index} has shape "
                                       f"{tuple(entry['exp_avg'].shape)}, but {name}, which open_clip_train lists "

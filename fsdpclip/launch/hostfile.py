@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -40,8 +41,9 @@ from fsdpclip.launch.local import (
     supervise, torchrun_environment,
 )
 from fsdpclip.launch.torchrun import DELIBERATE
+from fsdpclip.problems import MAX_WORLD_SIZE
 from fsdpclip.run.directory import EXIT_CRASH, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
-from fsdpclip.run.files import keep_output
+from fsdpclip.run.files import keep_output, read_text_file
 from fsdpclip.run.lock import HeldLock, RunLocked
 from fsdpclip.run.reports import exit_report, finish_exit_report, write_exit_report
 from fsdpclip.spec.job import Job
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 NODE_MODULE = "fsdpclip.launch.hostfile"
+# A host as the hostfile may name it: what ssh takes as a host and the rendezvous as an address; never an option.
+HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SSH = ["ssh", "-T", "-o", "BatchMode=yes"]  # no terminal, never a password prompt: a host that asks fails instead
 SSH_FAILED = 255  # ssh's own exit status: the host could not be reached, or the connection was lost
 # This launcher's environment that each node's launcher gets too (the spec's launch.env travels in job.json);
@@ -62,20 +66,28 @@ TERM, KILL = "TERM", "KILL"  # the lines a node's launcher acts on: a SIGTERM of
 def read_hostfile(path: Path) -> dict[str, list[int]]:
     """A hostfile's hosts in order, each with its slots (0 .. slots-1); LaunchError naming the line that is wrong."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LaunchError(f"cannot read the hostfile {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        lines = read_text_file(Path(path)).splitlines()
+    except OSError as exc:
+        raise LaunchError(f"cannot read the hostfile {path}: {exc.strerror or exc}") from None
     hosts: dict[str, list[int]] = {}
     for number, line in enumerate(lines, 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
         slots = words[1].removeprefix("slots=") if len(words) == 2 and words[1].startswith("slots=") else ""
-        if not slots.isdigit() or int(slots) == 0:
-            raise LaunchError(f"{path}:{number}: {line.strip()!r} is not 'HOST slots=N' (N at least 1)")
-        if words[0] in hosts:
-            raise LaunchError(f"{path}:{number}: {words[0]} is in the hostfile twice")
-        hosts[words[0]] = list(range(int(slots)))
+        if not (slots.isascii() and slots.isdigit()) or not 1 <= int(slots) <= MAX_WORLD_SIZE:
+            raise LaunchError(f"{path}:{number}: {line.strip()!r} is not 'HOST slots=N' (N at least 1, at most "
+                              f"{MAX_WORLD_SIZE:,})")
+        host = words[0]
+        if not HOST_NAME.fullmatch(host):
+            raise LaunchError(f"{path}:{number}: {host!r} is not a host name or IPv4 address (letters, digits, '.', "
+                              "'-' and '_', not '-' first): a user or an IPv6 address goes in ~/.ssh/config (Host, "
+                              "User, HostName), its Host name here")
+        same = next((known for known in hosts if known.lower() == host.lower()), None)
+        if same is not None:
+            raise LaunchError(f"{path}:{number}: {host} is in the hostfile twice" + (
+                f" (as {same}: host names ignore case)" if same != host else ""))
+        hosts[host] = list(range(int(slots)))
     if not hosts:
         raise LaunchError(f"the hostfile {path} names no host")
     return hosts
@@ -200,7 +212,7 @@ def ssh_command(job: Job, host: str, node_rank: int, slots: list[int], head: str
     env.update({LOCK_TOKEN_ENV: token, LAUNCH_TIME_ENV: repr(launched)})
     remote = ["exec", "env", *(f"{key}={value}" for key, value in sorted(env.items())), sys.executable, "-m",
               NODE_MODULE, str(job.run_dir / JOB_FILE), str(node_rank), head]
-    return [*SSH, *job.launch.ssh_options, host, f"cd {shlex.quote(os.getcwd())} && {render(remote)}"]
+    return [*SSH, *job.launch.ssh_options, "--", host, f"cd {shlex.quote(os.getcwd())} && {render(remote)}"]
 
 
 class SshNodes:
@@ -231,7 +243,8 @@ class SshNodes:
                                                            stderr=subprocess.STDOUT, start_new_session=True))
             console.start()
             told = 0  # the signals passed on so far (here, not in the handler: a node started since gets them too)
-            while any(process.poll() is None for process in self.processes):
+            while True:
+                ended = all(process.poll() is not None for process in self.processes)  # then one last look
                 for rank, process in enumerate(self.processes):
                     if process.poll() not in (None, 0, *DELIBERATE) and self.failed is None and told < 2:
                         self.failed, told = rank, 2
@@ -239,6 +252,8 @@ class SshNodes:
                 while told < min(len(self.received), 2):
                     self.tell(KILL if told else TERM)
                     told += 1
+                if ended:
+                    break
                 time.sleep(0.2)
         finally:
             for signum, handler in previous.items():

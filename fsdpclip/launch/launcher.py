@@ -147,6 +147,8 @@ def resolve_paths(job: Job, base: Path) -> Job:
         zs.path, zs.classnames = absolute(zs.path), absolute(zs.classnames)
         if zs.templates not in (None, "openai", "simple"):
             zs.templates = absolute(zs.templates)
+    for retrieval in data.eval.retrieval:
+        retrieval.path = absolute(retrieval.path)
     if data.checkpoint.resume not in (None, "latest"):
         data.checkpoint.resume = absolute(data.checkpoint.resume)
     return data

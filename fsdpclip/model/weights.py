@@ -4,6 +4,7 @@ OpenCLIP-style checkpoints into a model or into one of its towers."""
 from __future__ import annotations
 
 import functools
+import pickle
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -11,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal
+from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal, unadmitted_global
 from fsdpclip.model.build import build_model, tower_of
 from fsdpclip.model.published import weights_file
 from fsdpclip.node import usable_cores
@@ -38,6 +39,28 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelError(f"{path} holds no state dict of tensors")
     return unwrapped(state)
+
+
+def check_weights_file(path: str) -> None:
+    """A local weights file's format, read without loading its tensors: a safetensors header, torch.save's zip
+    format (its pickle weights-only, the tensors memory-mapped) or a pickle that names nothing a weights-only load
+    refuses (torch.save's legacy format, its first pickle); ModelError saying what is wrong."""
+    if str(path).endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as file:
+                file.keys()
+        except Exception as exc:  # safetensors' own SafetensorError, or an OSError
+            raise ModelError(f"{path} is not a safetensors file: {exc}") from None
+    elif zipfile.is_zipfile(path):
+        read_state_dict(path)
+    else:
+        with open(path, "rb") as file:
+            if file.read(1) != pickle.PROTO:  # how every pickle torch.save writes begins
+                raise ModelError(f"{path} is no weights file: neither torch.save's format nor safetensors")
+        if refused := unadmitted_global(path):
+            raise ModelError(f"{PickleRefused(path, refused)} ({NEEDS_CODE_HINT})")
 
 
 def unwrapped(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,7 +110,7 @@ def load_model_weights(model: nn.Module, path: str, label: str = "the model") ->
                          f"{path} does not match the model: {detail[:400]}{'...' if len(detail) > 400 else ''}") \
             from None
     except (OSError, ValueError, KeyError, StopIteration, pickle.UnpicklingError) as exc:
-        refused = refusal(exc, path)
+        refused = refusal(exc, path, path)
         raise ModelError(f"{refused} ({NEEDS_CODE_HINT})" if refused else
                          f"cannot read {path} as an OpenCLIP checkpoint: {type(exc).__name__}: {exc}") from None
 

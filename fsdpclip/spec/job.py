@@ -35,15 +35,20 @@ SHARED_PARAMETERS = ("logit_scale", "logit_bias")  # the model's parameters outs
 SLICE_RE = re.compile(r"^\s*-?\d*\s*:\s*-?\d*\s*(:\s*-?\d+\s*)?$")
 
 
+MAX_COUNT = 2 ** 20  # a per-GPU batch, an accumulation, a unit size: beyond any job's, and their products fit int64
+
+
 def _auto_or_count(value: Any, handler) -> Any:
-    """One error for a value that is neither 'auto' nor a positive integer (not one per union member)."""
+    """One error for a value that is neither 'auto' nor an integer from 1 to MAX_COUNT (not one per union member);
+    a number in a string ("32") is no count."""
     try:
         return handler(value)
     except ValidationError:
-        raise ValueError("expected 'auto' or an integer ≥ 1") from None
+        raise ValueError(f"expected 'auto' or an integer from 1 to {MAX_COUNT:,}") from None
 
 
-AutoOrCount = Annotated[Union[Literal["auto"], Annotated[int, Field(ge=1)]], WrapValidator(_auto_or_count)]
+AutoOrCount = Annotated[Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]],
+                        WrapValidator(_auto_or_count)]
 
 
 def _scalar(value: Any, handler) -> Any:
@@ -449,8 +454,8 @@ class BatchSpec(Section):
                     "on every rank (a multiple of 8; where torch's FSDP cannot recover from running out of memory, "
                     "of the largest its measured peaks predict under 90% of the GPU's memory) and records it in the "
                     "run directory (auto_batch.json) for relaunches.")
-    grad_accum: int = Field(1, gt=0, description="Micro batches accumulated per optimizer step (with per_gpu 'auto' "
-                                                 "and global_batch: set by the search).")
+    grad_accum: int = Field(1, gt=0, le=MAX_COUNT, description="Micro batches accumulated per optimizer step (with "
+                                                              "per_gpu 'auto' and global_batch: set by the search).")
     global_batch: Optional[int] = Field(
         None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
                                 "per_gpu × grad_accum × world size (per_gpu 'auto': a divisor of global_batch ÷ world "
@@ -606,12 +611,19 @@ class LoggingSpec(Section):
 ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+OWN_ENVIRONMENT = "FSDPCLIP_"  # the launcher's own variables to its ranks (the lock token, the launcher's pid)
+
+
 def environment_names(value: dict[str, str]) -> dict[str, str]:
-    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first)."""
+    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first), none of
+    fsdpclip's own (a spec's lock token would let two jobs share a run directory)."""
     for name in value:
         if not ENVIRONMENT_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not an environment variable name (letters, digits and '_', not a "
                              "digit first)")
+        if name.startswith(OWN_ENVIRONMENT):
+            raise ValueError(f"{name!r}: {OWN_ENVIRONMENT}* variables are set by fsdpclip's launcher for its ranks, "
+                             "not by a spec")
     return value
 
 

@@ -14,6 +14,7 @@ from fsdpclip.eval.registry import EvalTask
 from fsdpclip.eval.tasks import eval_tasks
 from fsdpclip.model.build import model_config
 from fsdpclip.model.trainable import frozen_meta_model
+from fsdpclip.model.weights import check_weights_file
 from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
@@ -192,6 +193,13 @@ def _check_files(job: Job, report: Report) -> None:
             report.error(location, "file not found", path)
         elif path is not None and location != "checkpoint.resume" and (kind := special_file(Path(path))):
             report.error(location, f"not a regular file but {kind}", path)
+        elif path is not None and location != "checkpoint.resume" and Path(path).is_file():
+            try:
+                check_weights_file(path)
+            except ModelError as exc:
+                report.error(location, exc.message, path)
+            except OSError as exc:
+                report.error(location, f"cannot read: {exc.strerror or exc}", path)
 
 
 def _check_workers_against_cores(job: Job, report: Report) -> None:
@@ -304,6 +312,14 @@ def _check_resume(job: Job, report: Report) -> None:
                         change.after)
 
 
+def longest_run_file() -> str:
+    """The longest path below a run directory that a run writes: a rank's file in a checkpoint being saved, at a
+    ten-digit step of a world of 2^20 ranks."""
+    from fsdpclip.checkpoint.layout import CHECKPOINTS, PARTIAL_SUFFIX, checkpoint_name
+
+    return f"{CHECKPOINTS}/{checkpoint_name(10 ** 9)}{PARTIAL_SUFFIX}/__{MAX_WORLD_SIZE}_0.distcp"
+
+
 def _check_output_dir(job: Job, report: Report) -> bool:
     """The run directory exists or can be made; whether it can be used."""
     existing = job.run_dir
@@ -316,8 +332,17 @@ def _check_output_dir(job: Job, report: Report) -> bool:
     if not existing.is_dir():
         report.error("run.output_dir", "not a directory", str(existing))
         return False
+    longest = len(os.fsencode(Path(os.path.abspath(job.run_dir)) / longest_run_file()))
+    limit = os.pathconf(existing, "PC_PATH_MAX")
+    if longest >= limit:  # the limit counts the terminating NUL
+        report.error("run.output_dir", f"too long a path for the files a run writes: {longest:,} bytes with the "
+                                       f"longest of them, the filesystem allows {limit - 1:,}", job.run.output_dir,
+                     hint="a shorter run.output_dir or run.name")
+        return False
     if not os.access(existing, os.W_OK | os.X_OK):
-        report.error("run.output_dir", "cannot create the run directory: no write permission", str(existing))
+        what = "write into the run directory" if existing == job.run_dir else "create the run directory"
+        why = "a read-only filesystem" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
+        report.error("run.output_dir", f"cannot {what}: {why}", str(existing))
         return False
     return True
 
