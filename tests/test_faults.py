@@ -27,7 +27,7 @@ import torch
 from conftest import (
     PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, squeezed, write_job,
 )
-from ranks import REPO, finish_launch, json_result, run_group, start_launch, torchrun_command
+from ranks import REPO, finish_launch, json_result, run_group, start_launch, torchrun, torchrun_command
 
 
 def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -761,6 +761,31 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
         resumed = _launch(path)
         assert resumed.returncode == 0, resumed.stdout[-3000:]
         assert "resumed from" in resumed.stdout and _exit_report(run_dir)["step"] == 8
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_while_metrics_are_written_leaves_no_torn_line(tmp_path):
+    """Another writer fills the run directory's disk just before rank 0 appends a metrics record that needs a
+    block more (after the checkpoint of step 10): the record is taken back rather than left half written, the run
+    ends with exit 74 and exit.json names the disk and the checkpoint kept; once there is room, a relaunch resumes
+    from it and metrics.jsonl holds whole records only, with every step logged."""
+    with _small_disk(tmp_path / "disk", 128) as disk:
+        job = _short_job(tmp_path, run={"name": "torn", "output_dir": str(disk), "seed": 1},
+                         schedule={"warmup_steps": 2, "steps": 30}, checkpoint={"every_steps": 10, "keep": 1})
+        path, run_dir = write_job(tmp_path, job), disk / "torn"
+        full = torchrun(["tests/workers/faults.py", str(path), "fill-disk:10"], timeout=300)
+        assert "exitcode  : 74" in full.stdout, full.stdout[-3000:]  # rank 0 (torchrun names it)
+        assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
+        report, kept = _exit_report(run_dir), (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert report["code"] == 74 and report["checkpoint"] == str(run_dir / "checkpoints" / kept), report
+        assert report["message"].startswith(f"rank 0: no space left on tmpfs ({disk}) writing {run_dir}/metrics.jsonl")
+        assert f"the last complete checkpoint, {kept}, is kept: make room" in report["message"], report
+        (disk / "filler").unlink()
+        resumed = _launch(path)
+        assert resumed.returncode == 0 and f"resumed from {run_dir}/checkpoints/{kept}" in resumed.stdout, \
+            resumed.stdout[-3000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if "loss" in r} == set(range(1, 31))
 
 
 @pytest.mark.slow

@@ -71,6 +71,13 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def kept_checkpoint(run_dir: Path, full: bool) -> str:
+    """What a run that a failed write stops says of its checkpoints (`full`: the write did not fit on its disk)."""
+    latest = latest_checkpoint(run_dir)
+    return (f"the last complete checkpoint, {latest.name if latest else 'none'}, is kept: "
+            f"{'make room and ' if full else ''}launch again to resume from it")
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory from a checkpoint or run directory; CheckpointError if there is none."""
     path = Path(path)
