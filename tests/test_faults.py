@@ -804,3 +804,28 @@ def test_a_disk_that_fills_during_the_write_is_named_like_a_full_one(tmp_path):
         assert ended[save].startswith(f"DiskFull: no space left on tmpfs ({disk}) writing "
                                       f"{disk}/run/checkpoints/step-{step:08d}: needed ~"), ended
     assert ended["waited_again"] == "ok" and ended["latest"] == "step-00000001", ended
+
+
+def test_a_crash_report_keeps_the_cause_of_a_data_workers_failure(tmp_path):
+    """A data worker fails deep in its pipeline (as a mixture's weights that are not finite do): DataLoader raises
+    it again in the rank with the worker's whole traceback in its message, and the launch's exit report still ends
+    with the worker's own error, not with a cut through the traceback; a long one-line error keeps its end too."""
+    import torch.utils.data
+
+    from fsdpclip.run.reports import finish_exit_report, write_crash_report
+
+    class Mixture(torch.utils.data.IterableDataset):
+        def __iter__(self, depth: int = 12):
+            if depth:
+                yield from self.__iter__(depth - 1)
+            raise ValueError("Total of weights must be finite")
+
+    with pytest.raises(ValueError) as raised:
+        next(iter(torch.utils.data.DataLoader(Mixture(), num_workers=1)))
+    assert len(str(raised.value)) > 1000  # more than a crash report keeps
+    write_crash_report(tmp_path, 1, raised.value)
+    message = finish_exit_report(tmp_path, 0, 1)["message"]
+    assert message.startswith("rank 1 failed: ValueError: Caught ValueError in DataLoader worker process 0.")
+    assert message.endswith("ValueError: Total of weights must be finite") and "\n" not in message, message
+    write_crash_report(tmp_path / "long", 0, RuntimeError("x" * 2000 + " the cause"))
+    assert finish_exit_report(tmp_path / "long", 0, 1)["message"].endswith("x the cause")

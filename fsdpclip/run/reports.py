@@ -42,9 +42,24 @@ def exit_report(run_dir: Path, since: float) -> Optional[dict]:
     return report if report.get("time", 0) >= since else None
 
 
+CRASH_LINE = 500  # characters of a crash's error kept in its report
+
+
 def write_crash_report(run_dir: Path, rank: int, error: BaseException) -> None:
     """What killed a rank, for the launcher's last line (each rank its own file: no race)."""
-    _write_crash(run_dir, {"rank": rank, "error": " ".join(f"{type(error).__name__}: {error}".split())[:500]})
+    _write_crash(run_dir, {"rank": rank, "error": crash_line(error)})
+
+
+def crash_line(error: BaseException) -> str:
+    """An exception on one line of at most CRASH_LINE characters that keeps its cause: a message carrying a
+    traceback (a data worker's, as DataLoader raises it again) gives its first and last lines, and one still too
+    long its start and its end."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {' … '.join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)}"
+    if len(text) <= CRASH_LINE:
+        return text
+    half = (CRASH_LINE - 3) // 2
+    return f"{text[:half]} … {text[-half:]}"
 
 
 def record_killed_rank(run_dir: Path, rank: int, signal_name: str) -> None:
