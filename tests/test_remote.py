@@ -89,6 +89,25 @@ def test_remote_storage_is_reached_only_when_asked(tmp_path, tiny_job, cli, monk
         assert message in out["errors"][0]["message"], out
 
 
+def test_remote_urls_that_cannot_hold_a_run_are_refused(tmp_path, tiny_job, cli, monkeypatch):
+    """`validate` refuses, each with one located error: memory:// (its files die with the process that wrote them),
+    hdfs:// where pyarrow is missing (fsspec's class loads without it), and a key with a '..' or '.' folder or a
+    NUL, in checkpoint.remote and in a resume URL."""
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as where pyarrow is not installed
+    for checkpoint, message in (({"remote": "memory://runs/t"}, "memory:// keeps its files in the memory"),
+                                ({"remote": "hdfs://namenode/runs/t"}, "needs the 'pyarrow' package for hdfs://"),
+                                ({"remote": "s3://runs/../t"}, "has a '.' or '..' folder in its key"),
+                                ({"resume": "s3://runs/t/step-00000008/.."}, "has a '.' or '..' folder in its key"),
+                                ({"remote": "s3://runs/./t"}, "has a '.' or '..' folder in its key"),
+                                ({"remote": "s3://runs/t\u0000x"}, "contains the control character '\\x00'"),
+                                ({"resume": "s3://runs/t\u0000"}, "contains the control character '\\x00'")):
+        tiny_job["checkpoint"] = checkpoint
+        code, out = cli.validate_json(write_job(tmp_path, tiny_job))
+        location = f"checkpoint.{next(iter(checkpoint))}"
+        assert code == 2 and [e["location"] for e in out["errors"]] == [location], (checkpoint, out)
+        assert message in out["errors"][0]["message"], out
+
+
 def test_uploads_one_at_a_time_only_the_newest_waits_and_failures_are_warnings(tmp_path, caplog):
     """While an upload runs, a completed checkpoint waits, and a newer one takes its place (the skipped one is said);
     every checkpoint not yet uploaded is spared locally; a failed upload is a warning that `wait` returns."""

@@ -35,20 +35,28 @@ DOWNLOADS = "downloads"  # RUN_DIR/downloads/: checkpoints a resume URL named, d
 PROBE = ".fsdpclip-write-check"  # the object `validate --check-remote` writes and deletes
 
 
+IN_PROCESS = {"memory"}  # fsspec schemes whose files live in the process that wrote them
+NEEDS = {"hdfs": "pyarrow", "arrow_hdfs": "pyarrow"}  # packages a filesystem imports only once it is made
+
+
 def backend_problem(url: str) -> Optional[tuple[str, str]]:
     """(problem, hint) where this machine cannot open `url` through fsspec (fsspec, or the package its scheme
-    needs, not installed; a scheme fsspec does not know); None where it can. Touches no network."""
+    needs, not installed; a scheme fsspec does not know), or where what is written there would not outlive the
+    process (memory://); None where it can. Touches no network."""
+    scheme = url.split("://", 1)[0]
+    if scheme in IN_PROCESS:
+        return (f"{scheme}:// keeps its files in the memory of the process that writes them: no other rank nor a "
+                "later launch would find a checkpoint there", "a folder in object storage, e.g. s3://bucket/runs/NAME")
     if importlib.util.find_spec("fsspec") is None:
         return "needs the 'fsspec' package", "pip install 'fsdpclip[remote]'"
     from fsspec.registry import known_implementations, registry
 
-    scheme = url.split("://", 1)[0]
-    if scheme in registry:
+    if scheme in registry and scheme not in NEEDS:
         return None
     known = known_implementations.get(scheme)
     if known is None:
         return f"fsspec knows no filesystem for '{scheme}://'", "s3:// (s3fs) and gs:// (gcsfs) are the usual ones"
-    package = known["class"].split(".", 1)[0]
+    package = NEEDS.get(scheme) or known["class"].split(".", 1)[0]
     if importlib.util.find_spec(package) is None:
         return f"needs the '{package}' package for {scheme}://", known.get("err") or f"pip install {package}"
     return None
