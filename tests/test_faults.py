@@ -790,6 +790,29 @@ def test_a_disk_that_fills_while_metrics_are_written_leaves_no_torn_line(tmp_pat
     assert {r["step"] for r in records if "loss" in r} == set(range(1, 31))
 
 
+def test_a_launch_whose_ranks_could_not_report_on_a_full_disk_names_it_and_the_checkpoint(tmp_path):
+    """Under `fsdpclip launch` a rank out of space cannot write exit.json either (the launch's lock takes the last
+    block), and torchrun ends with 1: once the lock is released, the launcher's report names the full disk and the
+    run's last complete checkpoint instead of only the status."""
+    from fsdpclip.launch.local import last_checkpoint
+    from fsdpclip.run.reports import finish_exit_report
+
+    with _small_disk(tmp_path / "disk", 1) as disk:
+        run_dir = disk / "run"
+        kept = run_dir / "checkpoints" / "step-00000010"
+        kept.mkdir(parents=True)
+        (kept / "meta.json").write_text("{}")
+        (run_dir / "lock").write_text("held by the launch")
+        with open(disk / "filler", "wb", buffering=0) as file, contextlib.suppress(OSError):
+            while file.write(b"\0" * 4096):
+                pass
+        (run_dir / "lock").unlink()  # the launch lets go of the run directory, then reports
+        report = finish_exit_report(run_dir, 0, 1, checkpoint=last_checkpoint(run_dir))
+    assert report["message"] == (f"the job ended with exit status 1 before the trainer could report; no space left "
+                                 f"on tmpfs ({disk}) writing {run_dir}: 0.00 MB free (see the output above)"), report
+    assert report["checkpoint"] == str(kept)
+
+
 @pytest.mark.slow
 def test_a_disk_that_fills_during_the_write_is_named_like_a_full_one(tmp_path):
     """Another writer fills the disk after the ranks agreed that a checkpoint fits: the failed write, synchronous
