@@ -37,7 +37,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR
 from fsdpclip.run.files import disk_free, keep_output, no_space_message
 from fsdpclip.run.lock import StartupClock
 from fsdpclip.run.reports import write_crash_report, write_exit_report
+
+if TYPE_CHECKING:
+    from fsdpclip.spec.job import Job
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
@@ -161,9 +164,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.destroy_process_group()
 
 
-def report_no_space(job, rank: int, error: OSError, step: Optional[int]) -> None:
+def report_no_space(job: Job, rank: int, error: OSError, step: Optional[int]) -> None:
     """A log or report that did not fit on its disk: one line naming the disk and the checkpoint kept, in exit.json
-    too where it still fits (the run's lock, released by now, leaves room for it)."""
+    too where it still fits (a lock this rank held leaves room for it once released; under `fsdpclip launch`, the
+    launcher reports once it lets go of its lock)."""
     from fsdpclip.checkpoint.layout import kept_checkpoint, latest_checkpoint
 
     path = Path(error.filename or job.run_dir)
