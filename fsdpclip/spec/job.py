@@ -554,10 +554,10 @@ class CheckpointSpec(Section):
         "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
                             "when the host copies of a node's ranks take at most a quarter of its memory.")
     remote: Optional[str] = Field(
-        None, description="A folder URL in object storage (s3://bucket/path, gs://bucket/path; any fsspec URL) that "
-                          "mirrors the run's checkpoints: each complete one uploaded in the background by rank 0, "
-                          "`latest` last, `keep` applied there too; a launch whose run directory holds no checkpoint "
-                          "as new resumes from it. Needs `pip install 'fsdpclip[remote]'` (gcsfs for gs://).")
+        None, description="A folder URL in object storage (s3://bucket/path, gs://bucket/path; any fsspec URL but "
+                          "memory://) that mirrors the run's checkpoints: each complete one uploaded in the background "
+                          "by rank 0, `latest` last, `keep` applied there too; a launch whose run directory holds no "
+                          "checkpoint as new resumes from it. Needs `pip install 'fsdpclip[remote]'` (gcsfs for gs://).")
     remote_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the fsspec filesystem of `remote` and of a URL in "
                                           "`resume`, e.g. {\"endpoint_url\": \"http://minio:9000\"} for s3fs; "
