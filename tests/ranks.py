@@ -9,6 +9,7 @@ CPU-seconds each).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -63,8 +64,16 @@ def json_result(command: list[str], timeout: float, env: dict | None = None) -> 
     it printed (its output also holds stderr: warnings, logs)."""
     result = run_group(command, timeout, env=env)
     assert result.returncode == 0, result.stdout[-3000:]
-    # stderr shares the pipe: a warning from another thread may precede the object on its line
-    return json.loads([line[line.index('{"'):] for line in result.stdout.splitlines() if '{"' in line][-1])
+    return last_json(result.stdout)
+
+
+def last_json(output: str) -> dict:
+    """The last line of `output` that holds a JSON object. stderr shares the pipe: a warning from another thread
+    may precede the object on its line, and lines holding '{"' that are no JSON may follow it."""
+    for line in reversed(output.splitlines()):
+        with contextlib.suppress(ValueError):
+            return json.loads(line[line.index('{"'):])
+    raise AssertionError(f"no JSON object in the output:\n{output[-3000:]}")
 
 
 def start_launch(path: Path, log: Path, *extra: str) -> subprocess.Popen:

@@ -305,6 +305,25 @@ def test_export_refuses_to_overwrite_without_force(tmp_path, cli):
     assert not (tmp_path / "local-dir" / "open_clip_config.json").exists()
 
 
+def test_a_latest_naming_another_runs_checkpoint_is_not_followed(tmp_path, cli):
+    """`checkpoints/latest` holding a path (another run's checkpoint, relative or absolute) instead of a checkpoint
+    name: export and eval take the run's own newest checkpoint, or say it holds none."""
+    from fsdpclip.checkpoint.layout import resolve_checkpoint
+
+    other = tmp_path / "other" / "checkpoints" / "step-00000004"
+    own = tmp_path / "run" / "checkpoints" / "step-00000002"
+    for checkpoint in (other, own):
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "meta.json").write_text("{}")
+    for named in ("../../other/checkpoints/step-00000004", str(other)):
+        (own.parent / "latest").write_text(named + "\n")
+        assert resolve_checkpoint(tmp_path / "run") == own, named
+    (own / "meta.json").unlink()
+    result = cli("export", tmp_path / "run", tmp_path / "out.pt")
+    assert result.exit_code == 2 and not (tmp_path / "out.pt").exists(), result.output
+    assert squeezed(f"{own.parent} holds no complete checkpoint") in squeezed(result.output)
+
+
 @pytest.mark.slow
 def test_export_to_an_impossible_destination(tmp_path, cli, trained_for_export):
     """A destination under a file, or in /proc: one line naming it, exit 2, before the model is read."""

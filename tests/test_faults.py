@@ -28,7 +28,9 @@ from conftest import (
     PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, small_disk, squeezed,
     write_job,
 )
-from ranks import REPO, finish_launch, json_result, run_group, start_launch, torchrun_command
+from ranks import (
+    REPO, finish_launch, json_result, last_json, run_group, start_launch, torchrun, torchrun_command,
+)
 
 
 def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -750,13 +752,89 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_disk_that_fills_while_metrics_are_written_leaves_no_torn_line(tmp_path):
+    """Another writer fills the run directory's disk just before rank 0 appends a metrics record that needs a
+    block more (after the checkpoint of step 10): the record is taken back rather than left half written, the run
+    ends with exit 74 and exit.json names the disk and the checkpoint kept; once there is room, a relaunch resumes
+    from it and metrics.jsonl holds whole records only, with every step logged."""
+    with small_disk(tmp_path / "disk", 128) as disk:
+        job = _short_job(tmp_path, run={"name": "torn", "output_dir": str(disk), "seed": 1},
+                         schedule={"warmup_steps": 2, "steps": 30}, checkpoint={"every_steps": 10, "keep": 1})
+        path, run_dir = write_job(tmp_path, job), disk / "torn"
+        full = torchrun(["tests/workers/faults.py", str(path), "fill-disk:10"], timeout=300)
+        assert "exitcode  : 74" in full.stdout, full.stdout[-3000:]  # rank 0 (torchrun names it)
+        assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
+        report, kept = _exit_report(run_dir), (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert report["code"] == 74 and report["checkpoint"] == str(run_dir / "checkpoints" / kept), report
+        assert report["message"].startswith(f"rank 0: no space left on tmpfs ({disk}) writing {run_dir}/metrics.jsonl")
+        assert f"the last complete checkpoint, {kept}, is kept: make room" in report["message"], report
+        (disk / "filler").unlink()
+        resumed = _launch(path)
+        assert resumed.returncode == 0 and f"resumed from {run_dir}/checkpoints/{kept}" in resumed.stdout, \
+            resumed.stdout[-3000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if "loss" in r} == set(range(1, 31))
+
+
+def test_a_launch_whose_ranks_could_not_report_on_a_full_disk_names_it_and_the_checkpoint(tmp_path):
+    """Under `fsdpclip launch` a rank out of space cannot write exit.json either (the launch's lock takes the last
+    block), and torchrun ends with 1: once the lock is released, the launcher's report names the full disk and the
+    run's last complete checkpoint instead of only the status."""
+    from fsdpclip.launch.local import last_checkpoint
+    from fsdpclip.run.reports import finish_exit_report
+
+    with small_disk(tmp_path / "disk", 1) as disk:
+        run_dir = disk / "run"
+        kept = run_dir / "checkpoints" / "step-00000010"
+        kept.mkdir(parents=True)
+        (kept / "meta.json").write_text("{}")
+        (run_dir / "lock").write_text("held by the launch")
+        with open(disk / "filler", "wb", buffering=0) as file, contextlib.suppress(OSError):
+            while file.write(b"\0" * 4096):
+                pass
+        (run_dir / "lock").unlink()  # the launch lets go of the run directory, then reports
+        report = finish_exit_report(run_dir, 0, 1, checkpoint=last_checkpoint(run_dir))
+    assert report["message"] == (f"the job ended with exit status 1 before the trainer could report; no space left "
+                                 f"on tmpfs ({disk}) writing {run_dir}: 0.00 MB free (see the output above)"), report
+    assert report["checkpoint"] == str(kept)
+
+
+@pytest.mark.slow
 def test_a_disk_that_fills_during_the_write_is_named_like_a_full_one(tmp_path):
     """Another writer fills the disk after the ranks agreed that a checkpoint fits: the failed write, synchronous
     or asynchronous (reported when it is waited for, once), is DiskFull naming the disk, not DCP's
-    CheckpointException with every rank's traceback; the last complete checkpoint stays latest."""
+    CheckpointException with every rank's traceback, nor a traceback of DCP's writer threads printed after it;
+    the last complete checkpoint stays latest."""
     with small_disk(tmp_path / "disk", 16) as disk:
-        ended = json_result([sys.executable, "tests/workers/disk_fills.py", str(disk / "run")], timeout=240)
+        result = run_group([sys.executable, "tests/workers/disk_fills.py", str(disk / "run")], timeout=240)
+    assert result.returncode == 0 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    ended = last_json(result.stdout)
     for save, step in (("synchronous", 2), ("asynchronous", 3)):
         assert ended[save].startswith(f"DiskFull: no space left on tmpfs ({disk}) writing "
                                       f"{disk}/run/checkpoints/step-{step:08d}: needed ~"), ended
     assert ended["waited_again"] == "ok" and ended["latest"] == "step-00000001", ended
+
+
+def test_a_crash_report_keeps_the_cause_of_a_data_workers_failure(tmp_path):
+    """A data worker fails deep in its pipeline (as a mixture's weights that are not finite do): DataLoader raises
+    it again in the rank with the worker's whole traceback in its message, and the launch's exit report still ends
+    with the worker's own error, not with a cut through the traceback; a long one-line error keeps its end too."""
+    import torch.utils.data
+
+    from fsdpclip.run.reports import finish_exit_report, write_crash_report
+
+    class Mixture(torch.utils.data.IterableDataset):
+        def __iter__(self, depth: int = 12):
+            if depth:
+                yield from self.__iter__(depth - 1)
+            raise ValueError("Total of weights must be finite")
+
+    with pytest.raises(ValueError) as raised:
+        next(iter(torch.utils.data.DataLoader(Mixture(), num_workers=1)))
+    assert len(str(raised.value)) > 1000  # more than a crash report keeps
+    write_crash_report(tmp_path, 1, raised.value)
+    message = finish_exit_report(tmp_path, 0, 1)["message"]
+    assert message.startswith("rank 1 failed: ValueError: Caught ValueError in DataLoader worker process 0.")
+    assert message.endswith("ValueError: Total of weights must be finite") and "\n" not in message, message
+    write_crash_report(tmp_path / "long", 0, RuntimeError("x" * 2000 + " the cause"))
+    assert finish_exit_report(tmp_path / "long", 0, 1)["message"].endswith("x the cause")

@@ -89,6 +89,25 @@ def test_remote_storage_is_reached_only_when_asked(tmp_path, tiny_job, cli, monk
         assert message in out["errors"][0]["message"], out
 
 
+def test_remote_urls_that_cannot_hold_a_run_are_refused(tmp_path, tiny_job, cli, monkeypatch):
+    """`validate` refuses, each with one located error: memory:// (its files die with the process that wrote them),
+    hdfs:// where pyarrow is missing (fsspec's class loads without it), and a key with a '..' or '.' folder or a
+    NUL, in checkpoint.remote and in a resume URL."""
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as where pyarrow is not installed
+    for checkpoint, message in (({"remote": "memory://runs/t"}, "memory:// keeps its files in the memory"),
+                                ({"remote": "hdfs://namenode/runs/t"}, "needs the 'pyarrow' package for hdfs://"),
+                                ({"remote": "s3://runs/../t"}, "has a '.' or '..' folder in its key"),
+                                ({"resume": "s3://runs/t/step-00000008/.."}, "has a '.' or '..' folder in its key"),
+                                ({"remote": "s3://runs/./t"}, "has a '.' or '..' folder in its key"),
+                                ({"remote": "s3://runs/t\u0000x"}, "contains the control character '\\x00'"),
+                                ({"resume": "s3://runs/t\u0000"}, "contains the control character '\\x00'")):
+        tiny_job["checkpoint"] = checkpoint
+        code, out = cli.validate_json(write_job(tmp_path, tiny_job))
+        location = f"checkpoint.{next(iter(checkpoint))}"
+        assert code == 2 and [e["location"] for e in out["errors"]] == [location], (checkpoint, out)
+        assert message in out["errors"][0]["message"], out
+
+
 def test_uploads_one_at_a_time_only_the_newest_waits_and_failures_are_warnings(tmp_path, caplog):
     """While an upload runs, a completed checkpoint waits, and a newer one takes its place (the skipped one is said);
     every checkpoint not yet uploaded is spared locally; a failed upload is a warning that `wait` returns."""
@@ -181,3 +200,70 @@ def test_uploads_downloads_and_resume_urls(tmp_path, s3):
     (newer / "meta.json").write_text("{}")
     fetch_resume(tmp_path / "ahead", spec)
     assert [p.name for p in (tmp_path / "ahead" / "checkpoints").iterdir()] == ["step-00000020"]
+
+
+def _saved(tmp_path: Path, step: int) -> Path:
+    """A local checkpoint's files (what `RemoteFolder.upload` reads), without a model."""
+    local = tmp_path / "saved" / f"step-{step:08d}"
+    local.mkdir(parents=True)
+    for name, text in ((".metadata", "index"), ("__0_0.distcp", f"shard {step}"), ("meta.json", "{}")):
+        (local / name).write_text(text)
+    return local
+
+
+def _files(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+def _written_in(folder: Path, new: set[Path]) -> bool:
+    """Whether every path of `new` is `folder`, in it, or one of the folders made to hold it."""
+    return all(path == folder or folder in path.parents or path in folder.parents for path in new)
+
+
+def test_a_remote_latest_is_followed_only_to_a_checkpoint_of_its_folder(tmp_path, s3, caplog):
+    """Whoever can write the bucket sets `latest` to a local directory, to '../../../x' or to a checkpoint elsewhere
+    in the bucket, with a complete checkpoint's objects at each: a resume ignores it (a warning names it), downloads
+    the folder's own newest complete checkpoint and writes nothing outside the run's checkpoints/ (the local
+    directory survives); a folder with no checkpoint of its own is said to hold none, and nothing is downloaded; a
+    checkpoint holding a key that climbs out of it is refused before anything is written."""
+    import logging
+
+    import fsspec
+
+    from fsdpclip.checkpoint.layout import CheckpointError, latest_checkpoint, resume_candidates
+    from fsdpclip.checkpoint.remote import RemoteFolder, fetch_resume
+    from fsdpclip.spec.job import CheckpointSpec
+
+    caplog.set_level(logging.INFO, logger="fsdpclip.checkpoint.remote")
+    fs = fsspec.filesystem("s3", **s3)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("kept")
+    folder, bare = RemoteFolder("s3://runs/bait", s3), RemoteFolder("s3://runs/bare", s3)
+    folder.upload(_saved(tmp_path, 8))
+    for i, named in enumerate((str(victim), "../../../x", "elsewhere/step-00000012")):
+        for remote in (folder, bare):
+            fs.pipe_file(remote._path(named, "meta.json"), b"{}")
+            fs.pipe_file(remote._path(named, "__0_0.distcp"), b"bait")
+            fs.pipe_file(remote._path("latest"), f"{named}\n".encode())
+        run_dir = tmp_path / "a" / "b" / f"run{i}"
+        before = _files(tmp_path)
+        assert fetch_resume(run_dir, CheckpointSpec(remote=folder.url, remote_options=s3)) == "latest"
+        assert sorted(victim.iterdir()) == [victim / "precious"], named
+        assert _written_in(run_dir / "checkpoints", _files(tmp_path) - before), named
+        assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step-00000008"
+        assert f"s3://runs/bait/latest names {named!r}, which is not one of its checkpoints" in caplog.text
+
+        caplog.clear()
+        before = _files(tmp_path)
+        fetch_resume(tmp_path / f"empty{i}", CheckpointSpec(remote=bare.url, remote_options=s3))
+        assert "s3://runs/bare holds no complete checkpoint to resume from" in caplog.text, caplog.text
+        assert resume_candidates(tmp_path / f"empty{i}", "latest") == ([], [])
+        assert _written_in(tmp_path / f"empty{i}" / "checkpoints", _files(tmp_path) - before), named
+
+    climbing = _saved(tmp_path, 16)
+    folder.upload(climbing)
+    fs.pipe_file(folder._path(climbing.name, "..", "..", "..", "escape"), b"bait")
+    with pytest.raises(CheckpointError, match="refusing to download '../../../escape' into "):
+        fetch_resume(tmp_path / "climbed", CheckpointSpec(remote=folder.url, remote_options=s3))
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "climbed" / "checkpoints").exists()

@@ -82,6 +82,23 @@ def test_report_says_a_run_waits_for_its_data_and_what_would_feed_it(cli, tmp_pa
     assert summary(read_run(run_dir))["data_bound"] is None
 
 
+def test_a_relaunch_appends_no_record_to_a_cut_line(cli, tmp_path):
+    """metrics.jsonl whose last line a crash cut (no newline): the next launch's log cuts it off when it opens the
+    file, so its first record is a line of its own, which the report reads."""
+    from fsdpclip.run.files import LineLog
+
+    run_dir = tmp_path / "cut"
+    run_dir.mkdir()
+    first, again = ({"step": step, "total_steps": 10, "time": 1.0, "loss": 4.5, "lr": 1e-3} for step in (3, 4))
+    (run_dir / "metrics.jsonl").write_text(json.dumps(first) + "\n" + '{"step": 4, "lo')
+    log = LineLog(run_dir / "metrics.jsonl")
+    log.append(json.dumps(again))
+    log.close()
+    assert (run_dir / "metrics.jsonl").read_text().splitlines() == [json.dumps(first), json.dumps(again)]
+    result = cli("report", run_dir, "--json", "--png", tmp_path / "cut.png")
+    assert result.exit_code == 0 and json.loads(result.stdout)["step"] == 4, result.output
+
+
 def test_report_of_metrics_with_bytes_that_are_not_utf8(cli, tmp_path):
     """metrics.jsonl, a launch record and exit.json holding bytes that are not UTF-8: the report reads every
     line it can (bad bytes inside a string as U+FFFD; a line they break is skipped as a cut one), no

@@ -13,6 +13,7 @@ file that cannot be read, or whose pickle names anything but plain data, is pass
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,7 @@ from fsdpclip.spec.job import Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
 PARTIAL_SUFFIX = ".partial"
+CHECKPOINT_NAME = re.compile(r"step-[0-9]{8,}")  # what `checkpoint_name` makes: the only names `latest` may hold
 
 
 class CheckpointError(Exception):
@@ -38,6 +40,12 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """Whether `name` is one a checkpoint is saved under (a `latest` naming anything else, a path of another run
+    or outside the run directory, is not followed)."""
+    return bool(CHECKPOINT_NAME.fullmatch(name))
+
+
 def is_complete(path: Path) -> bool:
     return path.is_dir() and not path.name.endswith(PARTIAL_SUFFIX) and (path / META).is_file()
 
@@ -45,20 +53,29 @@ def is_complete(path: Path) -> bool:
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / CHECKPOINTS
-    found = [p for p in root.glob("step-*") if is_complete(p)] if root.is_dir() else []
+    found = [p for p in root.glob("step-*") if is_checkpoint_name(p.name) and is_complete(p)] \
+        if root.is_dir() else []
     return sorted(found, key=lambda p: p.name)
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint: the one `latest` names, else the newest found."""
+    """The newest complete checkpoint: the one `latest` names where it is a checkpoint of this run, else the
+    newest found."""
     root = Path(run_dir) / CHECKPOINTS
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if is_complete(named):
-            return named
+        named = pointer.read_text().strip()
+        if is_checkpoint_name(named) and is_complete(root / named):
+            return root / named
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def kept_checkpoint(run_dir: Path, full: bool) -> str:
+    """What a run that a failed write stops says of its checkpoints (`full`: the write did not fit on its disk)."""
+    latest = latest_checkpoint(run_dir)
+    return (f"the last complete checkpoint, {latest.name if latest else 'none'}, is kept: "
+            f"{'make room and ' if full else ''}launch again to resume from it")
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -144,8 +161,7 @@ def checkpoint_problem(checkpoint: Path, rank_state: bool = True) -> Optional[st
 def usable_checkpoints(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     """The run's checkpoints that can be loaded, newest first, and those that cannot, with why."""
     root = Path(run_dir) / CHECKPOINTS
-    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL_SUFFIX)] \
-        if root.is_dir() else []
+    found = [p for p in root.glob("step-*") if is_checkpoint_name(p.name) and p.is_dir()] if root.is_dir() else []
     usable, skipped = [], []
     for checkpoint in sorted(found, key=lambda p: p.name, reverse=True):
         problem = checkpoint_problem(checkpoint)

@@ -2,6 +2,9 @@
 local directory is gone (a requeued job on other nodes, a fresh machine) resumes from the remote copy.
 
 The remote folder holds what `RUN_DIR/checkpoints/` holds: `step-NNNNNNNN/` with the same files, and `latest`.
+Whoever can write the bucket may not write the run directory: a remote `latest` is followed only where it names one
+of the folder's own checkpoints (a path or another name is ignored, with a warning), and every download stays inside
+the run directory (a key that would climb out of it is refused).
 Rank 0 uploads each checkpoint once it is complete locally, on a background thread (`Uploads`): whatever an earlier
 attempt left of it removed, its files but meta.json, then meta.json (a remote checkpoint with meta.json is
 complete, as a local one is), then `latest`, then the remote checkpoints beyond `checkpoint.keep` and any
@@ -22,7 +25,8 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from fsdpclip.checkpoint.layout import (
-    CHECKPOINTS, LATEST, META, PARTIAL_SUFFIX, CheckpointError, complete_checkpoints, point_latest,
+    CHECKPOINTS, LATEST, META, PARTIAL_SUFFIX, CheckpointError, complete_checkpoints, is_checkpoint_name,
+    point_latest,
 )
 from fsdpclip.spec.job import CheckpointSpec, is_url
 
@@ -31,20 +35,28 @@ DOWNLOADS = "downloads"  # RUN_DIR/downloads/: checkpoints a resume URL named, d
 PROBE = ".fsdpclip-write-check"  # the object `validate --check-remote` writes and deletes
 
 
+IN_PROCESS = {"memory"}  # fsspec schemes whose files live in the process that wrote them
+NEEDS = {"hdfs": "pyarrow", "arrow_hdfs": "pyarrow"}  # packages a filesystem imports only once it is made
+
+
 def backend_problem(url: str) -> Optional[tuple[str, str]]:
     """(problem, hint) where this machine cannot open `url` through fsspec (fsspec, or the package its scheme
-    needs, not installed; a scheme fsspec does not know); None where it can. Touches no network."""
+    needs, not installed; a scheme fsspec does not know), or where what is written there would not outlive the
+    process (memory://); None where it can. Touches no network."""
+    scheme = url.split("://", 1)[0]
+    if scheme in IN_PROCESS:
+        return (f"{scheme}:// keeps its files in the memory of the process that writes them: no other rank nor a "
+                "later launch would find a checkpoint there", "a folder in object storage, e.g. s3://bucket/runs/NAME")
     if importlib.util.find_spec("fsspec") is None:
         return "needs the 'fsspec' package", "pip install 'fsdpclip[remote]'"
     from fsspec.registry import known_implementations, registry
 
-    scheme = url.split("://", 1)[0]
-    if scheme in registry:
+    if scheme in registry and scheme not in NEEDS:
         return None
     known = known_implementations.get(scheme)
     if known is None:
         return f"fsspec knows no filesystem for '{scheme}://'", "s3:// (s3fs) and gs:// (gcsfs) are the usual ones"
-    package = known["class"].split(".", 1)[0]
+    package = NEEDS.get(scheme) or known["class"].split(".", 1)[0]
     if importlib.util.find_spec(package) is None:
         return f"needs the '{package}' package for {scheme}://", known.get("err") or f"pip install {package}"
     return None
@@ -74,21 +86,25 @@ class RemoteFolder:
             found = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return []
-        return sorted(name for name in (PurePosixPath(p).name for p in found) if name.startswith("step-"))
+        return sorted(name for name in (PurePosixPath(p).name for p in found) if is_checkpoint_name(name))
 
     def is_complete(self, name: str) -> bool:
         return self.fs.exists(self._path(name, META))
 
     def latest(self) -> Optional[str]:
-        """The newest complete checkpoint: the one `latest` names, else the newest complete found."""
-        self.fs.invalidate_cache()
+        """The newest complete checkpoint: the one `latest` names where it is one of the folder's, else the newest
+        complete found."""
+        names = self.names()
         try:
-            named = self.fs.cat_file(self._path(LATEST)).decode().strip()
+            named = self.fs.cat_file(self._path(LATEST)).decode(errors="replace").strip()
         except FileNotFoundError:
             named = None
-        if named and self.is_complete(named):
+        if named in names and self.is_complete(named):
             return named
-        return next((name for name in reversed(self.names()) if self.is_complete(name)), None)
+        if named is not None and named not in names:
+            log.warning("%s/%s names %r, which is not one of its checkpoints (step-NNNNNNNN in the folder): ignored",
+                        self.url, LATEST, named[:200])
+        return next((name for name in reversed(names) if self.is_complete(name)), None)
 
     def put(self, files: list[Path], checkpoint: Path) -> None:
         """Files of a local checkpoint uploaded into the remote checkpoint of the same name."""
@@ -119,14 +135,14 @@ class RemoteFolder:
             self.fs.rm(found)
 
     def download(self, name: str, into: Path) -> Path:
-        """Remote checkpoint `name` into directory `into` (through a `.partial` directory, renamed once whole)."""
-        final, partial = into / name, into / (name + PARTIAL_SUFFIX)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        """Remote checkpoint `name` into directory `into` (through a `.partial` directory, renamed once whole);
+        CheckpointError for a name or key that would leave `into`, before anything there is touched."""
+        final, partial = _inside(into, name), _inside(into, name + PARTIAL_SUFFIX)
         source = self._path(name)
         files = self.fs.find(source)
-        local = [partial.joinpath(*PurePosixPath(f).relative_to(source).parts) for f in files]
-        for path in {p.parent for p in local}:
+        local = [_inside(partial, *PurePosixPath(f).relative_to(source).parts) for f in files]
+        shutil.rmtree(partial, ignore_errors=True)
+        for path in {partial, *(p.parent for p in local)}:
             path.mkdir(parents=True, exist_ok=True)
         self.fs.get(files, [str(p) for p in local])
         if not (partial / META).is_file():
@@ -149,6 +165,14 @@ class RemoteFolder:
         except Exception as exc:  # noqa: BLE001
             return f"cannot be written: {error_line(exc)}"
         return None
+
+
+def _inside(folder: Path, *parts: str) -> Path:
+    """`folder` joined with the parts of a remote key; CheckpointError where they could lead out of it (an
+    absolute path, '..', '.' or an empty part: names object storage keeps as they are)."""
+    if not parts or any(part in ("", ".", "..") or "/" in part or "\0" in part for part in parts):
+        raise CheckpointError(f"refusing to download {'/'.join(parts)!r} into {folder}: it is no name inside it")
+    return folder.joinpath(*parts)
 
 
 def remote_checkpoint(url: str, options: dict) -> tuple[RemoteFolder, str]:
@@ -189,7 +213,9 @@ def fetch_resume(run_dir: Path, spec: CheckpointSpec) -> Optional[str]:
         with _reading(spec.remote):
             folder = RemoteFolder(spec.remote, spec.remote_options)
             name, local = folder.latest(), complete_checkpoints(run_dir)
-            if name is not None and (not local or local[-1].name < name):
+            if name is None:
+                log.info("%s holds no complete checkpoint to resume from", spec.remote)
+            elif not local or local[-1].name < name:
                 log.info("%s: %s is newer than any checkpoint in %s", spec.remote, name, run_dir / CHECKPOINTS)
                 point_latest(_download(folder, name, run_dir / CHECKPOINTS))
     return resume

@@ -194,10 +194,40 @@ def write_threads() -> int:
     return min(8, cores_per_local_rank())
 
 
+DCP_WRITER_THREAD = "(_write_files_from_queue)"  # how Python names the threads FileSystemWriter starts
+
+
+class JoinedWriter(FileSystemWriter):
+    """DCP's FileSystemWriter, whose own threads have all ended when a write returns or fails. DCP leaves them
+    running when the write of its calling thread fails (a full disk), and prints a thread's failure on the
+    terminal after the save's error was reported; a thread that failed alone left its files out of the
+    checkpoint's metadata. Here the first failure fails the write, and no thread prints a traceback."""
+
+    def write_data(self, plan, planner):
+        started, failures, report = set(threading.enumerate()), [], threading.excepthook
+
+        def keep_failure(args) -> None:
+            if args.thread not in started and args.thread.name.endswith(DCP_WRITER_THREAD):
+                failures.append(args.exc_value)
+            else:
+                report(args)
+
+        threading.excepthook = keep_failure
+        try:
+            written = super().write_data(plan, planner)
+        finally:
+            for thread in set(threading.enumerate()) - started:
+                if thread.name.endswith(DCP_WRITER_THREAD):
+                    thread.join()
+            threading.excepthook = report
+        if failures:
+            raise failures[0]
+        return written
+
+
 def write_dcp(state: dict, checkpoint_id: str, group=None) -> None:
     """DCP's save of `state` into directory `checkpoint_id`, written by `write_threads()` threads."""
-    dcp.save(state, storage_writer=FileSystemWriter(checkpoint_id, thread_count=write_threads()),
-             process_group=group)
+    dcp.save(state, storage_writer=JoinedWriter(checkpoint_id, thread_count=write_threads()), process_group=group)
 
 
 def write_staged(state: dict, copied: Optional[torch.cuda.Event], host: HostCopy, checkpoint_id: str,

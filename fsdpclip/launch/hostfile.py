@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Optional
 
 from fsdpclip.launch.launcher import LaunchError, LauncherBackend, LaunchFlags, register_backend, render
 from fsdpclip.launch.local import (
-    LAUNCHER_LOG, STOPPED_AT_ONCE, cuda_forbids_forked_ranks, kill_tree, node_torchrun, prepare_forked_ranks,
-    supervise, torchrun_environment,
+    LAUNCHER_LOG, STOPPED_AT_ONCE, cuda_forbids_forked_ranks, kill_tree, last_checkpoint, node_torchrun,
+    prepare_forked_ranks, supervise, torchrun_environment,
 )
 from fsdpclip.launch.torchrun import DELIBERATE
 from fsdpclip.problems import MAX_WORLD_SIZE
@@ -292,10 +292,10 @@ class SshNodes:
         own line; else the trainer's report or the crash reports (`finish_exit_report`), a node that ended
         without either named."""
         if self.failed is None or status == STOPPED_AT_ONCE:
-            return finish_exit_report(run_dir, since, status)
+            return finish_exit_report(run_dir, since, status, checkpoint=last_checkpoint(run_dir))
         node = f"{self.hosts[self.failed]} (node {self.failed})"
         if status != SSH_FAILED:
-            return finish_exit_report(run_dir, since, status, ended=node)
+            return finish_exit_report(run_dir, since, status, ended=node, checkpoint=last_checkpoint(run_dir))
         write_exit_report(run_dir, EXIT_CRASH, f"ssh to {node} failed: {last_line(self.logs[self.failed])}", None, "")
         return exit_report(run_dir, since)
 

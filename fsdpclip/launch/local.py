@@ -224,7 +224,14 @@ def run_local(job: Job, flags: LaunchFlags, fork_ranks: bool = False) -> dict:
         raise LaunchError(str(exc)) from None
     except OSError as exc:
         raise LaunchError(f"cannot use the run directory {job.run_dir}: {exc.strerror or exc}") from None
-    return finish_exit_report(job.run_dir, started, status)
+    return finish_exit_report(job.run_dir, started, status, checkpoint=last_checkpoint(job.run_dir))
+
+
+def last_checkpoint(run_dir: Path) -> str:
+    """The run's last complete checkpoint ('' for none), for an exit report the trainer could not write."""
+    from fsdpclip.checkpoint.layout import latest_checkpoint
+
+    return str(latest_checkpoint(run_dir) or "")
 
 
 def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Optional[HeldLock] = None,

@@ -31,6 +31,47 @@ def write_atomically(path: Path, content: str | bytes) -> None:
         raise
 
 
+class LineLog:
+    """A file of lines (metrics.jsonl) appended to whole lines at a time: a line that does not fit on the disk is
+    taken back before the error is raised, and a torn last line (a process killed in the middle of a write, a disk
+    that filled) is cut off when the file is opened, so that nothing is ever appended to half a line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.ftruncate(self.descriptor, self._complete_length())
+        except BaseException:
+            os.close(self.descriptor)
+            raise
+
+    def _complete_length(self) -> int:
+        """The file's length up to and with its last newline."""
+        end = os.fstat(self.descriptor).st_size
+        while end > 0:
+            start = max(0, end - 2 ** 16)
+            cut = os.pread(self.descriptor, end - start, start).rfind(b"\n")
+            if cut >= 0:
+                return start + cut + 1
+            end = start
+        return 0
+
+    def append(self, line: str) -> None:
+        """Write `line` and a newline, all of it or nothing."""
+        data = (line + "\n").encode()
+        began = os.lseek(self.descriptor, 0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(self.descriptor, data[written:])
+        except OSError as exc:
+            os.ftruncate(self.descriptor, began)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+
+    def close(self) -> None:
+        os.close(self.descriptor)
+
+
 MAX_TEXT_BYTES = 64 * 2 ** 20  # a spec, a model config, a class-name list: far smaller than this
 FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.run.directory import EXIT_FILE, LAUNCHES, LOG_DIR, STOP_FILE
-from fsdpclip.run.files import write_atomically
+from fsdpclip.run.files import disk_free, no_space_message, write_atomically
+
+FULL_DISK = 2 ** 20  # bytes free under which a job that ended without a report is said to have filled its disk
 
 
 def request_stop(run_dir: Path) -> None:
@@ -42,9 +44,24 @@ def exit_report(run_dir: Path, since: float) -> Optional[dict]:
     return report if report.get("time", 0) >= since else None
 
 
+CRASH_LINE = 500  # characters of a crash's error kept in its report
+
+
 def write_crash_report(run_dir: Path, rank: int, error: BaseException) -> None:
     """What killed a rank, for the launcher's last line (each rank its own file: no race)."""
-    _write_crash(run_dir, {"rank": rank, "error": " ".join(f"{type(error).__name__}: {error}".split())[:500]})
+    _write_crash(run_dir, {"rank": rank, "error": crash_line(error)})
+
+
+def crash_line(error: BaseException) -> str:
+    """An exception on one line of at most CRASH_LINE characters that keeps its cause: a message carrying a
+    traceback (a data worker's, as DataLoader raises it again) gives its first and last lines, and one still too
+    long its start and its end."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {' … '.join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)}"
+    if len(text) <= CRASH_LINE:
+        return text
+    half = (CRASH_LINE - 3) // 2
+    return f"{text[:half]} … {text[-half:]}"
 
 
 def record_killed_rank(run_dir: Path, rank: int, signal_name: str) -> None:
@@ -62,11 +79,13 @@ def _write_crash(run_dir: Path, record: dict) -> None:
         pass  # the report is a courtesy; the rank's own traceback still reaches its log
 
 
-def finish_exit_report(run_dir: Path, since: float, status: int, ended: str = "the job") -> dict:
+def finish_exit_report(run_dir: Path, since: float, status: int, ended: str = "the job",
+                       checkpoint: str = "") -> dict:
     """The report of a launch that ended with exit `status`: the trainer's own, or, when the trainer
-    could not write one (a rank crashed or was killed), one made from the crash reports (a rank killed by a
-    signal first: the others' errors follow from it) or the status (of what `ended`: the job, or one of its
-    nodes). Written to exit.json either way."""
+    could not write one (a rank crashed or was killed, its disk was full), one made from the crash reports (a
+    rank killed by a signal first: the others' errors follow from it) or the status (of what `ended`: the job,
+    or one of its nodes; a full disk named), with `checkpoint`, the run's last complete one. Written to exit.json
+    either way."""
     report = exit_report(run_dir, since)
     if report is not None:
         return report
@@ -91,9 +110,12 @@ def finish_exit_report(run_dir: Path, since: float, status: int, ended: str = "t
     elif status < 0 or status > 128:
         message = f"{ended} was killed (exit status {status}) before the trainer could report"
     else:
-        message = f"{ended} ended with exit status {status} before the trainer could report (see the output above)"
+        free = disk_free(run_dir)
+        full = f"; {no_space_message(run_dir, free)}" if free < FULL_DISK else ""
+        message = (f"{ended} ended with exit status {status} before the trainer could report{full} "
+                   "(see the output above)")
     code = status if status > 0 else 1
-    write_exit_report(run_dir, code, message, None, "")
+    write_exit_report(run_dir, code, message, None, checkpoint)
     return exit_report(run_dir, since) or {"code": code, "message": message}
 
 

@@ -85,6 +85,18 @@ def is_url(value: str) -> bool:
     return bool(URL_RE.match(value))
 
 
+def object_storage_url(value: str) -> str:
+    """A URL of object storage whose key holds no control character (NUL included) and no '.' or '..' folder, which
+    object storage keeps as names while a download of them would climb out of its local folder."""
+    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if found is not None:
+        raise ValueError(f"contains the control character {found!r}: a key in object storage here is printable text")
+    if any(part in (".", "..") for part in value.split("://", 1)[1].split("/")):
+        raise ValueError("has a '.' or '..' folder in its key: object storage keeps it as a name, and the local "
+                         "copy of a checkpoint under it would leave the run directory")
+    return value
+
+
 def one_line(value: str) -> str:
     """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
     #SBATCH options at the first command, and a shell runs what follows), and no other control character is
@@ -550,10 +562,10 @@ class CheckpointSpec(Section):
         "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
                             "when the host copies of a node's ranks take at most a quarter of its memory.")
     remote: Optional[str] = Field(
-        None, description="A folder URL in object storage (s3://bucket/path, gs://bucket/path; any fsspec URL) that "
-                          "mirrors the run's checkpoints: each complete one uploaded in the background by rank 0, "
-                          "`latest` last, `keep` applied there too; a launch whose run directory holds no checkpoint "
-                          "as new resumes from it. Needs `pip install 'fsdpclip[remote]'` (gcsfs for gs://).")
+        None, description="A folder URL in object storage (s3://bucket/path, gs://bucket/path; any fsspec URL but "
+                          "memory://) that mirrors the run's checkpoints: each complete one uploaded in the background "
+                          "by rank 0, `latest` last, `keep` applied there too; a launch whose run directory holds no "
+                          "checkpoint as new resumes from it. Needs `pip install 'fsdpclip[remote]'` (gcsfs for gs://).")
     remote_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the fsspec filesystem of `remote` and of a URL in "
                                           "`resume`, e.g. {\"endpoint_url\": \"http://minio:9000\"} for s3fs; "
@@ -565,7 +577,12 @@ class CheckpointSpec(Section):
     def _folder_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not is_url(value):
             raise ValueError("must be a URL with a scheme and a path, e.g. s3://bucket/runs/NAME")
-        return value if value is None else value.rstrip("/")
+        return value if value is None else object_storage_url(value).rstrip("/")
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_url(cls, value: Optional[str]) -> Optional[str]:
+        return object_storage_url(value) if value is not None and is_url(value) else value
 
     @property
     def periodic(self) -> bool:

@@ -37,7 +37,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR
 from fsdpclip.run.files import disk_free, keep_output, no_space_message
 from fsdpclip.run.lock import StartupClock
 from fsdpclip.run.reports import write_crash_report, write_exit_report
+
+if TYPE_CHECKING:
+    from fsdpclip.spec.job import Job
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
@@ -118,6 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s", force=True)
     job.run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = None
     try:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint.sharded's.
         from fsdpclip.checkpoint.layout import CheckpointError
@@ -141,22 +145,36 @@ def main(argv: Optional[list[str]] = None) -> int:
                     write_exit_report(job.run_dir, EXIT_SPEC, message, None, "")
             return EXIT_SPEC
     except BaseException as exc:
+        full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC  # a log or report that did not fit
         try:
+            if full:  # before the crash report: where only one more file fits, exit.json names the checkpoint
+                report_no_space(job, env.rank, exc, getattr(trainer, "step", None))
             write_crash_report(job.run_dir, env.rank, exc)
         finally:
             stop_child_processes()
+        if full:
+            return EXIT_NO_SPACE
         lost = lost_peer(exc)
         if lost:  # another rank's end, which the launcher names: one line here, no traceback
             print(f"fsdpclip.train.entry: rank {env.rank} lost its connection to another rank ({lost})", file=sys.stderr)
             signals.wait(PEER_GONE_GRACE_S)
             return EXIT_CRASH
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # a log or report that did not fit: one line
-            path = Path(exc.filename or job.run_dir)
-            print(f"fsdpclip.train.entry: rank {env.rank}: {no_space_message(path, disk_free(path))}", file=sys.stderr)
-            return EXIT_NO_SPACE
         raise
     finally:
         dist.destroy_process_group()
+
+
+def report_no_space(job: Job, rank: int, error: OSError, step: Optional[int]) -> None:
+    """A log or report that did not fit on its disk: one line naming the disk and the checkpoint kept, in exit.json
+    too where it still fits (a lock this rank held leaves room for it once released; under `fsdpclip launch`, the
+    launcher reports once it lets go of its lock)."""
+    from fsdpclip.checkpoint.layout import kept_checkpoint, latest_checkpoint
+
+    path = Path(error.filename or job.run_dir)
+    message = f"rank {rank}: {no_space_message(path, disk_free(path))}; {kept_checkpoint(job.run_dir, full=True)}"
+    print(f"fsdpclip.train.entry: {message}", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        write_exit_report(job.run_dir, EXIT_NO_SPACE, message, step, str(latest_checkpoint(job.run_dir) or ""))
 
 
 def adopt_rank_environment() -> None:

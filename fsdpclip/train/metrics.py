@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE
-from fsdpclip.run.files import write_atomically
+from fsdpclip.run.files import LineLog, write_atomically
 from fsdpclip.run.reports import data_wait_notice
 from fsdpclip.spec.job import WandbSpec
 
@@ -84,7 +84,7 @@ class MetricsLog:
         self.file = self.writer = self.progress = self.wandb = None
         if not enabled:
             return
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.file = LineLog(run_dir / "metrics.jsonl")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -111,7 +111,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.append(json.dumps(record))
         if self.writer is not None:
             for key, value in _flat(record).items():
                 if isinstance(value, (int, float)) and key != "step":

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, latest_checkpoint
+from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, kept_checkpoint
 from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_state
 from fsdpclip.checkpoint.staging import asynchronous_saves
 from fsdpclip.node import host_memory
@@ -116,11 +116,9 @@ class Checkpointing:
         try:
             yield
         except CheckpointError as exc:
-            latest = latest_checkpoint(self.job.run_dir)
             full = isinstance(exc, DiskFull)
-            raise Stop(EXIT_NO_SPACE if full else EXIT_CRASH,
-                       f"{exc}; the last complete checkpoint, {latest.name if latest else 'none'}, is kept: "
-                       f"{'make room and ' if full else ''}launch again to resume from it") from None
+            raise Stop(EXIT_NO_SPACE if full else EXIT_CRASH, f"{exc}; {kept_checkpoint(self.job.run_dir, full)}") \
+                from None
 
     def _resume(self, candidates: list[Path]) -> None:
         """Continue from the newest candidate that loads, with this spec's settings from its step on."""

@@ -1,6 +1,7 @@
 """Checkpoints of a sharded model whose disk another writer fills after the space check and before the write
-(a process group of one). Prints JSON: the error each save ended with (a synchronous one, then an asynchronous
-one, reported when its write is waited for), whether waiting again reports it again, and the latest checkpoint.
+(a process group of one), each written by 4 threads. Prints JSON: the error each save ended with (a synchronous one,
+then an asynchronous one, reported when its write is waited for), whether waiting again reports it again, and the
+latest checkpoint.
 
     disk_fills.py RUN_DIR        (RUN_DIR on a small disk of its own)
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from fsdpclip.checkpoint import sharded as checkpoint
+from fsdpclip.checkpoint import sharded as checkpoint, staging
 from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.parallel.distributed import init_distributed
 from fsdpclip.run.files import disk_free
@@ -61,6 +62,7 @@ def ended_with(call) -> str:
 
 
 def main(run_dir: str) -> None:
+    staging.write_threads = lambda: 4  # DCP's threads beside the caller's, whatever the cores
     env = init_distributed("cpu", timeout_s=60)
     model = sharded_model(env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -12,11 +12,15 @@
                                          checkpoint's data files, before its meta.json and `latest`
     faults.py JOB damage-rank-state:RANK RANK halves its state file in the checkpoint chosen to resume from, after
                                          rank 0 checked it (a filesystem damaging it between the check and the load)
+    faults.py JOB fill-disk:STEP         after STEP, another writer fills the run directory's disk just before rank 0
+                                         appends a metrics record that does not fit in metrics.jsonl's last block
 Several at once: FAULT+FAULT.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sys
@@ -25,16 +29,17 @@ import time
 import torch
 
 from fsdpclip.checkpoint import layout, remote, sharded as checkpoint, staging
-from fsdpclip.train import entry as train, trainer
+from fsdpclip.spec.jobfile import load_job
+from fsdpclip.train import entry as train, metrics, trainer
 
 
 def main(job: str, faults: str) -> int:
     for fault in faults.split("+"):
-        inject(fault, int(os.environ["RANK"]))
+        inject(fault, int(os.environ["RANK"]), job)
     return train.main([job])
 
 
-def inject(fault: str, rank: int) -> None:
+def inject(fault: str, rank: int, job: str) -> None:
     kind, *args = fault.split(":")
     if kind == "slow":
         seconds, step = float(args[0]), trainer.Trainer.train_step
@@ -141,6 +146,20 @@ def inject(fault: str, rank: int) -> None:
             return chosen
 
         checkpoint.Checkpointer.resume_candidates = damaging
+    elif kind == "fill-disk":
+        after, write, run_dir = int(args[0]), metrics.MetricsLog.write, load_job(job).run_dir
+        log_file, filler = run_dir / "metrics.jsonl", run_dir.parent / "filler"
+
+        def write_onto_a_full_disk(self, record):
+            block, size = os.statvfs(log_file).f_bsize, log_file.stat().st_size
+            torn = 0 < -size % block < len(json.dumps(record)) + 1  # the record needs a block the disk lacks
+            if rank == 0 and record.get("step", 0) > after and torn and not filler.exists():
+                with open(filler, "wb", buffering=0) as file, contextlib.suppress(OSError):
+                    while file.write(b"\0" * block):
+                        pass
+            return write(self, record)
+
+        metrics.MetricsLog.write = write_onto_a_full_disk
 
 
 if __name__ == "__main__":
