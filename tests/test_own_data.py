@@ -43,6 +43,11 @@ def data_block(output: str) -> dict:
     return json.loads(output[output.rindex('{\n  "data"'):])["data"]
 
 
+def samples_of(urls: str) -> list[dict]:
+    """Every sample of the shards, in order, as the reader groups their members."""
+    return [sample for url in shard_urls(urls) for sample in shard_samples(url, lambda exc: False)]
+
+
 def read_back(data: dict) -> dict[str, tuple[tuple[int, int], str]]:
     """caption → (image size, image mode) of every sample, read as the trainer reads them: the printed data
     block as the webdataset source's spec, its shards through the data workers' stream ("cpu" decode)."""
@@ -92,11 +97,11 @@ def test_a_caption_table_becomes_shards_the_trainer_reads(cli, tmp_path):
     assert json.loads((out / "shards.json").read_text())["samples"] == 5
     assert read_back(data) == {caption: size for _, caption, size in rows}
     members = [name for url in shard_urls(data["urls"]) for name, _ in tar_members(open(url, "rb"))]
-    assert members[:2] == ["000000000.jpg", "000000000.txt"] and {n.rsplit(".", 1)[1] for n in members} == {"jpg", "txt"}
-    kept = next(s for url in shard_urls(data["urls"]) for s in shard_samples(url, lambda exc: False) if s["txt"] == b"a small photo")
+    assert members[:2] == ["000000000.jpg", "000000000.txt"]
+    assert {name.rsplit(".", 1)[1] for name in members} == {"jpg", "txt"}
+    kept = next(sample for sample in samples_of(data["urls"]) if sample["txt"] == b"a small photo")
     assert kept["jpg"] == (images / "small.jpg").read_bytes()  # already small: not encoded again
-    for sample in (s for url in shard_urls(data["urls"]) for s in shard_samples(url, lambda exc: False)):
-        assert Image.open(io.BytesIO(sample["jpg"])).format == "JPEG"
+    assert all(Image.open(io.BytesIO(sample["jpg"])).format == "JPEG" for sample in samples_of(data["urls"]))
 
 
 def test_a_folder_of_images_with_captions_beside_them(cli, tmp_path):
@@ -261,7 +266,7 @@ def test_resize_shrinks_the_images_and_keeps_every_other_member(cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert "6 samples in 2 shards" in result.output and "1 image unreadable, kept unchanged" in result.output
     assert data_block(result.output) == {"urls": str(out.resolve() / "part-{000..001}.tar"), "samples": 6}
-    got = [sample for url in shard_urls(data_block(result.output)["urls"]) for sample in shard_samples(url, lambda exc: False)]
+    got = samples_of(data_block(result.output)["urls"])
     assert len(got) == len(samples)
     for want, sample in zip(samples, got):
         assert set(sample) - {"__url__"} == set(want)

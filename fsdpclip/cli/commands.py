@@ -332,8 +332,9 @@ def _short_side(size: Optional[int], model: Optional[str], job_file: Optional[Pa
 def _written(written, out: Path, what: str) -> None:
     """What a run of `data shards` or `data resize` left: its samples, what it skipped, the data block."""
     resumed = f", {written.resumed} of them from an earlier run" if written.resumed else ""
-    console.print(f"[green]✓[/green] {written.samples:,} samples in {written.shards:,} shards in "
-                  f"{escape(str(out))}{resumed}", highlight=False, soft_wrap=True)
+    shards = f"{written.shards:,} shard{'s' * (written.shards != 1)}"
+    console.print(f"[green]✓[/green] {written.samples:,} samples in {shards} in {escape(str(out))}{resumed}",
+                  highlight=False, soft_wrap=True)
     if written.skipped:
         console.print(f"[yellow]![/yellow] {written.skipped:,} image{'s' * (written.skipped != 1)} {what}; "
                       + escape("; ".join(written.reasons)), highlight=False, soft_wrap=True)
@@ -349,7 +350,7 @@ def _with_progress(total: int, unit: str, write) -> object:
 
     try:
         with Progress(TextColumn(unit), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=console, transient=True) as progress:
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task(unit, total=total)
             return write(lambda count: progress.advance(task, count))
     except WriteError as exc:
