@@ -163,7 +163,10 @@ def test_mistakes_are_one_line_each(cli, tmp_path):
              (("data", "shards", table, tmp_path / "o", "--size", "64", "--model", "ViT-B-32"), "give one of"),
              (("data", "shards", tmp_path / "nothing.csv", tmp_path / "o", "--size", "64"), "does not exist"),
              (("data", "shards", table, other, "--size", "64", "--csv-img-key", "path", "--csv-caption-key", "text"),
-              "is not empty and holds no shards.json")]
+              "is not empty and holds no shards.json"),
+             (("data", "resize", str(tmp_path / "s-{0..2}.tar"), tmp_path / "o", "--size", "64"),
+              "s-0.tar does not exist (3 of the 3 shards are missing)"),
+             (("data", "resize", other, tmp_path / "o", "--size", "64"), "no shard to resize")]
     try:
         import pyarrow  # noqa: F401
     except ImportError:
@@ -179,6 +182,7 @@ def test_mistakes_are_one_line_each(cli, tmp_path):
     result = cli(*args, "--size", "48")
     assert result.exit_code == 2 and "holds shards written with other settings (short_side 32 → 48)" in result.output
     assert cli(*args, "--size", "32").exit_code == 0  # the same: nothing left to do
+    assert not (tmp_path / "o").exists()  # no mistake above left an output folder
     assert brace_pattern(["a/s-08.tar", "a/s-09.tar", "a/s-10.tar"]) == "a/s-{08..10}.tar"
     assert brace_pattern(["a/s-08.tar", "a/s-10.tar"]) == ["a/s-08.tar", "a/s-10.tar"]
 
@@ -235,9 +239,10 @@ def test_an_interrupted_run_goes_on_to_the_same_shards(cli, tmp_path, stop):
 
 
 def test_resize_shrinks_the_images_and_keeps_every_other_member(cli, tmp_path):
-    """`data resize` of a folder of shards: each sample's images shrunk to the short side in their own format
-    (jpg, png), a small image and every other member (txt, json, cls) as they were, an unreadable image kept
-    and counted; the same samples in the same shards, and the data block to train on them."""
+    """`data resize` of a folder of shards over 2 processes: each sample's images shrunk to the short side in
+    their own format (jpg, png), a small image and every other member (txt, json, cls) as they were, an
+    unreadable image kept and counted; the same samples in the same shards, and the data block to train on
+    them. Run again after a shard was lost, it keeps the other and writes that one as it was."""
     source = tmp_path / "big"
     source.mkdir()
     samples = []
@@ -280,3 +285,9 @@ def test_resize_shrinks_the_images_and_keeps_every_other_member(cli, tmp_path):
         if "png" in want:
             image = Image.open(io.BytesIO(sample["png"]))
             assert image.format == "PNG" and image.size == (100, 400)
+    kept, first = (out / "part-000.tar").stat().st_ino, (out / "part-001.tar").read_bytes()
+    (out / "part-001.tar").unlink()  # as if the run had stopped before it
+    result = cli("data", "resize", source, out, "--size", "100", "--workers", "1")
+    assert result.exit_code == 0 and "6 samples in 2 shards in" in result.output, result.output
+    assert "1 of them from an earlier run" in result.output and (out / "part-000.tar").stat().st_ino == kept
+    assert (out / "part-001.tar").read_bytes() == first

@@ -425,13 +425,16 @@ def data_resize(
                                   help="Members that are images, ';'-separated (as data.image_key)."),
 ) -> None:
     """Shrink the images of existing shards to a short side (other members copied); resumable."""
-    from fsdpclip.data.urls import shard_urls
+    from fsdpclip.data.urls import is_local, local_path, shard_urls
     from fsdpclip.data.writer import brace_pattern, resize_shards
     from fsdpclip.node import usable_cores
 
     short_side = _short_side(size, model, job_file)
     folder = Path(shards)
     urls = sorted(str(path) for path in folder.glob("*.tar")) if folder.is_dir() else shard_urls(shards)
+    missing = [url for url in urls if is_local(url) and not Path(local_path(url)).is_file()]
+    if missing:
+        stop(f"{missing[0]} does not exist ({len(missing)} of the {len(urls)} shards are missing)")
     names = [url.rstrip("/").rsplit("/", 1)[-1] for url in urls]
     pattern = brace_pattern([str(out.resolve() / name) for name in names])
     keys = tuple(key.strip().lower() for key in image_key.split(";") if key.strip())

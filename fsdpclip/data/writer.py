@@ -173,7 +173,8 @@ def unreadable(exc: Exception) -> str:
 @dataclass
 class Written:
     """What a run left in its output: the `data.urls` pattern (or list), the samples and shards, the images
-    skipped (in the shards of this run and of the runs before it) and some of them with the reason."""
+    skipped (`write_shards`: in every run's shards) or kept unread (`resize_shards`: in this run's shards),
+    and some of them with the reason."""
 
     urls: str | list[str]
     samples: int
