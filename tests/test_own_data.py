@@ -187,13 +187,20 @@ def test_mistakes_are_one_line_each(cli, tmp_path):
     assert brace_pattern(["a/s-08.tar", "a/s-10.tar"]) == ["a/s-08.tar", "a/s-10.tar"]
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The multiprocessing workers a process started (its children running multiprocessing's spawn_main)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, "a worker killed"])
 def test_an_interrupted_run_goes_on_to_the_same_shards(cli, tmp_path, stop):
-    """`data shards` over 2 processes, its process group sent SIGINT (Ctrl-C) or SIGTERM while an image of its
-    third shard is a FIFO nobody writes (the run waits there, its first two shards written): it exits 130,
-    leaves those two whole and no other file; run again once the image is a file, it keeps them, writes the
-    rest, and its shards are byte for byte an uninterrupted run's."""
+    """`data shards` over 2 processes, its process group sent SIGINT (Ctrl-C) or SIGTERM, or one of its
+    workers SIGKILL (as the kernel's out-of-memory killer would), while an image of its third shard is a FIFO
+    nobody writes (the run waits there, its first two shards written): it exits 130 (2 and one line for the
+    dead worker), leaves those two whole and no other file, and no process; run again once the image is a
+    file, it keeps them, writes the rest, and its shards are byte for byte an uninterrupted run's."""
     images = tmp_path / "images"
     images.mkdir()
     for index in range(11):
@@ -213,14 +220,23 @@ def test_an_interrupted_run_goes_on_to_the_same_shards(cli, tmp_path, stop):
         while not (out / "shard-000001.tar").exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (out / "shard-000001.tar").exists(), "the first two shards were never written"
-        os.killpg(process.pid, stop)
+        if stop == "a worker killed":
+            os.kill(worker_pids(process.pid)[0], signal.SIGKILL)
+        else:
+            os.killpg(process.pid, stop)
         output, _ = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode == 130, output
-    assert "interrupted: the shards written whole are kept" in output and "Traceback" not in output, output
+    if stop == "a worker killed":
+        assert process.returncode == 2 and "a worker process died (killed, or out of memory?)" in output, output
+    else:
+        assert process.returncode == 130 and "interrupted: the shards written whole are kept" in output, output
+    assert "Traceback" not in output, output
+    group = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-g", str(process.pid)], capture_output=True, text=True)
+    running = [line for line in group.stdout.splitlines() if not line.startswith("Z")]  # exited, not yet reaped
+    assert not running, running  # none of its processes is left
     assert sorted(path.name for path in out.iterdir()) == ["shard-000000.tar", "shard-000001.tar", "shards.json"]
     for path in out.glob("*.tar"):  # whole: every member there, to the archive's end
         assert len(list(tar_members(open(path, "rb")))) == 8

@@ -79,7 +79,11 @@ def table_pairs(path: Path, image_key: str = "filepath", caption_key: str = "tit
         except (OSError, UnicodeDecodeError, csv.Error) as exc:
             raise WriteError(f"cannot read the table {path}: {exc}") from None
         images, captions = [r[0] for r in rows], [r[1] for r in rows]
-    return [Pair(str(root / image) if image else "", caption) for image, caption in zip(images, captions)]
+    odd = next((value for value in images if value is not None and not isinstance(value, str)), None)
+    if odd is not None:
+        raise WriteError(f"{path}'s column {image_key!r} holds {type(odd).__name__} values, not image paths")
+    return [Pair(str(root / image) if image else "", caption if isinstance(caption, str) else None)
+            for image, caption in zip(images, captions)]
 
 
 def _parquet_columns(path: Path, image_key: str, caption_key: str) -> tuple[list, list]:
@@ -123,8 +127,9 @@ def shrunk(data: bytes, short_side: int, quality: int, image_format: str = "JPEG
     that small in that format (a JPEG: RGB or grayscale) is kept as it is, once PIL decoded it whole; others are
     decoded (a JPEG through its DCT-domain downscale to at least twice the size), converted to RGB as the
     trainer converts them (grayscale kept), resized with Lanczos and encoded (JPEG and WebP at `quality`).
-    EXIF orientation is not applied, as the trainer does not. Raises for what PIL cannot read (up to twice
-    PIL's decompression-bomb limit: larger images are what this is for)."""
+    EXIF orientation is not applied, as the trainer does not. Raises for what PIL cannot read, images over
+    twice PIL's decompression-bomb limit among them; those between it and twice it, which training refuses
+    (`jpeg.refuse_huge`), are shrunk."""
     from PIL import Image
 
     with warnings.catch_warnings():
@@ -311,10 +316,11 @@ def _claim(out: Path, settings: dict) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         if info.exists():
-            before = json.loads(info.read_text()).get("settings")
+            before = json.loads(info.read_text())
+            before = before.get("settings") if isinstance(before, dict) else None
+            before = before if isinstance(before, dict) else {}
             if before != settings:
-                changed = [f"{k} {before.get(k)!r} → {v!r}" for k, v in settings.items()
-                           if not isinstance(before, dict) or before.get(k) != v]
+                changed = [f"{k} {before.get(k)!r} → {v!r}" for k, v in settings.items() if before.get(k) != v]
                 raise WriteError(f"{out} holds shards written with other settings ({'; '.join(changed)}): give "
                                  "another output folder, or the same settings to go on")
         elif any(not entry.name.startswith(".") for entry in out.iterdir()):
@@ -360,8 +366,9 @@ def _processes(workers: int) -> Iterator[Callable]:
     order, a few chunks per process ahead. Inside, SIGTERM raises KeyboardInterrupt as Ctrl-C does; the workers
     ignore Ctrl-C, and on any exception this process kills them (one may wait on an image for ever: a FIFO, a
     hung network file system), then ends the pool (multiprocessing.Pool's terminate would wait for ever on a
-    queue lock that a worker killed by the same SIGTERM held)."""
+    queue lock that a worker killed by the same SIGTERM held). A worker that dies is a WriteError."""
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
@@ -372,9 +379,12 @@ def _processes(workers: int) -> Iterator[Callable]:
         executor = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _ignore_interrupts)
         try:
             yield lambda function, jobs, chunksize: _in_order(executor, function, iter(jobs), chunksize, 4 * workers)
-        except BaseException:
+        except BaseException as exc:
             for child in set(multiprocessing.active_children()) - before:
                 child.kill()
+            if isinstance(exc, BrokenProcessPool):
+                raise WriteError("a worker process died (killed, or out of memory?): the shards written whole are "
+                                 "kept, and the same command goes on from them") from None
             raise
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
