@@ -45,7 +45,7 @@ def short_side_for(image_size: int | tuple[int, int] | list[int]) -> int:
 
 
 # ----------------------------------------------------------------------- sources
-@dataclass
+@dataclass(slots=True)  # a table may hold millions
 class Pair:
     """An image file and its caption (None or empty: it has none, and is skipped)."""
 
