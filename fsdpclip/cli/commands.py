@@ -426,7 +426,7 @@ def data_resize(
 ) -> None:
     """Shrink the images of existing shards to a short side (other members copied); resumable."""
     from fsdpclip.data.urls import is_local, local_path, shard_urls
-    from fsdpclip.data.writer import brace_pattern, resize_shards
+    from fsdpclip.data.writer import resize_shards
     from fsdpclip.node import usable_cores
 
     short_side = _short_side(size, model, job_file)
@@ -435,9 +435,7 @@ def data_resize(
     missing = [url for url in urls if is_local(url) and not Path(local_path(url)).is_file()]
     if missing:
         stop(f"{missing[0]} does not exist ({len(missing)} of the {len(urls)} shards are missing)")
-    names = [url.rstrip("/").rsplit("/", 1)[-1] for url in urls]
-    pattern = brace_pattern([str(out.resolve() / name) for name in names])
     keys = tuple(key.strip().lower() for key in image_key.split(";") if key.strip())
     written = _with_progress(len(urls), "shards", lambda advance: resize_shards(
-        urls, out, short_side, quality, keys, workers or usable_cores(), pattern, advance))
+        urls, out, short_side, quality, keys, workers or usable_cores(), advance))
     _written(written, out, "unreadable, kept unchanged")

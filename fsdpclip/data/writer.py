@@ -21,7 +21,7 @@ import os
 import re
 import signal
 import warnings
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,18 +235,17 @@ def write_shards(pairs: list[Pair], out: Path, short_side: int, quality: int = 9
 
 
 def resize_shards(urls: list[str], out: Path, short_side: int, quality: int, image_keys: tuple[str, ...],
-                  workers: int = 1,
-                  pattern: str | list[str] = "", advance: Callable[[int], None] = lambda n: None) -> Written:
+                  workers: int = 1, advance: Callable[[int], None] = lambda n: None) -> Written:
     """Each shard of `urls` written to `out` under its own file name with its images (members `image_keys`)
     shrunk (`shrunk`, each in its member's format) by `workers` processes, every other member as it was; an
-    image PIL cannot read is kept as it was and counted. Shards already in `out` are kept. `pattern`: the
-    output's `data.urls` (default: the list of its files). `advance(1)` per shard done."""
+    image PIL cannot read is kept as it was and counted. Shards already in `out` are kept. `advance(1)` per
+    shard done."""
     if not urls:
         raise WriteError("no shard to resize")
-    names = [url.rstrip("/").rsplit("/", 1)[-1] for url in urls]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    names = [_file_name(url) for url in urls]
+    twice = next((name for name, count in Counter(names).items() if count > 1), None)
     if twice:
-        raise WriteError(f"several input shards are named {twice[0]}: they would be written to one file")
+        raise WriteError(f"several input shards are named {twice}: they would be written to one file")
     settings = {"source": urls[0] if len(urls) == 1 else f"{urls[0]} ... {urls[-1]} ({len(urls)} shards)",
                 "short_side": short_side, "quality": quality, "image_keys": list(image_keys)}
     _claim(out, settings)
@@ -267,10 +266,18 @@ def resize_shards(urls: list[str], out: Path, short_side: int, quality: int, ima
                     sink.write(sample)
                     samples, skipped, reasons = samples + 1, skipped + len(unread), reasons + unread
             advance(1)
-    written = Written(pattern or [str((out / name).resolve()) for name in names], samples, len(urls), skipped,
+    written = Written(brace_pattern([str(out.resolve() / name) for name in names]), samples, len(urls), skipped,
                       reasons[:SHOWN], len(urls) - len(pending))
     _finish(out, settings, written)
     return written
+
+
+def _file_name(url: str) -> str:
+    """The file name a shard URL ends in (`pipe:` commands' too: `pipe:aws s3 cp s3://b/x-0.tar -` → x-0.tar)."""
+    names = re.findall(r"[^/\s:]+\.tar(?:\.gz|\.bz2|\.xz)?(?=\s|$)", url)
+    if not names:
+        raise WriteError(f"cannot tell the file name of the shard {url} (it names no .tar file)")
+    return names[-1]
 
 
 def _samples_of(url: str) -> Iterator[dict]:
