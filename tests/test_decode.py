@@ -8,6 +8,7 @@ import io
 import itertools
 import os
 import warnings
+import zlib
 from typing import Iterator
 
 import numpy as np
@@ -441,8 +442,9 @@ def test_crop_boxes_are_torchvisions_draw_for_draw():
 def test_jpeg_headers_are_read_as_pil_reads_them():
     """read_header reads plain JPEGs itself (baseline, progressive, 4:4:4, grayscale, a large ICC profile, a
     comment, optimised Huffman tables, Adobe RGB) as PIL would, and leaves CMYK, EXIF, MPO, PNG, segments PIL
-    reads otherwise or refuses, and sizes past PIL's decompression-bomb limit to PIL, which reads them, warns
-    or raises. Cut at every byte or damaged at random, a JPEG it reads itself is read as PIL reads it."""
+    reads otherwise or refuses to PIL, which reads them or raises; it refuses any image past PIL's
+    decompression-bomb limit (`refuse_huge`: PIL would only warn below twice it). Cut at every byte or damaged at
+    random, a JPEG it reads itself is read as PIL reads it."""
     from fsdpclip.data.jpeg import _plain_jpeg_header
 
     rng = np.random.default_rng(4)
@@ -491,14 +493,79 @@ def test_jpeg_headers_are_read_as_pil_reads_them():
             assert (header.format, header.mode, header.height, header.width, header.progressive) == pil(data)
             read += 1
     assert read > 1000  # most damage is to the pixels, after the header
-    for side, outcome in [(20000, pytest.raises(Image.DecompressionBombError)),  # past twice PIL's limit
-                          (10000, pytest.warns(Image.DecompressionBombWarning))]:  # past the limit: PIL warns
+    assert Image.MAX_IMAGE_PIXELS == 89478485 and 9459 ** 2 <= 89478485 < 9460 ** 2
+    for side in (9459, 9460, 10000, 20000):  # at PIL's limit, past it (PIL warns), past twice it (PIL raises)
         huge = bytearray(base)
         huge[frame + 5:frame + 9] = side.to_bytes(2, "big") * 2
-        with outcome:
-            assert read_header(bytes(huge)).opened is not None
+        png = bytearray(encoded(image, "PNG"))  # its IHDR's size, and the chunk's CRC
+        png[16:24] = side.to_bytes(4, "big") * 2
+        png[29:33] = zlib.crc32(png[12:29]).to_bytes(4, "big")
+        for data in (bytes(huge), bytes(png)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                if side == 9459:
+                    assert (read_header(data).height, read_header(data).width) == (side, side)
+                    continue
+                with pytest.raises(Image.DecompressionBombError, match="decompression bomb"):
+                    read_header(data)
     for data in [encoded(image)[:40], b"\xff\xd8\xff" + bytes(50)]:
         with pytest.raises(OSError):
+            read_header(data)
+
+
+def solid_jpeg(side: int) -> bytes:
+    """A side × side mid-grey grayscale baseline JPEG, made without encoding its pixels: a small one's header
+    with its frame's size changed, then each 8×8 block's entropy-coded data, the same 6 bits (a DC difference
+    of 0, end of block: the standard Huffman tables PIL writes), so 1.2 MB for 100 megapixels."""
+    small = encoded(Image.new("L", (16, 16), 128))
+    frame, scan = small.index(b"\xff\xc0"), small.index(b"\xff\xda")
+    header = bytearray(small[:scan + 2 + int.from_bytes(small[scan + 2:scan + 4], "big")])
+    header[frame + 5:frame + 9] = side.to_bytes(2, "big") * 2
+    blocks = (side // 8) ** 2
+    assert side % 8 == 0 and blocks % 4 == 0  # 4 blocks: 24 bits
+    return bytes(header) + b"\x28\xa2\x8a" * (blocks // 4) + b"\xff\xd9"
+
+
+BAD_IMAGES = {  # name: decodable (else a broken sample)
+    "truncated": False, "truncated progressive": False, "CMYK": True, "progressive": True, "grayscale": True,
+    "PNG named .jpg": True, "WebP named .jpg": True, "100 megapixels": False, "zero bytes": False}
+
+
+def bad_image(name: str) -> bytes:
+    rng = np.random.default_rng(8)
+    image = picture(rng, 60, 80)
+    jpeg, progressive = encoded(image), encoded(image, progressive=True)
+    return {"truncated": jpeg[:len(jpeg) * 2 // 3], "truncated progressive": progressive[:len(progressive) // 2],
+            "CMYK": encoded(image.convert("CMYK")), "progressive": progressive,
+            "grayscale": encoded(image.convert("L")), "PNG named .jpg": encoded(image, "PNG"),
+            "WebP named .jpg": encoded(image, "WEBP"), "100 megapixels": solid_jpeg(10000), "zero bytes": b""}[name]
+
+
+@pytest.mark.parametrize("name", BAD_IMAGES)
+def test_a_bad_image_is_decoded_or_counted_broken_on_every_path(tmp_path, name):
+    """A shard's bad image, stored as `.jpg` between two good JPEGs: on every decode path ("cpu", "mixed" and
+    "gpu", its device part on the CPU), through a real data worker, it is decoded as the cpu path decodes it
+    (CMYK, progressive, grayscale, PNG and WebP) or skipped and counted as broken (truncated, zero bytes, and
+    100 megapixels: over PIL's MAX_IMAGE_PIXELS, refused from its header before anything decodes it, where
+    PIL alone would only warn and decode it, and the device paths would pad the batch to it)."""
+    rng = np.random.default_rng(9)
+    data, decodable = bad_image(name), BAD_IMAGES[name]
+    shard = [("jpg", encoded(picture(rng, 64, 64))), ("jpg", data), ("jpg", encoded(picture(rng, 50, 70)))]
+    transform, device = train_transform(), torch.device("cpu")
+    pixels = {}
+    for mode in ("cpu", "mixed", "gpu"):
+        (images, texts), stream = batches(tmp_path, shard, mode, transform, 2, workers=1)
+        assert texts[:, 0].tolist() == ([0, 1] if decodable else [0, 2]), mode
+        assert stream.position.broken == (not decodable), mode
+        pixels[mode] = TrainImages(transform, mode, device)(images)
+    for mode in ("mixed", "gpu"):
+        error = levels(pixels[mode], pixels["cpu"], transform)
+        assert error.max() <= 2 + 1e-3, (mode, error.max())
+    if name == "100 megapixels":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            assert Image.open(io.BytesIO(data)).size == (10000, 10000)  # PIL reads it (and would decode it)
+        with pytest.raises(Image.DecompressionBombError, match="MAX_IMAGE_PIXELS"):
             read_header(data)
 
 

@@ -18,7 +18,8 @@ from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
 data_app = typer.Typer(no_args_is_help=True, help="Build datasets.")
-app.add_typer(data_app, name="data", help="Build datasets (the offline digits demo).")
+app.add_typer(data_app, name="data", help="Build datasets: webdataset shards from your own images, "
+                                          "shards resized, the offline digits demo.")
 
 
 def _print_version(value: bool) -> None:
@@ -308,3 +309,143 @@ def data_digits(
     done = (f"{info['train_samples']} training pairs in {shards} shards ({info['train_urls']}), "
             f"{info['test_samples']} held-out images in {info['test_dir']}")
     console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
+
+
+def _short_side(size: Optional[int], model: Optional[str], job_file: Optional[Path]) -> int:
+    """The short side images are shrunk to: --size, or the image size of --model's or --job's model × 1.15."""
+    from fsdpclip.data.writer import MARGIN, short_side_for
+
+    if sum(given is not None for given in (size, model, job_file)) != 1:
+        stop(f"give one of --size N (the short side, in pixels), --model NAME or --job FILE (the model's image size "
+             f"× {MARGIN})")
+    if size is not None:
+        return size
+    from fsdpclip.cli.console import model_error_line
+    from fsdpclip.model.build import model_config
+    from fsdpclip.problems import ModelError
+    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.spec.jobfile import load_job
+
+    try:
+        job = load_job(job_file) if job_file is not None else None
+        config = model_config(job.model if job else ModelSpec(name=model))
+    except SpecError as exc:
+        fail(exc.problems)
+    except ModelError as exc:
+        stop(model_error_line(exc))
+    image_size = config["vision_cfg"].get("image_size")
+    if image_size is None:
+        stop(f"the image size of {model or job_file}'s model is not in its config: give --size N")
+    return short_side_for(image_size)
+
+
+def _written(written, out: Path, what: str) -> None:
+    """What a run of `data shards` or `data resize` left: its samples, what it skipped, the data block."""
+    resumed = f", {written.resumed} of them from an earlier run" if written.resumed else ""
+    shards = f"{written.shards:,} shard{'s' * (written.shards != 1)}"
+    console.print(f"[green]✓[/green] {written.samples:,} samples in {shards} in {escape(str(out))}{resumed}",
+                  highlight=False, soft_wrap=True)
+    if written.skipped:
+        console.print(f"[yellow]![/yellow] {written.skipped:,} image{'s' * (written.skipped != 1)} {what}; "
+                      + escape("; ".join(written.reasons)), highlight=False, soft_wrap=True)
+    console.print(f"the job spec's data block (also in {escape(str(out / 'shards.json'))}):", highlight=False)
+    print(json.dumps({"data": written.spec()}, indent=2))
+
+
+def _with_progress(total: int, unit: str, write) -> object:
+    """`write(advance)` under a rich progress bar of `total` `unit`; Ctrl-C or SIGTERM: one line, exit 130."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from fsdpclip.data.writer import WriteError
+
+    try:
+        with Progress(TextColumn(unit), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=console, transient=True, disable=not console.is_terminal) as progress:
+            task = progress.add_task(unit, total=total)
+            return write(lambda count: progress.advance(task, count))
+    except WriteError as exc:
+        stop(str(exc))
+    except KeyboardInterrupt:
+        err_console.print("[red]✗[/red] interrupted: the shards written whole are kept; the same command goes on "
+                          "from them", highlight=False)
+        raise typer.Exit(130)
+
+
+SIZE_HELP = "Short side to shrink images to, in pixels (or --model / --job)."
+MODEL_HELP = "Shrink to this OpenCLIP model's image size × 1.15 (ViT-B-32: 258)."
+JOB_HELP = "Shrink to the image size × 1.15 of this job spec's model."
+QUALITY_HELP = "JPEG quality of the images re-encoded."
+WORKERS_HELP = "Processes (default: this node's cores)."
+
+
+@data_app.command("shards")
+def data_shards(
+    source: Path = typer.Argument(..., help="A caption table (.csv, .tsv or .parquet: an image path and a caption "
+                                            "per row) or a folder of images with captions beside them "
+                                            "(name.jpg and name.txt)."),
+    out: Path = typer.Argument(..., help="Where to write the shards (a new or empty folder, or the one an "
+                                         "interrupted run wrote)."),
+    size: Optional[int] = typer.Option(None, "--size", min=8, help=SIZE_HELP),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    job_file: Optional[Path] = typer.Option(None, "--job", help=JOB_HELP),
+    quality: int = typer.Option(90, "--quality", min=1, max=100, help=QUALITY_HELP),
+    shard_size: int = typer.Option(10_000, "--shard-size", min=1, help="Rows of the source per shard."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help=WORKERS_HELP),
+    image_key: str = typer.Option("filepath", "--csv-img-key", help="The table's column of image paths "
+                                                                    "(open_clip_train's --csv-img-key)."),
+    caption_key: str = typer.Option("title", "--csv-caption-key", help="The table's column of captions "
+                                                                       "(open_clip_train's --csv-caption-key)."),
+    separator: Optional[str] = typer.Option(None, "--csv-separator", help="The table's separator (default: a tab "
+                                                                          "if its header line holds one, else a "
+                                                                          "comma)."),
+    image_root: Optional[Path] = typer.Option(None, "--image-root", help="Where the table's relative image paths "
+                                                                         "start (default: the table's folder; "
+                                                                         "open_clip_train's: the current one, "
+                                                                         "--image-root .)."),
+) -> None:
+    """Write webdataset shards (jpg, txt) from your own images, shrunk, in parallel; resumable, skipping
+    unreadable images."""
+    from fsdpclip.data.writer import WriteError, folder_pairs, table_pairs, write_shards
+    from fsdpclip.node import usable_cores
+
+    short_side = _short_side(size, model, job_file)
+    if not source.exists():
+        stop(f"{source} does not exist: give a caption table or a folder of images")
+    try:
+        pairs = folder_pairs(source) if source.is_dir() else table_pairs(source, image_key, caption_key,
+                                                                         separator, image_root)
+    except WriteError as exc:
+        stop(str(exc))
+    written = _with_progress(len(pairs), "images", lambda advance: write_shards(
+        pairs, out, short_side, quality, shard_size, workers or usable_cores(), str(source.resolve()), advance))
+    _written(written, out, "skipped (unreadable, or without a caption)")
+
+
+@data_app.command("resize")
+def data_resize(
+    shards: str = typer.Argument(..., help="Webdataset shards: a folder of .tar files, or a path or URL with brace "
+                                           "expansion as data.urls takes them."),
+    out: Path = typer.Argument(..., help="Where to write the resized shards, under their own names."),
+    size: Optional[int] = typer.Option(None, "--size", min=8, help=SIZE_HELP),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    job_file: Optional[Path] = typer.Option(None, "--job", help=JOB_HELP),
+    quality: int = typer.Option(90, "--quality", min=1, max=100, help=QUALITY_HELP),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help=WORKERS_HELP),
+    image_key: str = typer.Option("jpg;png;jpeg;webp", "--image-key",
+                                  help="Members that are images, ';'-separated (as data.image_key)."),
+) -> None:
+    """Shrink the images of existing shards to a short side (other members copied); resumable."""
+    from fsdpclip.data.urls import is_local, local_path, shard_urls
+    from fsdpclip.data.writer import resize_shards
+    from fsdpclip.node import usable_cores
+
+    short_side = _short_side(size, model, job_file)
+    folder = Path(shards)
+    urls = sorted(str(path) for path in folder.glob("*.tar")) if folder.is_dir() else shard_urls(shards)
+    missing = [url for url in urls if is_local(url) and not Path(local_path(url)).is_file()]
+    if missing:
+        stop(f"{missing[0]} does not exist ({len(missing)} of the {len(urls)} shards are missing)")
+    keys = tuple(key.strip().lower() for key in image_key.split(";") if key.strip())
+    written = _with_progress(len(urls), "shards", lambda advance: resize_shards(
+        urls, out, short_side, quality, keys, workers or usable_cores(), advance))
+    _written(written, out, "unreadable, kept unchanged")

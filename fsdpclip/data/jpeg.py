@@ -48,22 +48,38 @@ def read_header(data: bytes) -> Header:
     """`data`'s header. A plain JPEG (8-bit, 1 or 3 components, segments that PIL reads without a doubt and
     that change nothing about how it is opened) is read here, segment by segment up to its first scan: PIL's
     `Image.open` took 0.10-0.11 ms per image in a 'mixed' worker on an H200 host. Anything else (other
-    formats, CMYK, EXIF, Photoshop and MPO segments, short or cut segments, markers PIL reads otherwise,
-    more pixels than PIL's decompression-bomb limit) is opened by PIL, which raises for what it cannot open.
-    Where this reads a header, PIL reads the same (tests/test_decode.py checks it on cut and damaged JPEGs)."""
+    formats, CMYK, EXIF, Photoshop and MPO segments, short or cut segments, markers PIL reads otherwise) is
+    opened by PIL, which raises for what it cannot open. Where this reads a header, PIL reads the same
+    (tests/test_decode.py checks it on cut and damaged JPEGs). An image of more pixels than PIL's limit is
+    refused before anything decodes it (`refuse_huge`)."""
     from PIL import Image
 
     header = _plain_jpeg_header(data)
-    if header is not None:
-        return header
-    image = Image.open(io.BytesIO(data))
-    return Header(image.format, image.mode, image.height, image.width, bool(image.info.get("progressive")), image)
+    if header is None:
+        image = Image.open(io.BytesIO(data))
+        header = Header(image.format, image.mode, image.height, image.width, bool(image.info.get("progressive")),
+                        image)
+    refuse_huge(header.height, header.width)
+    return header
+
+
+def refuse_huge(height: int, width: int) -> None:
+    """The decompression-bomb guard of every decode path: an image of more pixels than PIL's
+    `Image.MAX_IMAGE_PIXELS` (89.5 million unless changed; None: no limit) raises DecompressionBombError, a
+    broken sample. PIL alone raises only past twice its limit (it warns between), and would decode a
+    100-megapixel image; the device paths pad a batch to its largest image, so one such image would make every
+    image of its batch that large (a 256-image batch: 77 GB)."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and height * width > limit:
+        raise Image.DecompressionBombError(f"an image of {width}×{height} = {height * width:,} pixels, over PIL's "
+                                           f"limit of {limit:,} (PIL.Image.MAX_IMAGE_PIXELS): a decompression bomb "
+                                           "or an image to shrink (fsdpclip data resize)")
 
 
 def _plain_jpeg_header(data: bytes) -> Optional[Header]:
     """`data`'s header if it is a plain JPEG as `read_header` says, else None."""
-    from PIL import Image
-
     if not data.startswith(b"\xff\xd8\xff"):
         return None
     frame, at = None, 2
@@ -87,8 +103,7 @@ def _plain_jpeg_header(data: bytes) -> Optional[Header]:
                 return None
             frame = Header("JPEG", "RGB" if segment[5] == 3 else "L", int.from_bytes(segment[1:3], "big"),
                            int.from_bytes(segment[3:5], "big"), marker in _PROGRESSIVE)
-            limit = Image.MAX_IMAGE_PIXELS  # above it PIL warns, above twice it refuses: let it
-            if not frame.height or not frame.width or limit is not None and frame.height * frame.width > limit:
+            if not frame.height or not frame.width:
                 return None
         at += 2 + length
     return None

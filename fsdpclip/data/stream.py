@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from fsdpclip.data.augment import random_resized_crop
-from fsdpclip.data.jpeg import read_header
+from fsdpclip.data.jpeg import read_header, refuse_huge
 from fsdpclip.data.tarshards import shard_samples
 from fsdpclip.data.transform import CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, collate, cropped, for_device
 from fsdpclip.data.urls import shard_urls
@@ -282,7 +282,9 @@ class ShardStream(IterableDataset):
         if self.crop is None:  # "cpu": PIL reads the header as it opens the image
             from PIL import Image
 
-            return self._preprocessed(Image.open(io.BytesIO(data)), seed), caption
+            image = Image.open(io.BytesIO(data))
+            refuse_huge(image.height, image.width)
+            return self._preprocessed(image, seed), caption
         header = read_header(data)
         if self.spec.decode == "mixed":
             return cropped(data, header, self.crop, seed), caption
