@@ -190,6 +190,27 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
 
 
+def test_a_large_photo_is_resized_on_the_worker_not_padded_into_its_batch(tmp_path):
+    """A photo of more than LARGEST_ON_DEVICE times the output's pixels: "mixed" resizes its crop on the worker
+    as the worker transform does (the cpu path's pixels exactly), "gpu" decodes it on the worker; the other
+    images' crops are padded only to the largest of theirs, and every sample's pixels are the cpu path's."""
+    rng = np.random.default_rng(2)
+    data = [encoded(picture(rng, 64, 64)), encoded(picture(rng, 500, 700)), encoded(picture(rng, 40, 36))]
+    transform, device = train_transform(), torch.device("cpu")
+    samples = [("jpg", d) for d in data]
+    (cpu, _), _ = batches(tmp_path, samples, "cpu", transform, len(data))
+    (mixed, _), _ = batches(tmp_path, samples, "mixed", transform, len(data))
+    assert mixed.pixels.shape[1] <= 64 and mixed.pixels.shape[2] <= 64
+    assert mixed.boxes[1].tolist() == [0, 0, SIZE, SIZE]
+    assert torch.equal(mixed.pixels[1, :SIZE, :SIZE], cpu[1].permute(1, 2, 0))
+    (gpu, _), _ = batches(tmp_path, samples, "gpu", transform, len(data))
+    assert len(gpu.lengths) == 2 and gpu.pixels is not None and torch.equal(gpu.pixels[0], cpu[1])
+    for batch, decode in ((mixed, "mixed"), (gpu, "gpu")):
+        error = levels(TrainImages(transform, decode, device)(batch), TrainImages(transform, "cpu", device)(cpu),
+                       transform)
+        assert error[1].max() <= 1e-3 and error.max() <= 2 + 1e-3, (decode, error.max())
+
+
 PREPROCESS = PreprocessSpec(mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), crop_scale=(0.3, 1.0), grayscale_prob=0.3,
                             color_jitter=ColorJitterSpec(prob=0.8, brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1))
 

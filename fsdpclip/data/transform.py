@@ -55,6 +55,7 @@ def decode_mode(requested: str, device_type: str) -> str:
 
 
 # ----------------------------------------------------------------------- workers
+LARGEST_ON_DEVICE = 16  # times the output's pixels: a larger image ('gpu') or crop ('mixed') is resized on the worker
 @dataclass
 class EncodedJpeg:
     """A worker's sample for the device to decode: the JPEG, its crop box (top, left, height, width), the
@@ -69,9 +70,12 @@ class EncodedJpeg:
 def for_device(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> Optional[EncodedJpeg]:
     """`data` (of `header`) with the box and colours `crop` (the worker transform's: `random_resized_crop`)
     draws for it with torch's generator seeded with `seed` (the same as running the transform so), if the
-    device decodes it; None: decode it on the worker."""
+    device decodes it; None: decode it on the worker (so are images of more than LARGEST_ON_DEVICE times the
+    output's pixels: one would pad every decoded image of its batch to its size on the device)."""
     if not whole_rgb_jpeg(data, header) or header.progressive:  # nvJPEG decodes those on the host
         return None
+    if header.height * header.width > LARGEST_ON_DEVICE * crop.size[0] * crop.size[1]:
+        return None  # the batch's decoded images are padded to the largest
     return EncodedJpeg(data, crop_box(crop.crop, header.height, header.width, seed), crop.size,
                        crop.colours(header.height, header.width, seed))
 
@@ -90,10 +94,18 @@ class CroppedImage:
 def cropped(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> CroppedImage:
     """`data` (of `header`) decoded to RGB and cut to the box `crop` (the worker transform's:
     `random_resized_crop`) draws for it with torch's generator seeded with `seed` (the box running the
-    transform so would cut), with its colour draws."""
+    transform so would cut), with its colour draws. A crop of more than LARGEST_ON_DEVICE times the output's
+    pixels is resized here, as the worker transform resizes it (PIL's), so that one large photo does not pad
+    every crop of its batch to its size; the device's resize of it is then the identity."""
     top, left, height, width = crop_box(crop.crop, header.height, header.width, seed)
-    return CroppedImage(rgb_pixels(data, header)[top:top + height, left:left + width], crop.size,
-                        crop.colours(header.height, header.width, seed))
+    pixels = rgb_pixels(data, header)[top:top + height, left:left + width]
+    if height * width > LARGEST_ON_DEVICE * crop.size[0] * crop.size[1]:  # the batch is padded to its largest crop
+        import numpy as np
+        from PIL import Image
+        from torchvision.transforms.functional import resize
+
+        pixels = np.asarray(resize(Image.fromarray(pixels), list(crop.size), crop.crop.interpolation))
+    return CroppedImage(pixels, crop.size, crop.colours(header.height, header.width, seed))
 
 
 def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
