@@ -140,6 +140,118 @@ def test_resume_across_mesh_shapes(tmp_path, cli):
         torch.testing.assert_close(weights["fsdp"][key], tensor, rtol=0, atol=1e-5, msg=key)
 
 
+def _resumed_copy(run_dir: Path, at: int, copy: Path) -> Path:
+    """`run_dir` copied to `copy` as a run stopped at step `at`: later checkpoints and metrics removed."""
+    shutil.copytree(run_dir, copy)
+    for checkpoint in (copy / "checkpoints").glob("step-*"):
+        if int(checkpoint.name.split("-")[1]) > at:
+            shutil.rmtree(checkpoint)
+    (copy / "checkpoints" / "latest").write_text(f"step-{at:08d}")
+    records = (json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines())
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= at))
+    return copy
+
+
+def _data_positions(checkpoint: Path) -> dict[str, dict]:
+    """Each data stream's position saved in `checkpoint`, by stream."""
+    found = {}
+    world, streams = (json.loads((checkpoint / "meta.json").read_text())[k] for k in ("world_size", "data_ranks"))
+    for rank in range(world):
+        data = torch.load(checkpoint / f"rank-{rank:05d}.pt", weights_only=True)["data"]
+        found.update(data["streams"] if streams > world else {str(rank): data})
+    return found
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def finished_two_rank_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The plain job as 2 epochs of 96 samples (STEPS steps) run to its end on 2 ranks, checkpoints at steps 4, 8 and
+    12: (its spec, its run directory)."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    path = write_job(tmp_path, _plain_job(tmp_path, "straight", checkpoint={"every_steps": 4, "keep": 3},
+                                          schedule={"steps": None, "epochs": 2}, data={"samples": 96}))
+    straight = _launch(path)
+    assert straight.returncode == 0, straight.stdout[-4000:]
+    return path, tmp_path / "runs" / "straight"
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_one_rank_and_again_on_two_keeps_its_meaning(tmp_path, finished_two_rank_run):
+    """A 2-rank run of 8 per GPU (global batch 16) resumed at step 4 on one rank: launch keeps the global batch
+    (grad_accum 2) and the schedule, the one rank reads both ranks' data streams in turn; resumed again at step
+    8 on two ranks, each goes on with its own stream. Every step's LR is the uninterrupted run's, each
+    resumed first step's loss too (the same weights and samples), the later ones within the accumulation's
+    rounding; the data positions saved at step 8 and 12 are the uninterrupted run's."""
+    path, straight = finished_two_rank_run
+    expected = _records(straight)
+
+    one = _resumed_copy(straight, 4, tmp_path / "one" / "straight")
+    on_one = _launch(path, "--nproc-per-node", "1", "--set", f"run.output_dir={tmp_path / 'one'}")
+    assert on_one.returncode == 0, on_one.stdout[-4000:]
+    assert squeezed("the global batch of 16 kept on 1 rank(s)") in squeezed(on_one.stdout)
+    assert "the 2 data streams go on where they stopped" in on_one.stdout
+    assert json.loads((one / "job.json").read_text())["batch"]["grad_accum"] == 2
+    assert _data_positions(one / "checkpoints" / "step-00000008") == _data_positions(
+        straight / "checkpoints" / "step-00000008")
+
+    two = _resumed_copy(one, 8, tmp_path / "two" / "straight")
+    on_two = _launch(path, "--set", f"run.output_dir={tmp_path / 'two'}")
+    assert on_two.returncode == 0, on_two.stdout[-4000:]
+    assert json.loads((two / "job.json").read_text())["batch"]["grad_accum"] == 1
+    assert _data_positions(two / "checkpoints" / "step-00000012") == _data_positions(
+        straight / "checkpoints" / "step-00000012")
+
+    resumed = _records(two)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step, record in resumed.items():
+        assert record["total_steps"] == STEPS and record["lr"] == pytest.approx(expected[step]["lr"], rel=1e-9)
+        close = 1e-6 if step <= 5 else 1e-3
+        assert record["loss"] == pytest.approx(expected[step]["loss"], rel=close), step
+
+
+@pytest.mark.slow
+def test_relaunches_that_change_the_run_are_refused_unless_accepted(tmp_path, cli, finished_two_rank_run):
+    """Before any step, validate and launch name each consequence of a relaunch that changes the run, and refuse
+    it without --accept-changes (exit 2, no rank started): from step 4 on 3 ranks, which do not divide the global
+    batch of 16 (the global batch, the length, the LR at the resume step); the finished cosine run lengthened
+    (its LR jumps from 0). The rank entry started by hand on one process refuses the 2-rank run too."""
+    path, straight = finished_two_rank_run
+    at_four = _resumed_copy(straight, 4, tmp_path / "runs" / "straight")
+    here = ("--set", f"run.output_dir={tmp_path / 'runs'}")
+    code, out = cli.validate_json(path, *here, "--set", "launch.gpus_per_node=3")
+    assert code == 2, out
+    assert [(e["location"], e["message"].split(": ", 1)[1]) for e in out["errors"]] == [
+        ("batch", "the global batch 16 → 24 samples a step (per_gpu × grad_accum × ranks: 8 × 1 × 3; the "
+                  "checkpoint's 8 × 1 × 2)"),
+        ("schedule", "the run's length 12 → 9 steps"),
+        ("schedule", "the LR of step 5, where it resumes: 0.000905 → 0.000812 (its schedule recomputed over the new "
+                     "length)")]
+    refused = cli("launch", path, *here, "--nproc-per-node", "3")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output[-3000:]
+    assert squeezed("the global batch 16 → 24") in squeezed(refused.output)
+    assert not (at_four / "launches").exists() or len(list((at_four / "launches").glob("*.json"))) == 1
+    code, out = cli.validate_json(path, *here, "--set", "launch.gpus_per_node=3", "--accept-changes")
+    assert code == 0 and {"batch", "schedule"} <= {w["location"] for w in out["warnings"]}, out
+
+    longer = ("--set", f"run.output_dir={straight.parent}", "--set", "schedule.epochs=4")
+    code, out = cli.validate_json(path, *longer)
+    assert code == 2 and [e["message"].split(": ", 1)[1] for e in out["errors"]] == [
+        "the LR of step 13, where it resumes: 0 → 0.000571 (its schedule recomputed over the new length)"], out
+    assert "the run's length 12 → 24 steps" in {w["message"].split(" (", 1)[1].split("):")[0].split(": ", 1)[1]
+                                                 for w in out["warnings"] if w["location"] == "schedule"}
+    assert cli.validate_json(path, *longer, "--accept-changes")[0] == 0
+
+    by_hand = json.loads((at_four / "job.json").read_text())
+    by_hand["run"]["output_dir"] = str(tmp_path / "runs")
+    rank = run_group([sys.executable, "-m", "fsdpclip", "train", str(write_job(tmp_path, by_hand))], timeout=240)
+    assert rank.returncode == 2 and "Traceback" not in rank.stdout, rank.stdout[-3000:]
+    assert squeezed("the global batch 16 → 8") in squeezed(rank.stdout) and "fsdpclip launch" in rank.stdout
+    assert max(_records(at_four)) == 4
+
+
 @pytest.mark.slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     path = write_job(tmp_path, _plain_job(tmp_path, "crash"))
