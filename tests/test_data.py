@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing
+import shutil
 import sys
 from collections import Counter
 from contextlib import closing
@@ -525,6 +526,47 @@ def test_a_mixture_logs_its_samples_by_source(tmp_path, digits_dir):
         assert set(record["source_samples"]) == {"a", "b"}
         assert sum(record["source_samples"].values()) == record["samples_seen"] == record["step"] * 32
     assert records[-1]["source_samples"]["a"] > records[-1]["source_samples"]["b"] > 0
+
+
+@pytest.mark.slow
+def test_sample_counts_go_on_after_a_resume_on_another_world_size(tmp_path):
+    """A 2-rank mixture run of 3 steps (global batch 32), a broken sample at the start of every shard, lengthened
+    to 6 steps on one rank: once going on with both ranks' data streams (grad_accum 2), once with per_gpu 32 (the
+    data stream restarts its epoch). Either way metrics.jsonl's `source_samples` count on from the checkpoint's
+    (together the samples seen) and `broken_samples` is the checkpoint's plus those the streams counted since."""
+    for name, first in (("a", 0), ("b", 64)):
+        (tmp_path / name).mkdir()
+        urls = write_shards(tmp_path / name, [16] * 4, broken={first + 16 * shard: "image" for shard in range(4)},
+                            first=first)
+    job = {
+        "run": {"name": "mixed", "output_dir": str(tmp_path / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "schedule": {"kind": "constant", "steps": 3},
+        "data": {"sources": [{"urls": urls.replace("/b/", "/a/"), "weight": 3, "name": "a"},
+                             {"urls": urls, "name": "b"}], "samples": 128, "workers": 1, "shuffle_buffer": 4},
+        "batch": {"per_gpu": 16},
+        "logging": {"every_steps": 3},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
+    }
+    path = write_job(tmp_path, job)
+    first = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
+    assert first.returncode == 0, first.stdout[-5000:]
+    shutil.copytree(tmp_path / "runs", tmp_path / "restarted")
+    for runs, extra in (("runs", ()), ("restarted", ("--set", "batch.per_gpu=32"))):
+        proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), "--nproc-per-node", "1", "--set",
+                          "schedule.steps=6", "--set", f"run.output_dir={tmp_path / runs}", *extra], timeout=240)
+        assert proc.returncode == 0, proc.stdout[-5000:]
+        assert ("the data stream restarts" in proc.stdout) == bool(extra), proc.stdout[-5000:]
+        run_dir = tmp_path / runs / "mixed"
+        records = [record for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                   if "loss" in (record := json.loads(line))]
+        assert [r["step"] for r in records] == [3, 6], runs
+        assert sum(records[-1]["source_samples"].values()) == records[-1]["samples_seen"] == 6 * 32, runs
+        data = torch.load(run_dir / "checkpoints" / "step-00000006" / "rank-00000.pt", weights_only=False)["data"]
+        counted = sum(p["broken"] for p in data["streams"].values()) if "streams" in data else data["broken"]
+        assert records[0]["broken_samples"] >= 1 and counted >= 1
+        assert records[-1]["broken_samples"] == counted + (records[0]["broken_samples"] if extra else 0), runs
 
 
 @pytest.mark.slow

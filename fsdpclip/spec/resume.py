@@ -153,7 +153,8 @@ def consequences(meta: dict, job: Job, world: int, changes: list[Change]) -> lis
         return []
     if job.batch.searched or saved.batch.searched:
         return []
-    step, seen, saved_world = meta["step"], meta.get("samples_seen", 0), meta["world_size"]
+    step, seen = meta["step"], meta.get("samples_seen", 0)
+    saved_world = saved.launch.world_size if "imported" in meta else meta["world_size"]  # an import's whole save: 1
     found = []
     before, after = saved.samples_per_step(saved_world), job.samples_per_step(world)
     layout = f"per_gpu × grad_accum × ranks: {job.batch.per_gpu} × {job.batch.grad_accum} × {world}"

@@ -321,8 +321,8 @@ def _check_resume(job: Job, report: Report) -> None:
                                             "(another run.name, or checkpoint.resume null)")
         elif change in refused:
             report.error(change.field, f"resuming {checkpoint.name} changes the run: {change.note}", change.after,
-                         hint=f"--accept-changes to resume so (checkpoint.accept_changes), or keep it: "
-                              f"{meta['world_size']} rank(s) and the checkpoint's spec")
+                         hint="--accept-changes to resume so (checkpoint.accept_changes), or relaunch as the "
+                              "checkpoint's spec and ranks would go on")
         else:
             report.warn(change.field, f"changed since {checkpoint.name} ({change}): applied from step {meta['step']}",
                         change.after)
