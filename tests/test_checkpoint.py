@@ -14,6 +14,7 @@ import torch
 from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
 from fsdpclip.checkpoint.layout import complete_checkpoints, latest_checkpoint
+from fsdpclip.spec.resume import Change
 
 STEPS = 12
 
@@ -250,6 +251,46 @@ def test_relaunches_that_change_the_run_are_refused_unless_accepted(tmp_path, cl
     assert rank.returncode == 2 and "Traceback" not in rank.stdout, rank.stdout[-3000:]
     assert squeezed("the global batch 16 → 8") in squeezed(rank.stdout) and "fsdpclip launch" in rank.stdout
     assert max(_records(at_four)) == 4
+
+
+def test_what_a_relaunch_on_other_ranks_keeps_and_what_it_changes(tmp_path):
+    """The global batch a relaunch keeps: grad_accum where per_gpu divides the ranks' share (2 × 32 on 1 rank:
+    32 × 2; 1 × 32 × 2 on 2 ranks: 32 × 1), else the largest per_gpu that does (3 ranks × 8 → 2 ranks: 12 → 6 ×
+    2); 'auto' gets global_batch; a global_batch asked for, or ranks that do not divide it, are left to be
+    refused. A finished constant schedule lengthened goes on at its LR (no consequence); a cosine's jumps."""
+    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.spec.resume import consequences, kept_batch
+
+    def job(ranks: int, per_gpu, accum: int = 1, **blocks):
+        spec = _plain_job(tmp_path, batch={"per_gpu": per_gpu, "grad_accum": accum}, launch={"gpus_per_node": ranks})
+        return parse_job({**spec, **{k: {**spec.get(k, {}), **v} for k, v in blocks.items()}})
+
+    def meta(saved, step: int = 4) -> dict:
+        world = saved.launch.world_size
+        return {"job": json.loads(saved.to_json()), "world_size": world, "step": step,
+                "samples_seen": step * saved.samples_per_step(world)}
+
+    def batch(kept) -> tuple:
+        return kept.batch.per_gpu, kept.batch.grad_accum, kept.batch.global_batch
+
+    assert batch(kept_batch(job(1, 32), meta(job(2, 32)), 1)) == (32, 2, None)
+    assert batch(kept_batch(job(2, 32, 2), meta(job(1, 32, 2)), 2)) == (32, 1, None)
+    assert batch(kept_batch(job(2, 8), meta(job(3, 8)), 2)) == (6, 2, None)
+    assert batch(kept_batch(job(2, 8, batch={"global_batch": 16}), meta(job(1, 8, 2, batch={"global_batch": 16})),
+                            2)) == (8, 1, 16)
+    assert batch(kept_batch(job(1, "auto"), meta(job(2, 32)), 1)) == ("auto", 1, 64)
+    for spec, world in ((job(3, 32), 3), (job(1, 32, batch={"global_batch": 32}), 1)):
+        assert kept_batch(spec, meta(job(2, 32)), world) is spec
+    assert [c.field for c in consequences(meta(job(2, 32)), job(3, 32), 3, []) if c.consequence] == ["batch"]
+
+    constant = {"schedule": {"kind": "constant"}}
+    finished = meta(job(2, 8, **constant), STEPS)
+    longer = job(2, 8, schedule={"kind": "constant", "steps": 20})
+    changes = [Change("schedule.steps", STEPS, 20)]
+    assert [(str(c), c.consequence) for c in consequences(finished, longer, 2, changes)] == [
+        (f"schedule: the run's length {STEPS} → 20 steps", False)]
+    cosine = consequences(meta(job(2, 8), STEPS), job(2, 8, schedule={"steps": 20}), 2, changes)
+    assert [c.consequence for c in cosine] == [False, True] and cosine[1].before == 0
 
 
 @pytest.mark.slow
