@@ -501,26 +501,37 @@ def test_validate_checks_each_source(cli, tiny_job, tmp_path, digits_dir):
         ("data.sources[2].name", "a second source named 'x'")], out["errors"]
 
 
+def _two_rank_job(tmp_path, name: str, data: dict, schedule: dict, per_gpu: int, every_steps: int) -> dict:
+    """A tiny fp32 job of webdataset `data` on 2 CPU ranks, run in `tmp_path`/runs."""
+    return {
+        "run": {"name": name, "output_dir": str(tmp_path / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "schedule": schedule,
+        "data": data,
+        "batch": {"per_gpu": per_gpu},
+        "logging": {"every_steps": every_steps},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
+    }
+
+
+def _step_records(run_dir) -> list[dict]:
+    """metrics.jsonl's step records (not the checkpoints')."""
+    return [record for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in (record := json.loads(line))]
+
+
 @pytest.mark.slow
 def test_a_mixture_logs_its_samples_by_source(tmp_path, digits_dir):
     """A mixture of two halves of the digits shards, 3:1, trained on 2 CPU ranks: metrics.jsonl counts
     each source's samples over all ranks, together the samples seen."""
-    job = {
-        "run": {"name": "mixed", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"steps": 6},
-        "data": {"sources": [{"urls": str(digits_dir / "train-{000000..000003}.tar"), "weight": 3, "name": "a"},
-                             {"urls": str(digits_dir / "train-{000004..000007}.tar"), "name": "b"}],
-                 "samples": 1438, "workers": 1, "shuffle_buffer": 10},
-        "batch": {"per_gpu": 16},
-        "logging": {"every_steps": 3},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
-    }
+    data = {"sources": [{"urls": str(digits_dir / "train-{000000..000003}.tar"), "weight": 3, "name": "a"},
+                        {"urls": str(digits_dir / "train-{000004..000007}.tar"), "name": "b"}],
+            "samples": 1438, "workers": 1, "shuffle_buffer": 10}
+    job = _two_rank_job(tmp_path, "mixed", data, {"steps": 6}, per_gpu=16, every_steps=3)
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(write_job(tmp_path, job))], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    records = [record for line in (tmp_path / "runs" / "mixed" / "metrics.jsonl").read_text().splitlines()
-               if "loss" in (record := json.loads(line))]
+    records = _step_records(tmp_path / "runs" / "mixed")
     assert [r["step"] for r in records] == [3, 6]
     for record in records:
         assert set(record["source_samples"]) == {"a", "b"}
@@ -538,17 +549,9 @@ def test_sample_counts_go_on_after_a_resume_on_another_world_size(tmp_path):
         (tmp_path / name).mkdir()
         urls = write_shards(tmp_path / name, [16] * 4, broken={first + 16 * shard: "image" for shard in range(4)},
                             first=first)
-    job = {
-        "run": {"name": "mixed", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"kind": "constant", "steps": 3},
-        "data": {"sources": [{"urls": urls.replace("/b/", "/a/"), "weight": 3, "name": "a"},
-                             {"urls": urls, "name": "b"}], "samples": 128, "workers": 1, "shuffle_buffer": 4},
-        "batch": {"per_gpu": 16},
-        "logging": {"every_steps": 3},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
-    }
+    data = {"sources": [{"urls": urls.replace("/b/", "/a/"), "weight": 3, "name": "a"}, {"urls": urls, "name": "b"}],
+            "samples": 128, "workers": 1, "shuffle_buffer": 4}
+    job = _two_rank_job(tmp_path, "mixed", data, {"kind": "constant", "steps": 3}, per_gpu=16, every_steps=3)
     path = write_job(tmp_path, job)
     first = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert first.returncode == 0, first.stdout[-5000:]
@@ -559,8 +562,7 @@ def test_sample_counts_go_on_after_a_resume_on_another_world_size(tmp_path):
         assert proc.returncode == 0, proc.stdout[-5000:]
         assert ("the data stream restarts" in proc.stdout) == bool(extra), proc.stdout[-5000:]
         run_dir = tmp_path / runs / "mixed"
-        records = [record for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                   if "loss" in (record := json.loads(line))]
+        records = _step_records(run_dir)
         assert [r["step"] for r in records] == [3, 6], runs
         assert sum(records[-1]["source_samples"].values()) == records[-1]["samples_seen"] == 6 * 32, runs
         data = torch.load(run_dir / "checkpoints" / "step-00000006" / "rank-00000.pt", weights_only=False)["data"]
@@ -576,21 +578,11 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     an epoch reading them again; the broken sample is skipped and counted each time a rank reads it,
     and the logged total is the sum of the ranks' counts."""
     urls = write_shards(tmp_path, [3, 60, 5, 40], broken={70: "image"})
-    job = {
-        "run": {"name": "uneven", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"epochs": 3},
-        "data": {"urls": urls, "samples": 108, "workers": 1, "shuffle_buffer": 10},
-        "batch": {"per_gpu": 4},
-        "logging": {"every_steps": 5},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
-    }
-    path = write_job(tmp_path, job)
+    data = {"urls": urls, "samples": 108, "workers": 1, "shuffle_buffer": 10}
+    path = write_job(tmp_path, _two_rank_job(tmp_path, "uneven", data, {"epochs": 3}, per_gpu=4, every_steps=5))
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    records = [record for line in (tmp_path / "runs" / "uneven" / "metrics.jsonl").read_text().splitlines()
-               if "loss" in (record := json.loads(line))]  # not the checkpoints' records
+    records = _step_records(tmp_path / "runs" / "uneven")
     steps = 3 * (108 // 8)  # 3 epochs of 13 micro batches on each rank, 1 per step
     assert records[-1]["step"] == steps
     final = tmp_path / "runs" / "uneven" / "checkpoints" / f"step-{steps:08d}"
