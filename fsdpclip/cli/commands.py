@@ -145,7 +145,8 @@ app.command()(launching.fetch)
 
 @app.command()
 def train(job_file: Path = typer.Argument(..., help="The resolved spec, usually RUN_DIR/job.json.")) -> None:
-    """Train on this rank (what torchrun starts on every rank)."""
+    """Train on this rank (what torchrun starts on every rank; `fsdpclip launch` starts it for you and keeps a
+    resumed run's global batch on other world sizes)."""
     from fsdpclip.train.entry import main
 
     raise typer.Exit(main([str(job_file)]))
