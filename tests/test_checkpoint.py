@@ -209,7 +209,7 @@ def test_a_run_resumed_on_one_rank_and_again_on_two_keeps_its_meaning(tmp_path, 
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step, record in resumed.items():
         assert record["total_steps"] == STEPS and record["lr"] == pytest.approx(expected[step]["lr"], rel=1e-9)
-        close = 1e-6 if step <= 5 else 1e-3
+        close = 1e-6 if step <= 5 else 5e-4  # measured: 4e-8 at step 5, at most 6e-5 after
         assert record["loss"] == pytest.approx(expected[step]["loss"], rel=close), step
 
 
