@@ -15,6 +15,7 @@ import torch
 from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
 from fsdpclip.checkpoint.layout import complete_checkpoints, latest_checkpoint
+from fsdpclip.spec.resume import Change
 
 STEPS = 12
 
@@ -139,6 +140,158 @@ def test_resume_across_mesh_shapes(tmp_path, cli):
     assert weights["hsdp"].keys() == weights["fsdp"].keys()
     for key, tensor in weights["hsdp"].items():
         torch.testing.assert_close(weights["fsdp"][key], tensor, rtol=0, atol=1e-5, msg=key)
+
+
+def _resumed_copy(run_dir: Path, at: int, copy: Path) -> Path:
+    """`run_dir` copied to `copy` as a run stopped at step `at`: later checkpoints and metrics removed."""
+    shutil.copytree(run_dir, copy)
+    for checkpoint in (copy / "checkpoints").glob("step-*"):
+        if int(checkpoint.name.split("-")[1]) > at:
+            shutil.rmtree(checkpoint)
+    (copy / "checkpoints" / "latest").write_text(f"step-{at:08d}")
+    records = (json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines())
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= at))
+    return copy
+
+
+def _data_positions(checkpoint: Path) -> dict[str, dict]:
+    """Each data stream's position saved in `checkpoint`, by stream."""
+    found = {}
+    world, streams = (json.loads((checkpoint / "meta.json").read_text())[k] for k in ("world_size", "data_ranks"))
+    for rank in range(world):
+        data = torch.load(checkpoint / f"rank-{rank:05d}.pt", weights_only=True)["data"]
+        found.update(data["streams"] if streams > world else {str(rank): data})
+    return found
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def finished_two_rank_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The plain job as 2 epochs of 96 samples (STEPS steps) run to its end on 2 ranks, checkpoints at steps 4, 8 and
+    12: (its spec, its run directory)."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    path = write_job(tmp_path, _plain_job(tmp_path, "straight", checkpoint={"every_steps": 4, "keep": 3},
+                                          schedule={"steps": None, "epochs": 2}, data={"samples": 96}))
+    straight = _launch(path)
+    assert straight.returncode == 0, straight.stdout[-4000:]
+    return path, tmp_path / "runs" / "straight"
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_one_rank_and_again_on_two_keeps_its_meaning(tmp_path, finished_two_rank_run):
+    """A 2-rank run of 8 per GPU (global batch 16) resumed at step 4 on one rank: launch keeps the global batch
+    (grad_accum 2) and the schedule, the one rank reads both ranks' data streams in turn; resumed again at step
+    8 on two ranks, each goes on with its own stream. Every step's LR is the uninterrupted run's, each
+    resumed first step's loss too (the same weights and samples), the later ones within the accumulation's
+    rounding; the data positions saved at step 8 and 12 are the uninterrupted run's."""
+    path, straight = finished_two_rank_run
+    expected = _records(straight)
+
+    one = _resumed_copy(straight, 4, tmp_path / "one" / "straight")
+    on_one = _launch(path, "--nproc-per-node", "1", "--set", f"run.output_dir={tmp_path / 'one'}")
+    assert on_one.returncode == 0, on_one.stdout[-4000:]
+    assert squeezed("the global batch of 16 kept on 1 rank(s)") in squeezed(on_one.stdout)
+    assert "the 2 data streams go on where they stopped" in on_one.stdout
+    assert json.loads((one / "job.json").read_text())["batch"]["grad_accum"] == 2
+    assert _data_positions(one / "checkpoints" / "step-00000008") == _data_positions(
+        straight / "checkpoints" / "step-00000008")
+
+    two = _resumed_copy(one, 8, tmp_path / "two" / "straight")
+    on_two = _launch(path, "--set", f"run.output_dir={tmp_path / 'two'}")
+    assert on_two.returncode == 0, on_two.stdout[-4000:]
+    assert json.loads((two / "job.json").read_text())["batch"]["grad_accum"] == 1
+    assert _data_positions(two / "checkpoints" / "step-00000012") == _data_positions(
+        straight / "checkpoints" / "step-00000012")
+
+    resumed = _records(two)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step, record in resumed.items():
+        assert record["total_steps"] == STEPS and record["lr"] == pytest.approx(expected[step]["lr"], rel=1e-9)
+        close = 1e-6 if step <= 5 else 5e-4  # measured: 4e-8 at step 5, at most 6e-5 after
+        assert record["loss"] == pytest.approx(expected[step]["loss"], rel=close), step
+
+
+@pytest.mark.slow
+def test_relaunches_that_change_the_run_are_refused_unless_accepted(tmp_path, cli, finished_two_rank_run):
+    """Before any step, validate and launch name each consequence of a relaunch that changes the run, and refuse
+    it without --accept-changes (exit 2, no rank started): from step 4 on 3 ranks, which do not divide the global
+    batch of 16 (the global batch, the length, the LR at the resume step); the finished cosine run lengthened
+    (its LR jumps from 0). The rank entry started by hand on one process refuses the 2-rank run too."""
+    path, straight = finished_two_rank_run
+    at_four = _resumed_copy(straight, 4, tmp_path / "runs" / "straight")
+    here = ("--set", f"run.output_dir={tmp_path / 'runs'}")
+    code, out = cli.validate_json(path, *here, "--set", "launch.gpus_per_node=3")
+    assert code == 2, out
+    assert [(e["location"], e["message"].split(": ", 1)[1]) for e in out["errors"]] == [
+        ("batch", "the global batch 16 → 24 samples a step (per_gpu × grad_accum × ranks: 8 × 1 × 3; the "
+                  "checkpoint's 8 × 1 × 2)"),
+        ("schedule", "the run's length 12 → 9 steps"),
+        ("schedule", "the LR of step 5, where it resumes: 0.000905 → 0.000812 (its schedule recomputed over the new "
+                     "length)")]
+    refused = cli("launch", path, *here, "--nproc-per-node", "3")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output[-3000:]
+    assert squeezed("the global batch 16 → 24") in squeezed(refused.output)
+    assert not (at_four / "launches").exists() or len(list((at_four / "launches").glob("*.json"))) == 1
+    code, out = cli.validate_json(path, *here, "--set", "launch.gpus_per_node=3", "--accept-changes")
+    assert code == 0 and {"batch", "schedule"} <= {w["location"] for w in out["warnings"]}, out
+
+    longer = ("--set", f"run.output_dir={straight.parent}", "--set", "schedule.epochs=4")
+    code, out = cli.validate_json(path, *longer)
+    assert code == 2 and [e["message"].split(": ", 1)[1] for e in out["errors"]] == [
+        "the LR of step 13, where it resumes: 0 → 0.000571 (its schedule recomputed over the new length)"], out
+    assert "the run's length 12 → 24 steps" in {w["message"].split(" (", 1)[1].split("):")[0].split(": ", 1)[1]
+                                                 for w in out["warnings"] if w["location"] == "schedule"}
+    assert cli.validate_json(path, *longer, "--accept-changes")[0] == 0
+
+    by_hand = json.loads((at_four / "job.json").read_text())
+    by_hand["run"]["output_dir"] = str(tmp_path / "runs")
+    rank = run_group([sys.executable, "-m", "fsdpclip", "train", str(write_job(tmp_path, by_hand))], timeout=240)
+    assert rank.returncode == 2 and "Traceback" not in rank.stdout, rank.stdout[-3000:]
+    assert squeezed("the global batch 16 → 8") in squeezed(rank.stdout) and "fsdpclip launch" in rank.stdout
+    assert max(_records(at_four)) == 4
+
+
+def test_what_a_relaunch_on_other_ranks_keeps_and_what_it_changes(tmp_path):
+    """The global batch a relaunch keeps: grad_accum where per_gpu divides the ranks' share (2 × 32 on 1 rank:
+    32 × 2; 1 × 32 × 2 on 2 ranks: 32 × 1), else the largest per_gpu that does (3 ranks × 8 → 2 ranks: 12 → 6 ×
+    2); 'auto' gets global_batch; a global_batch asked for, or ranks that do not divide it, are left to be
+    refused. A finished constant schedule lengthened goes on at its LR (no consequence); a cosine's jumps."""
+    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.spec.resume import consequences, kept_batch
+
+    def job(ranks: int, per_gpu, accum: int = 1, **blocks):
+        spec = _plain_job(tmp_path, batch={"per_gpu": per_gpu, "grad_accum": accum}, launch={"gpus_per_node": ranks})
+        return parse_job({**spec, **{k: {**spec.get(k, {}), **v} for k, v in blocks.items()}})
+
+    def meta(saved, step: int = 4) -> dict:
+        world = saved.launch.world_size
+        return {"job": json.loads(saved.to_json()), "world_size": world, "step": step,
+                "samples_seen": step * saved.samples_per_step(world)}
+
+    def batch(kept) -> tuple:
+        return kept.batch.per_gpu, kept.batch.grad_accum, kept.batch.global_batch
+
+    assert batch(kept_batch(job(1, 32), meta(job(2, 32)), 1)) == (32, 2, None)
+    assert batch(kept_batch(job(2, 32, 2), meta(job(1, 32, 2)), 2)) == (32, 1, None)
+    assert batch(kept_batch(job(2, 8), meta(job(3, 8)), 2)) == (6, 2, None)
+    assert batch(kept_batch(job(2, 8, batch={"global_batch": 16}), meta(job(1, 8, 2, batch={"global_batch": 16})),
+                            2)) == (8, 1, 16)
+    assert batch(kept_batch(job(1, "auto"), meta(job(2, 32)), 1)) == ("auto", 1, 64)
+    for spec, world in ((job(3, 32), 3), (job(1, 32, batch={"global_batch": 32}), 1)):
+        assert kept_batch(spec, meta(job(2, 32)), world) is spec
+    assert [c.field for c in consequences(meta(job(2, 32)), job(3, 32), 3, []) if c.consequence] == ["batch"]
+
+    constant = {"schedule": {"kind": "constant"}}
+    finished = meta(job(2, 8, **constant), STEPS)
+    longer = job(2, 8, schedule={"kind": "constant", "steps": 20})
+    changes = [Change("schedule.steps", STEPS, 20)]
+    assert [(str(c), c.consequence) for c in consequences(finished, longer, 2, changes)] == [
+        (f"schedule: the run's length {STEPS} → 20 steps", False)]
+    cosine = consequences(meta(job(2, 8), STEPS), job(2, 8, schedule={"steps": 20}), 2, changes)
+    assert [c.consequence for c in cosine] == [False, True] and cosine[1].before == 0
 
 
 @pytest.mark.slow

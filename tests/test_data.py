@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing
+import shutil
 import sys
 from collections import Counter
 from contextlib import closing
@@ -539,31 +540,74 @@ def test_validate_checks_each_source(cli, tiny_job, tmp_path, digits_dir):
         ("data.sources[2].name", "a second source named 'x'")], out["errors"]
 
 
+def _two_rank_job(tmp_path, name: str, data: dict, schedule: dict, per_gpu: int, every_steps: int) -> dict:
+    """A tiny fp32 job of webdataset `data` on 2 CPU ranks, run in `tmp_path`/runs."""
+    return {
+        "run": {"name": name, "output_dir": str(tmp_path / "runs")},
+        "model": {"config": str(TINY_CONFIG)},
+        "fsdp": {"param_dtype": "fp32"},
+        "schedule": schedule,
+        "data": data,
+        "batch": {"per_gpu": per_gpu},
+        "logging": {"every_steps": every_steps},
+        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
+    }
+
+
+def _step_records(run_dir) -> list[dict]:
+    """metrics.jsonl's step records (not the checkpoints')."""
+    return [record for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in (record := json.loads(line))]
+
+
 @pytest.mark.slow
 def test_a_mixture_logs_its_samples_by_source(tmp_path, digits_dir):
     """A mixture of two halves of the digits shards, 3:1, trained on 2 CPU ranks: metrics.jsonl counts
     each source's samples over all ranks, together the samples seen."""
-    job = {
-        "run": {"name": "mixed", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"steps": 6},
-        "data": {"sources": [{"urls": str(digits_dir / "train-{000000..000003}.tar"), "weight": 3, "name": "a"},
-                             {"urls": str(digits_dir / "train-{000004..000007}.tar"), "name": "b"}],
-                 "samples": 1438, "workers": 1, "shuffle_buffer": 10},
-        "batch": {"per_gpu": 16},
-        "logging": {"every_steps": 3},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
-    }
+    data = {"sources": [{"urls": str(digits_dir / "train-{000000..000003}.tar"), "weight": 3, "name": "a"},
+                        {"urls": str(digits_dir / "train-{000004..000007}.tar"), "name": "b"}],
+            "samples": 1438, "workers": 1, "shuffle_buffer": 10}
+    job = _two_rank_job(tmp_path, "mixed", data, {"steps": 6}, per_gpu=16, every_steps=3)
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(write_job(tmp_path, job))], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    records = [record for line in (tmp_path / "runs" / "mixed" / "metrics.jsonl").read_text().splitlines()
-               if "loss" in (record := json.loads(line))]
+    records = _step_records(tmp_path / "runs" / "mixed")
     assert [r["step"] for r in records] == [3, 6]
     for record in records:
         assert set(record["source_samples"]) == {"a", "b"}
         assert sum(record["source_samples"].values()) == record["samples_seen"] == record["step"] * 32
     assert records[-1]["source_samples"]["a"] > records[-1]["source_samples"]["b"] > 0
+
+
+@pytest.mark.slow
+def test_sample_counts_go_on_after_a_resume_on_another_world_size(tmp_path):
+    """A 2-rank mixture run of 3 steps (global batch 32), a broken sample at the start of every shard, lengthened
+    to 6 steps on one rank: once going on with both ranks' data streams (grad_accum 2), once with per_gpu 32 (the
+    data stream restarts its epoch). Either way metrics.jsonl's `source_samples` count on from the checkpoint's
+    (together the samples seen) and `broken_samples` is the checkpoint's plus those the streams counted since."""
+    for name, first in (("a", 0), ("b", 64)):
+        (tmp_path / name).mkdir()
+        urls = write_shards(tmp_path / name, [16] * 4, broken={first + 16 * shard: "image" for shard in range(4)},
+                            first=first)
+    data = {"sources": [{"urls": urls.replace("/b/", "/a/"), "weight": 3, "name": "a"}, {"urls": urls, "name": "b"}],
+            "samples": 128, "workers": 1, "shuffle_buffer": 4}
+    job = _two_rank_job(tmp_path, "mixed", data, {"kind": "constant", "steps": 3}, per_gpu=16, every_steps=3)
+    path = write_job(tmp_path, job)
+    first = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
+    assert first.returncode == 0, first.stdout[-5000:]
+    shutil.copytree(tmp_path / "runs", tmp_path / "restarted")
+    for runs, extra in (("runs", ()), ("restarted", ("--set", "batch.per_gpu=32"))):
+        proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path), "--nproc-per-node", "1", "--set",
+                          "schedule.steps=6", "--set", f"run.output_dir={tmp_path / runs}", *extra], timeout=240)
+        assert proc.returncode == 0, proc.stdout[-5000:]
+        assert ("the data stream restarts" in proc.stdout) == bool(extra), proc.stdout[-5000:]
+        run_dir = tmp_path / runs / "mixed"
+        records = _step_records(run_dir)
+        assert [r["step"] for r in records] == [3, 6], runs
+        assert sum(records[-1]["source_samples"].values()) == records[-1]["samples_seen"] == 6 * 32, runs
+        data = torch.load(run_dir / "checkpoints" / "step-00000006" / "rank-00000.pt", weights_only=False)["data"]
+        counted = sum(p["broken"] for p in data["streams"].values()) if "streams" in data else data["broken"]
+        assert records[0]["broken_samples"] >= 1 and counted >= 1
+        assert records[-1]["broken_samples"] == counted + (records[0]["broken_samples"] if extra else 0), runs
 
 
 @pytest.mark.slow
@@ -573,21 +617,11 @@ def test_uneven_shards_several_epochs_on_two_ranks(tmp_path):
     an epoch reading them again; the broken sample is skipped and counted each time a rank reads it,
     and the logged total is the sum of the ranks' counts."""
     urls = write_shards(tmp_path, [3, 60, 5, 40], broken={70: "image"})
-    job = {
-        "run": {"name": "uneven", "output_dir": str(tmp_path / "runs")},
-        "model": {"config": str(TINY_CONFIG)},
-        "fsdp": {"param_dtype": "fp32"},
-        "schedule": {"epochs": 3},
-        "data": {"urls": urls, "samples": 108, "workers": 1, "shuffle_buffer": 10},
-        "batch": {"per_gpu": 4},
-        "logging": {"every_steps": 5},
-        "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60},
-    }
-    path = write_job(tmp_path, job)
+    data = {"urls": urls, "samples": 108, "workers": 1, "shuffle_buffer": 10}
+    path = write_job(tmp_path, _two_rank_job(tmp_path, "uneven", data, {"epochs": 3}, per_gpu=4, every_steps=5))
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    records = [record for line in (tmp_path / "runs" / "uneven" / "metrics.jsonl").read_text().splitlines()
-               if "loss" in (record := json.loads(line))]  # not the checkpoints' records
+    records = _step_records(tmp_path / "runs" / "uneven")
     steps = 3 * (108 // 8)  # 3 epochs of 13 micro batches on each rank, 1 per step
     assert records[-1]["step"] == steps
     final = tmp_path / "runs" / "uneven" / "checkpoints" / f"step-{steps:08d}"

@@ -78,7 +78,8 @@ def test_a_busy_rendezvous_port_and_too_many_workers(tmp_path, digits_dir):
 @pytest.mark.slow
 def test_relaunching_a_finished_run_starts_nothing(tmp_path, cli):
     """A run that trained all its steps, launched again (in-process): it says so with the run directory and the
-    next commands, exit 0, and starts no rank (no torchrun, no new launch record, metrics untouched)."""
+    next commands, exit 0, and starts no rank (no torchrun, no new launch record, metrics untouched). A longer
+    schedule trains on, once its LR's jump at the resume step is accepted."""
     path = write_job(tmp_path, _job(tmp_path))
     first = _launch(path)
     assert first.returncode == 0, first.stdout[-3000:]
@@ -90,5 +91,10 @@ def test_relaunching_a_finished_run_starts_nothing(tmp_path, cli):
     assert f"next: fsdpclip report {run_dir}" in again.output
     assert "fsdpclip.launch.torchrun" not in again.output
     assert sorted((run_dir / "launches").iterdir()) == launches and (run_dir / "metrics.jsonl").read_bytes() == metrics
-    more = _launch(path, "--set", "schedule.steps=4")  # a longer schedule still trains
+    refused = cli("launch", path, "--set", "schedule.steps=4")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output[-3000:]
+    code, out = cli.validate_json(path, "--set", "schedule.steps=4")
+    assert code == 2 and out["errors"][0]["message"].endswith("the LR of step 4, where it resumes: 0 → 7.32e-05 "
+                                                              "(its schedule recomputed over the new length)"), out
+    more = _launch(path, "--set", "schedule.steps=4", "--accept-changes")
     assert more.returncode == 0 and json.loads((run_dir / "exit.json").read_text())["step"] == 4, more.stdout[-3000:]

@@ -262,7 +262,7 @@ class Checkpointer:
         """
         meta = read_meta(checkpoint)
         same_world = meta["world_size"] == self.world_size and "imported" not in meta
-        rank_state = self._read_rank_state(checkpoint) if same_world else None
+        rank_state = self.read_rank_states(checkpoint, [self.rank])[0] if same_world else None
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         try:
@@ -272,11 +272,12 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return meta, rank_state
 
-    def _read_rank_state(self, checkpoint: Path) -> dict:
-        """This rank's saved state; CheckpointError on every rank when any rank cannot read its own."""
-        state, problem = None, None
+    def read_rank_states(self, checkpoint: Path, ranks: list[int]) -> list[dict]:
+        """The saved states of `ranks` (of the world that saved `checkpoint`: this rank's own, or those whose data
+        it goes on reading); CheckpointError on every rank when any rank cannot read one of its own."""
+        states, problem = [], None
         try:
-            state = read_rank_state(rank_file(checkpoint, self.rank))
+            states = [read_rank_state(rank_file(checkpoint, rank)) for rank in ranks]
         except CheckpointError as exc:
             problem = str(exc)
         problems = [None] * self.world_size
@@ -284,4 +285,4 @@ class Checkpointer:
         first = next((p for p in problems if p is not None), None)
         if first is not None:
             raise CheckpointError(f"{checkpoint} cannot be read: {first}")
-        return state
+        return states

@@ -53,23 +53,26 @@ def validate(
                                       help="Reach checkpoint.remote (list it, write and delete an object there) and "
                                            "a resume URL's checkpoint: credentials and reachability."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+    accept_changes: bool = typer.Option(False, "--accept-changes", help=launching.ACCEPT_CHANGES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
     from fsdpclip.cli.tables import summary_tables
     from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.validate.checks import check_job, if_parsed, layout_of
+    from fsdpclip.validate.checks import check_job, if_parsed, kept_on_resume, layout_of
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
         fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
     try:
-        job = load_job(job_file, overrides)
+        job = load_job(job_file, [*overrides, *launching.accepted(accept_changes)])
     except SpecError as exc:  # with what the sections that parsed mean: every mistake in one round
         if exc.salvaged is None:
             fail(exc.problems, as_json)
         layout = if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
         fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths,
                                       check_remote=check_remote).problems, as_json)
+    if check_paths:
+        job = kept_on_resume(job)
     report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths,
                        check_remote=check_remote)
     if report.errors:
@@ -143,7 +146,8 @@ app.command()(launching.fetch)
 
 @app.command()
 def train(job_file: Path = typer.Argument(..., help="The resolved spec, usually RUN_DIR/job.json.")) -> None:
-    """Train on this rank (what torchrun starts on every rank)."""
+    """Train on this rank (what torchrun starts on every rank; `fsdpclip launch` starts it for you and keeps a
+    resumed run's global batch on other world sizes)."""
     from fsdpclip.train.entry import main
 
     raise typer.Exit(main([str(job_file)]))

@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from fsdpclip.launch.launcher import LaunchFlags
     from fsdpclip.spec.job import Job, ModelSpec
 
+ACCEPT_CHANGES_HELP = ("Resume even where the relaunch changes the run's global batch, length or LR at the resume "
+                       "step (checkpoint.accept_changes); each is printed first.")
+
+
+def accepted(accept_changes: bool) -> list[str]:
+    """The override `--accept-changes` stands for."""
+    return ["checkpoint.accept_changes=true"] if accept_changes else []
+
 
 def launch_command(
     job_file: Path = typer.Argument(..., help="The job spec (JSON)."),
@@ -43,6 +51,7 @@ def launch_command(
     check_paths: bool = typer.Option(True, "--check-paths/--no-check-paths",
                                      help="Check that data, eval and weight files exist (off for cluster paths)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
+    accept_changes: bool = typer.Option(False, "--accept-changes", help=ACCEPT_CHANGES_HELP),
     **backend_flags,
 ) -> None:
     """Validate a job and run it with torchrun on this node, submit it to Slurm (--slurm), or run it on every host
@@ -61,10 +70,11 @@ def launch_command(
     try:
         flags.check()
         backend.check_flags()
-        job = load_job(job_file, [*overrides, *flags.overrides(), *backend.overrides()])
+        job = load_job(job_file, [*overrides, *flags.overrides(), *backend.overrides(), *accepted(accept_changes)])
         backend.prepare(job)  # before the checks import torch
-        from fsdpclip.validate.checks import check_job
+        from fsdpclip.validate.checks import check_job, kept_on_resume
 
+        job = kept_on_resume(job)
         report = check_job(job, check_paths=check_paths, on_this_node=backend.runs_here and not dry_run)
         if report.errors:
             fail(report.problems)

@@ -47,7 +47,7 @@ from fsdpclip.run.directory import IMPORT_FILE
 from fsdpclip.run.files import write_atomically
 from fsdpclip.run.lock import HeldLock, lock_token
 from fsdpclip.spec.job import DEFAULT_DECAY_RULES, Job
-from fsdpclip.train.optim import build_optimizer, lr_factor
+from fsdpclip.train.optim import build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -290,7 +290,7 @@ def _schedule_notes(group: dict, job: Job, step: int, total: int) -> list[str]:
     """Where this spec's optimizer settings differ from the checkpoint's: the learning rate open_clip_train
     set for its last step against this spec's schedule there, betas, eps."""
     spec, notes = job.optimizer, []
-    saved_lr, lr = float(group["lr"]), spec.lr * lr_factor(job.schedule, spec.lr, total)(step - 1)
+    saved_lr, lr = float(group["lr"]), job.lr(step - 1, total)
     if not math.isclose(saved_lr, lr, rel_tol=1e-6, abs_tol=1e-12):
         notes.append(f"the learning rate of step {step} was {saved_lr:.6g} in open_clip_train and is {lr:.6g} in this "
                      f"spec's schedule ({job.schedule.kind}, peak {spec.lr:g}, {job.schedule.warmup_steps} warmup "

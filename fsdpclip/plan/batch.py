@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdpclip.run.directory import AUTO_BATCH_FILE
 from fsdpclip.run.files import read_text_file, write_atomically
-from fsdpclip.spec.job import Job
+from fsdpclip.spec.job import Job, largest_divisor
 
 if TYPE_CHECKING:
     from fsdpclip.plan.mesh import MemoryModel
@@ -148,11 +148,6 @@ def kept_batch(largest: int, world: int, global_batch: Optional[int], grad_accum
     share = global_batch // world
     per_gpu = largest_divisor(share, under)
     return per_gpu, share // per_gpu
-
-
-def largest_divisor(number: int, bound: int) -> int:
-    """The largest divisor of `number` that is at most `bound` (1 at least)."""
-    return max(d for d in range(1, max(1, min(bound, number)) + 1) if number % d == 0)
 
 
 def search_limit(job: Job, world: int) -> int:

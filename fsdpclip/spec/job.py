@@ -7,10 +7,11 @@ reads a file into a `Job` (structural problems as `Problem`s with JSON locations
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
@@ -442,12 +443,31 @@ class ScheduleSpec(Section):
             raise ValueError("give `steps` or `epochs`, not both")
         return value
 
+    def lr_factor(self, peak_lr: float, total_steps: int) -> Callable[[int], float]:
+        """Multiplier of the peak LR at each step: linear warmup, then cosine to `min_lr` or constant."""
+        warmup, floor = self.warmup_steps, self.min_lr / peak_lr
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if self.kind == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        return factor
+
 
 # -------------------------------------------------------------------------- data
 def batches_per_epoch(samples: int, world_size: int, per_gpu: int) -> int:
     """Micro batches every rank draws in an epoch of `samples`: as many as fill all ranks, the rest of
     the epoch left out (as OpenCLIP's with_epoch), so that each rank is in the same epoch at each step."""
     return samples // (world_size * per_gpu)
+
+
+def largest_divisor(number: int, bound: int) -> int:
+    """The largest divisor of `number` that is at most `bound` (1 at least)."""
+    return max(d for d in range(1, max(1, min(bound, number)) + 1) if number % d == 0)
 
 
 def data_spec() -> Any:
@@ -558,6 +578,11 @@ class CheckpointSpec(Section):
                               "`remote`, the remote copy's newest where no local one is as new); a path or a URL "
                               "(s3://, gs://: a checkpoint, or a folder of them for its latest): resume from that "
                               "checkpoint; null: always start fresh.")
+    accept_changes: bool = Field(
+        False, description="Resume even where this spec changes the run the checkpoint's spec would go on with: its "
+                           "global batch, its length in steps or the LR of the step it resumes at (`validate` and "
+                           "`launch` print each; `--accept-changes` sets it). A relaunch on another world size keeps "
+                           "the global batch without it where the ranks divide it.")
     async_save: Union[bool, Literal["auto"]] = Field(
         "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
                             "when the host copies of a node's ranks take at most a quarter of its memory.")
@@ -745,24 +770,31 @@ class Job(Section):
         """The global batch: samples of one optimizer step over all ranks."""
         return self.batch.per_gpu * self.batch.grad_accum * world_size
 
-    def epoch_samples(self, world_size: int) -> Optional[int]:
-        """Samples one epoch draws over all ranks: `data.samples` rounded down to whole micro batches on
-        every rank (`batches_per_epoch`); None without `data.samples`."""
+    def epoch_samples(self, data_ranks: int) -> Optional[int]:
+        """Samples one epoch draws over all data ranks (one stream each: the world size, unless a resume keeps the
+        streams of another): `data.samples` rounded down to whole micro batches on every stream
+        (`batches_per_epoch`); None without `data.samples`."""
         if self.data.samples is None:
             return None
-        return batches_per_epoch(self.data.samples, world_size, self.batch.per_gpu) * world_size * self.batch.per_gpu
+        return batches_per_epoch(self.data.samples, data_ranks, self.batch.per_gpu) * data_ranks * self.batch.per_gpu
 
-    def total_steps(self, world_size: int, step: int = 0, samples_seen: int = 0) -> Optional[int]:
+    def total_steps(self, world_size: int, step: int = 0, samples_seen: int = 0,
+                    data_ranks: Optional[int] = None) -> Optional[int]:
         """Optimizer steps of the whole run: `schedule.steps`, or as many whole steps as `schedule.epochs`
-        epochs hold (`epoch_samples`; None when neither gives the length). A run resumed at `step`
-        with `samples_seen` (perhaps at another global batch) keeps its length in samples."""
+        epochs hold (`epoch_samples` of `data_ranks`, default the world size; None when neither gives the
+        length). A run resumed at `step` with `samples_seen` (perhaps at another global batch) keeps its
+        length in samples."""
         if self.schedule.steps is not None:
             return self.schedule.steps
-        epoch = self.epoch_samples(world_size)
+        epoch = self.epoch_samples(data_ranks or world_size)
         if epoch is None:
             return None
         left = max(0, epoch * (self.schedule.epochs or 1) - samples_seen)
         return step + left // self.samples_per_step(world_size)
+
+    def lr(self, step: int, total_steps: int) -> float:
+        """The learning rate of step `step` (0-based) of a run of `total_steps` (`ScheduleSpec.lr_factor`)."""
+        return self.optimizer.lr * self.schedule.lr_factor(self.optimizer.lr, total_steps)(step)
 
     def to_json(self) -> str:
         """The resolved spec as indented JSON (every default spelled out)."""

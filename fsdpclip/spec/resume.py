@@ -6,29 +6,41 @@ before any rank starts. Everything else (learning rate, schedule, steps,
 batch, data workers, world size, precision, sharding, logging) is applied as written from the
 step the checkpoint holds, and each change is reported. Files are compared by what they hold, not
 where they are: a model-config file by its content, local shards by their sizes and modification
-times. No torch: `validate` and `launch` use it.
+times.
+
+A relaunch on another world size keeps the checkpoint's global batch where the ranks divide it
+(`kept_batch`: grad_accum, else per_gpu too, adjusted), and its data streams where the counts allow
+(`kept_streams`: each rank then reads the data streams of one or more of the ranks that saved it). What a relaunch
+changes in the run itself (its global batch, its length in steps, the LR of the step it resumes at) is a
+`Change` that is a consequence: resumed only with `checkpoint.accept_changes`. No torch: `validate` and
+`launch` use it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
-from fsdpclip.spec.job import Job
+from fsdpclip.spec.job import Job, largest_divisor
 from fsdpclip.spec.registry import DATA_SOURCES
 
 # Fields (dotted, prefixes end with '.') that a checkpoint fixes.
 FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules", "optimizer.layer_decay.")
 # Fields that describe where to resume from, not what to train.
-IGNORED = ("checkpoint.resume", "$schema")
+IGNORED = ("checkpoint.resume", "checkpoint.accept_changes", "$schema")
 # Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
 # less those that change how the same samples are made, not which.
 DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
 SAME_STREAM = ("data.decode", "data.preprocess")
 # Fields `batch.per_gpu: "auto"` settles at start: the trainer compares what it settled (a relaunch reuses its record).
 SEARCHED = ("batch.per_gpu", "batch.grad_accum")
+# Fields whose change is a change of the run's length, or of its LR curve: what the run's length or LR then does
+# is what was asked for (still reported), not a consequence to accept.
+LENGTH = ("schedule.steps", "schedule.epochs", "data.samples")
+LR_CURVE = ("optimizer.lr", "schedule.kind", "schedule.warmup_steps", "schedule.min_lr")
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class Change:
     before: Any
     after: Any
     note: Optional[str] = None  # what changed, where before → after would not say it
+    consequence: bool = False  # the run itself changes (global batch, length, LR): resumed only when accepted
 
     def __str__(self) -> str:
         return f"{self.field}: {self.note or f'{_short(self.before)} → {_short(self.after)}'}"
@@ -63,9 +76,10 @@ def spec_changes(saved: dict, job: Job) -> list[Change]:
             if before.get(field) != after.get(field) and not field.startswith(IGNORED) and field not in unsettled]
 
 
-def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],
-                       shards: Callable[[], Optional[dict]]) -> list[Change]:
-    """Every change of the new spec against a checkpoint's (`spec_changes` of its meta.json), files by content.
+def checkpoint_changes(meta: dict, job: Job, config: Optional[dict], shards: Callable[[], Optional[dict]],
+                       world: Optional[int] = None) -> list[Change]:
+    """Every change of the new spec against a checkpoint's (`spec_changes` of its meta.json), files by content,
+    and what they change in the run on `world` ranks (default: the spec's): `consequences`.
 
     `config`: the OpenCLIP config this spec makes (None where it cannot be made). A spec with a model-config
     file has it compared with the config the checkpoint was trained with, not by path: the file edited in
@@ -91,7 +105,91 @@ def checkpoint_changes(meta: dict, job: Job, config: Optional[dict],
             changes.append(Change("data.urls" if urls is not None else "data.sources", urls, urls, note=(
                 f"the same URLs name other files than the checkpoint read ({found['local']} local shards: names, "
                 "sizes or modification times differ)")))
-    return changes
+    return changes + consequences(meta, job, world or job.launch.world_size, changes)
+
+
+def kept_batch(job: Job, meta: dict, world: int) -> Job:
+    """`job` with the global batch of the checkpoint whose meta.json is `meta`, where it is resumed on another
+    number of ranks (`world`): grad_accum set so that per_gpu × grad_accum × ranks is the checkpoint's, with the
+    largest per_gpu up to the spec's that divides the share of each rank (per_gpu 'auto': global_batch set, the
+    search splits it). The job as it is where the world size is the checkpoint's, where `batch.global_batch` asks
+    for another, or where the ranks do not divide the checkpoint's global batch (a consequence then)."""
+    saved, saved_world = meta.get("job"), meta.get("world_size")
+    if saved is None or saved_world in (None, world) or "imported" in meta:
+        return job
+    target = saved["batch"]["per_gpu"] * saved["batch"]["grad_accum"] * saved_world
+    batch = job.batch
+    if batch.global_batch not in (None, target) or target % world:
+        return job
+    share = target // world
+    if batch.searched:
+        return job.model_copy(update={"batch": batch.model_copy(update={"global_batch": target, "grad_accum": 1})})
+    per_gpu = largest_divisor(share, batch.per_gpu)
+    return job.model_copy(update={"batch": batch.model_copy(update={
+        "per_gpu": per_gpu, "grad_accum": share // per_gpu, "global_batch": batch.global_batch and target})})
+
+
+def kept_streams(meta: dict, job: Job, changes: list[Change], world: int) -> Optional[int]:
+    """The checkpoint's data ranks (one data stream each) where their saved positions still apply to a run
+    resumed on `world` ranks: the data and per_gpu the same, the ranks dividing the streams and each rank's micro
+    batches a step dividing among those it reads (`streams ÷ world` of them, in turn). None where they do not: the
+    run then has a stream per rank, started again at its epoch."""
+    saved = meta.get("data_ranks", meta.get("world_size"))
+    if saved is None or "imported" in meta or not keeps_data_position(changes) or saved % world or \
+            job.batch.grad_accum % (saved // world):
+        return None
+    return saved
+
+
+def consequences(meta: dict, job: Job, world: int, changes: list[Change]) -> list[Change]:
+    """What resuming the checkpoint of `meta` with `job` on `world` ranks changes in the run against the
+    checkpoint's own spec going on where it was saved: the global batch, the length in steps (unless the length
+    was asked for: `LENGTH`) and the LR of the step it resumes at (unless the LR curve was: `LR_CURVE`); and, as
+    plain changes, a global batch kept on another world size and data streams read on fewer ranks. None where
+    the saved spec no longer reads or the batch is settled only at start (per_gpu 'auto')."""
+    try:
+        saved = Job.model_validate(meta["job"])
+    except (KeyError, ValueError):
+        return []
+    if job.batch.searched or saved.batch.searched:
+        return []
+    step, seen = meta["step"], meta.get("samples_seen", 0)
+    saved_world = saved.launch.world_size if "imported" in meta else meta["world_size"]  # an import's whole save: 1
+    found = []
+    before, after = saved.samples_per_step(saved_world), job.samples_per_step(world)
+    layout = f"per_gpu × grad_accum × ranks: {job.batch.per_gpu} × {job.batch.grad_accum} × {world}"
+    if before != after:
+        found.append(Change("batch", before, after, consequence=True, note=(
+            f"the global batch {before} → {after} samples a step ({layout}; the checkpoint's "
+            f"{saved.batch.per_gpu} × {saved.batch.grad_accum} × {saved_world})")))
+    elif world != saved_world:
+        found.append(Change("batch", before, after, note=f"the global batch of {after} kept on {world} rank(s) "
+                                                         f"({layout})"))
+    streams = kept_streams(meta, job, changes, world)
+    if world != saved_world and streams:
+        found.append(Change("data", saved_world, world, note=(
+            f"the {streams} data streams go on where they stopped, {streams // world} read by each rank in turn")))
+    total_before = saved.total_steps(saved_world, step, seen, meta.get("data_ranks"))
+    total_after = job.total_steps(world, step, seen, streams)
+    if total_before is None or total_after is None:
+        return found
+    asked = {prefix for c in changes for prefix in (*LENGTH, *LR_CURVE) if c.field.startswith(prefix)}
+    if total_before != total_after:
+        found.append(Change("schedule", total_before, total_after, consequence=not asked & set(LENGTH),
+                            note=f"the run's length {total_before} → {total_after} steps"))
+    lr_before, lr_after = saved.lr(step, total_before), job.lr(step, total_after)
+    if not math.isclose(lr_before, lr_after, rel_tol=1e-6, abs_tol=1e-12):
+        found.append(Change("schedule", lr_before, lr_after, consequence=not asked & set(LR_CURVE), note=(
+            f"the LR of step {step + 1}, where it resumes: {lr_before:.3g} → {lr_after:.3g}"
+            + (" (its schedule recomputed over the new length)" if total_before != total_after else ""))))
+    if total_after <= step:  # nothing left to train: nothing of the run changes
+        return [replace(change, consequence=False) for change in found]
+    return found
+
+
+def unaccepted(changes: list[Change], job: Job) -> list[Change]:
+    """The consequences among `changes` that `job` does not accept (`checkpoint.accept_changes`)."""
+    return [] if job.checkpoint.accept_changes else [c for c in changes if c.consequence]
 
 
 def _config_changes(saved: dict, config: dict) -> list[Change]:

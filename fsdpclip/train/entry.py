@@ -4,11 +4,14 @@
 
 `fsdpclip launch` on its own nodes has torchrun fork the ranks from it instead and run this file
 (`--run-path`): they start with everything below imported (fsdpclip.launch.local.torchrun_command).
+Started by hand, the ranks resume as a launch would: a checkpoint whose run this spec and world size would
+change (its global batch, length or LR at the resume step, `spec.resume.consequences`) is refused (exit 2)
+unless the spec accepts it, and `fsdpclip launch` is the one that keeps the global batch on other world sizes.
 
 Exit codes (also written to RUN_DIR/exit.json by rank 0):
     0   finished
     2   the job cannot start: not a valid spec, the run directory is in use by another job, or
-        its checkpoints cannot be used with this spec
+        its checkpoints cannot be used with this spec (or would change the run, not accepted)
     65  stopped on a non-finite gradient norm (optimizer.on_nonfinite = "stop"); the last
         good checkpoint is kept
     74  no space left: a checkpoint that does not fit on its disk (found before it is written) or a log

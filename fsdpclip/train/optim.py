@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -103,28 +102,13 @@ def build_optimizer(model: nn.Module, groups: list[DecayGroup], spec: OptimizerS
     return ShardedAdamW(param_groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
 
 
-def lr_factor(schedule: ScheduleSpec, peak_lr: float, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the peak LR at each step: linear warmup, then cosine to `min_lr` or constant."""
-    warmup, floor = schedule.warmup_steps, schedule.min_lr / peak_lr
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule.kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 class Schedule:
-    """The learning rate of each step, `lr` = peak × `lr_factor(step)`, set on every group times its `lr_scale`
-    (layer-wise decay; open_clip_train's `assign_learning_rate` on OpenCLIP main). A function of the spec and
-    the step alone, so a resumed run follows the spec it is resumed with (nothing to save)."""
+    """The learning rate of each step, `lr` = peak × `ScheduleSpec.lr_factor` of the step, set on every group times
+    its `lr_scale` (layer-wise decay; open_clip_train's `assign_learning_rate` on OpenCLIP main). A function of
+    the spec and the step alone, so a resumed run follows the spec it is resumed with (nothing to save)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, peak_lr: float, total_steps: int):
-        self.optimizer, self.peak, self.factor = optimizer, peak_lr, lr_factor(schedule, peak_lr, total_steps)
+        self.optimizer, self.peak, self.factor = optimizer, peak_lr, schedule.lr_factor(peak_lr, total_steps)
         self.set_step(0)
 
     def set_step(self, step: int) -> None:

@@ -19,7 +19,7 @@ from fsdpclip.node import host_memory
 from fsdpclip.parallel.distributed import all_max
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
 from fsdpclip.spec.job import CheckpointSpec
-from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position, shard_fingerprint
+from fsdpclip.spec.resume import checkpoint_changes, is_fixed, kept_streams, shard_fingerprint, unaccepted
 from fsdpclip.train.optim import Schedule
 from fsdpclip.train.stops import Stop
 
@@ -80,7 +80,9 @@ class Checkpointing:
         """Checkpoint this step (once), every rank taking part; the resolved spec goes with it."""
         if self.last_saved == self.step:
             return self.checkpointer.root / checkpoint_name(self.step)
+        broken, by_source = self._sample_counts()
         meta = {"samples_seen": self.samples_seen, "skipped_steps": int(self.skipped_steps.item()),
+                "data_ranks": self.data_ranks, "broken_samples": broken, "source_samples": by_source,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "model": {"label": self.job.model.label, "open_clip_config": self.model_config},
                 "job": json.loads(self.job.to_json()), "shards": self.shards}
@@ -130,29 +132,60 @@ class Checkpointing:
                 log.warning("%s: trying the checkpoint before it", exc)
         else:
             raise CheckpointError(f"none of {', '.join(str(c) for c in candidates)} could be loaded")
-        changes = checkpoint_changes(meta, self.job, self.model_config, lambda: self.shards)
+        job, world = self.job, self.env.world_size
+        changes = checkpoint_changes(meta, job, self.model_config, lambda: self.shards, world)
         fixed = [str(c) for c in changes if is_fixed(c)]
         if fixed:
             raise CheckpointError(f"{checkpoint} was trained with another model or optimizer layout "
                                   f"({'; '.join(fixed)}): resume it with its own, or start a new run")
+        refused = unaccepted(changes, job)
+        if refused:
+            raise CheckpointError(f"resuming {checkpoint} on {world} rank(s) with this spec changes the run "
+                                  f"({'; '.join(map(str, refused))}): `fsdpclip launch` keeps the global batch on "
+                                  "another world size where the ranks divide it; --accept-changes "
+                                  "(checkpoint.accept_changes) resumes anyway")
         self.resumed_from, self.changes = str(checkpoint), [str(c) for c in changes]
         self.step, self.samples_seen, self.last_saved = meta["step"], meta["samples_seen"], meta["step"]
         self.skipped_steps.fill_(meta["skipped_steps"])
+        streams = kept_streams(meta, job, changes, world)
+        if streams is not None and streams != self.data_ranks:
+            self._close_batches()
+            self._open_batches(self.model, start=False, data_ranks=streams)
         self._apply_spec(meta)
-        if rank_state is not None and keeps_data_position(changes):
-            set_rng_state(rank_state["rng"], self.env.device)
-            self.batches.load_state_dict(rank_state["data"])
+        if streams is not None:
+            if rank_state is not None:
+                set_rng_state(rank_state["rng"], self.env.device)
+            self.batches.load_state_dict(self._data_position(checkpoint, meta, rank_state))
         else:
-            why = "data or batch changed" if rank_state is not None else \
-                f"imported from {meta['imported']['source']}" if "imported" in meta else \
-                f"saved by {meta['world_size']} ranks, this run has {self.env.world_size}"
+            why = f"imported from {meta['imported']['source']}" if "imported" in meta else \
+                "data or batch changed" if rank_state is not None else \
+                f"saved by {meta['world_size']} ranks, this run has {world}"
             log.warning("%s: the data stream restarts at its epoch (%s)", checkpoint, why)
-            epoch_samples = self.job.epoch_samples(self.env.world_size)
-            self.batches.restart(self.step * self.job.batch.grad_accum,
+            epoch_samples = job.epoch_samples(world)
+            self.batches.restart(self.step * job.batch.grad_accum,
                                  self.samples_seen // epoch_samples if epoch_samples else 0)
+            self.counted = meta.get("broken_samples", 0), meta.get("source_samples", {})  # the counts go on
         for change in self.changes:
             log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def _data_position(self, checkpoint: Path, meta: dict, rank_state: Optional[dict]) -> dict:
+        """This rank's saved data position, for the data streams it reads: its own rank state's, or, resumed on
+        another world size, those of the streams it goes on with from the rank states that hold them."""
+        if rank_state is not None:
+            return rank_state["data"]
+        saved_world = meta["world_size"]
+        per_saved_rank = meta.get("data_ranks", saved_world) // saved_world
+        hosted = self.data_ranks // self.env.world_size
+        streams = range(self.env.rank * hosted, (self.env.rank + 1) * hosted)
+        saved_ranks = sorted({stream // per_saved_rank for stream in streams})
+        states = dict(zip(saved_ranks, self.checkpointer.read_rank_states(checkpoint, saved_ranks)))
+        positions = {}
+        for rank, state in states.items():
+            positions.update(state["data"]["streams"] if per_saved_rank > 1 else {str(rank): state["data"]})
+        if hosted == 1:
+            return positions[str(self.env.rank)]
+        return {"streams": {str(stream): positions[str(stream)] for stream in streams}}
 
     def _shard_fingerprint(self) -> Optional[dict]:
         """`resume.shard_fingerprint` of this run's shards, taken by rank 0 (one stat per shard) and given to
@@ -167,7 +200,7 @@ class Checkpointing:
         job = self.job
         for group, decay in zip(self.optimizer.param_groups, self.decay_groups):
             group.update(betas=job.optimizer.betas, eps=job.optimizer.eps, weight_decay=decay.weight_decay)
-        self.total_steps = job.total_steps(self.env.world_size, self.step, self.samples_seen)
+        self.total_steps = job.total_steps(self.env.world_size, self.step, self.samples_seen, self.data_ranks)
         self.scheduler = Schedule(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         self.scheduler.set_step(self.step)
         if self.scaler is not None and meta["scaler"] is not None:

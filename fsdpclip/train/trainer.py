@@ -98,6 +98,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         self.late_saves = 0
         self.metrics: Optional[MetricsLog] = None  # fit's, while it runs: saves write their time there
         self.resumed_from, self.changes = None, []
+        self.counted: tuple[int, dict[str, int]] = (0, {})  # samples counted before a resume that restarted the data
         self.shards = self._shard_fingerprint()
         if candidates:
             self._resume(candidates)
@@ -228,21 +229,27 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
     def _log_record(self, window: Window, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
         """The metrics of one log window (collectives: every rank calls it)."""
         env = self.env
-        by_source = getattr(self.batches, "source_samples", {})
         loss, = all_mean([window_loss.item() / max(1, window.steps)], env.device)
-        broken_total, *source_totals = all_sum([self.batches.broken, *by_source.values()], env.device)
+        broken, by_source = self._sample_counts()
         logit_scale = self.model.logit_scale.exp().item()
         record = {"step": self.step, "total_steps": self.total_steps, "time": round(time.time(), 3),
                   "samples_seen": self.samples_seen, "loss": loss,
                   "lr": self.scheduler.lr_of(self.step - 1), "logit_scale": logit_scale,
-                  "grad_norm": grad_norm.item(), "broken_samples": int(broken_total),
+                  "grad_norm": grad_norm.item(), "broken_samples": broken,
                   "skipped_steps": int(self.skipped_steps.item())}
         if by_source:
-            record["source_samples"] = {name: int(total) for name, total in zip(by_source, source_totals)}
+            record["source_samples"] = by_source
         record.update(window.rates(env.world_size, self.flops_per_sample, self.peak))
         record["peak_memory_gib"] = peak_memory_gib(env.device)
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         return record
 
-
+    def _sample_counts(self) -> tuple[int, dict[str, int]]:
+        """Broken samples skipped and a mixture's samples by source so far, over all ranks (collectives: every rank
+        calls it), with those counted before a resume whose data started again (`counted`)."""
+        by_source = getattr(self.batches, "source_samples", {})
+        broken, *totals = all_sum([self.batches.broken, *by_source.values()], self.env.device)
+        broken_before, sources_before = self.counted
+        return int(broken) + broken_before, {name: int(total) + sources_before.get(name, 0)
+                                             for name, total in zip(by_source, totals)}

@@ -19,7 +19,7 @@ from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
 from fsdpclip.run.files import special_file
-from fsdpclip.spec.job import Job, is_url, world_size_problem
+from fsdpclip.spec.job import Job, is_url, largest_divisor, world_size_problem
 from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.validate.model_checks import check_model, if_parsed
 
@@ -102,7 +102,7 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
     largest that fits launch.gpu_memory_gib, else this node's GPU; 1 per GPU where neither is known), for the
     checks and summary that count samples, and what `validate` shows of it; (the job at 1 per GPU, None)
     where 'auto' cannot run (a located problem) or the model does not build (check_model says why)."""
-    from fsdpclip.plan.batch import largest_divisor, search_start
+    from fsdpclip.plan.batch import search_start
     from fsdpclip.plan.mesh import memory_model
 
     batch, world, per_node = job.batch, report.world_size, report.gpus_per_node
@@ -277,13 +277,32 @@ def _check_remote(job: Job, report: Report, check_remote: bool) -> None:
                                                       "environment (AWS_*, Google's default credentials)")
 
 
-def _check_resume(job: Job, report: Report) -> None:
-    """What resuming the run directory's checkpoint would mean: errors for what a checkpoint fixes
-    (its model, frozen ranges, loss kind, decay groups), a warning for each other change (applied from
-    its step), and for each checkpoint that cannot be loaded. A resume URL is not downloaded to be checked."""
+def kept_on_resume(job: Job) -> Job:
+    """`job` as resuming its run directory's checkpoint trains it on the spec's world size: with the checkpoint's
+    global batch where that differs (`spec.resume.kept_batch`); as it is without a (local, readable) checkpoint."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
     from fsdpclip.launch.launcher import resolve_paths
-    from fsdpclip.spec.resume import checkpoint_changes, is_fixed, shard_fingerprint
+    from fsdpclip.spec.resume import kept_batch
+
+    if job.checkpoint.resume is not None and is_url(job.checkpoint.resume):
+        return job
+    resolved = resolve_paths(job, Path.cwd())
+    try:
+        candidates, _ = resume_candidates(resolved.run_dir, resolved.checkpoint.resume)
+        return kept_batch(job, read_meta(candidates[0]), job.launch.world_size) if candidates else job
+    except (CheckpointError, OSError, ValueError):  # said by _check_resume
+        return job
+
+
+def _check_resume(job: Job, report: Report) -> None:
+    """What resuming the run directory's checkpoint would mean: errors for what a checkpoint fixes
+    (its model, frozen ranges, loss kind, decay groups) and for what changes the run itself unless accepted
+    (its global batch, length or LR at the resume step: `spec.resume.consequences`), a warning for each other
+    change (applied from its step), and for each checkpoint that cannot be loaded. A resume URL is not
+    downloaded to be checked."""
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
+    from fsdpclip.launch.launcher import resolve_paths
+    from fsdpclip.spec.resume import checkpoint_changes, is_fixed, shard_fingerprint, unaccepted
 
     if job.checkpoint.resume is not None and is_url(job.checkpoint.resume):
         return
@@ -302,11 +321,17 @@ def _check_resume(job: Job, report: Report) -> None:
         config = model_config(resolved.model)
     except ModelError:  # reported by the model's own check
         config = None
-    for change in checkpoint_changes(meta, resolved, config, lambda: shard_fingerprint(resolved)):
+    changes = checkpoint_changes(meta, resolved, config, lambda: shard_fingerprint(resolved))
+    refused = unaccepted(changes, resolved)
+    for change in changes:
         if is_fixed(change):
             report.error(change.field, f"differs from {checkpoint}, which was trained with {change.before!r}",
                          change.after, hint="resume it with the checkpoint's own value, or start a new run "
                                             "(another run.name, or checkpoint.resume null)")
+        elif change in refused:
+            report.error(change.field, f"resuming {checkpoint.name} changes the run: {change.note}", change.after,
+                         hint="--accept-changes to resume so (checkpoint.accept_changes), or relaunch as the "
+                              "checkpoint's spec and ranks would go on")
         else:
             report.warn(change.field, f"changed since {checkpoint.name} ({change}): applied from step {meta['step']}",
                         change.after)

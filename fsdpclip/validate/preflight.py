@@ -72,6 +72,7 @@ def already_finished(job: Job) -> Optional[str]:
     """Why relaunching `job` would train nothing (its checkpoint is at or past its last step, as the trainer
     would compute it from that checkpoint), else None."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
+    from fsdpclip.spec.resume import kept_streams, spec_changes
 
     try:
         candidates, _ = resume_candidates(job.run_dir, job.checkpoint.resume)
@@ -80,8 +81,9 @@ def already_finished(job: Job) -> Optional[str]:
         return None  # the trainer says what is wrong with them
     if meta is None:
         return None
-    step = meta["step"]
-    total = job.total_steps(job.launch.world_size, step, meta.get("samples_seen", 0))
+    step, world = meta["step"], job.launch.world_size
+    streams = kept_streams(meta, job, spec_changes(meta.get("job", {}), job), world)
+    total = job.total_steps(world, step, meta.get("samples_seen", 0), streams)
     if total is None or step < total:
         return None
     return f"already finished: step {step} of {total}, nothing to train"
