@@ -325,7 +325,8 @@ def test_rank_state_damaged_after_the_check_falls_back_on_every_rank(tmp_path, p
     """Rank 1's state file in the newest checkpoint is damaged after rank 0 chose it (between the check and the
     load): every rank learns it before anything is loaded, and all resume from the checkpoint before it."""
     shutil.copytree(plain_run, tmp_path / "runs" / "plain")
-    longer = write_job(tmp_path, _plain_job(tmp_path, schedule={"steps": STEPS + 4}, checkpoint={"async_save": True}),
+    longer = write_job(tmp_path, _plain_job(tmp_path, schedule={"steps": STEPS + 4},
+                                         checkpoint={"async_save": True, "accept_changes": True}),
                        "longer.json")
     resumed = _with_fault(longer, "damage-rank-state:1")
     checkpoints = tmp_path / "runs" / "plain" / "checkpoints"

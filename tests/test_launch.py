@@ -146,7 +146,7 @@ _PROBE_RANK = """
 import json, os, sys, time
 from pathlib import Path
 out = Path(sys.argv[1])
-seen = {"probe": os.environ.get("FSDPCLIP_PROBE"), "parent": os.getppid(), "session": os.getsid(0), "pid": os.getpid()}
+seen = {"probe": os.environ.get("SPEC_PROBE"), "parent": os.getppid(), "session": os.getsid(0), "pid": os.getpid()}
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
 if sys.argv[2] == "wait":
     time.sleep(120)
@@ -179,7 +179,7 @@ def _probe_ranks(tmp_path, mode: str, forked_ranks: bool):
     how = ["--run-path", "--start-method=fork"] if forked_ranks else []
     command = [sys.executable, "-m", TORCHRUN, "--standalone", "--nproc-per-node=2", *how, str(script), str(tmp_path),
                mode]
-    return ForkedTorchrun(command, {**os.environ, "FSDPCLIP_PROBE": "from the spec"})
+    return ForkedTorchrun(command, {**os.environ, "SPEC_PROBE": "from the spec"})
 
 
 @pytest.mark.slow
@@ -190,7 +190,7 @@ def test_torchrun_runs_forked_with_the_jobs_environment(tmp_path, capfd, forked_
     `failed (exitcode: 75)` error line."""
     torchrun = _probe_ranks(tmp_path, "exit", forked_ranks)
     assert _wait(torchrun) == 75
-    assert "FSDPCLIP_PROBE" not in os.environ
+    assert "SPEC_PROBE" not in os.environ
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["probe"] == "from the spec"
@@ -231,7 +231,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     launch.fork_ranks false and a launcher that had imported torch already."""
     for sub in ("pythonpath", "asked"):
         (tmp_path / sub).mkdir()
-    plain = _tiny(tmp_path, env={"FSDPCLIP_PROBE": "from the spec"})
+    plain = _tiny(tmp_path, env={"SPEC_PROBE": "from the spec"})
     pythonpath = _tiny(tmp_path / "pythonpath", env={"PYTHONPATH": str(tmp_path)})
 
     def dry_run(path: Path) -> str:
@@ -242,8 +242,8 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
                 f"sys.argv = ['fsdpclip', 'launch', {str(path)!r}, '--dry-run']\n"
                 "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
                 "print('transformers imported:', 'transformers' in sys.modules)\n"
-                "print('launch.env taken:', os.environ.pop('FSDPCLIP_PROBE', None))\n"
-                f"print('again:', prepare_forked_ranks(load_job({str(path)!r})), os.environ.get('FSDPCLIP_PROBE'))\n")
+                "print('launch.env taken:', os.environ.pop('SPEC_PROBE', None))\n"
+                f"print('again:', prepare_forked_ranks(load_job({str(path)!r})), os.environ.get('SPEC_PROBE'))\n")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return squeezed(proc.stdout)

@@ -383,7 +383,7 @@ def _processes(workers: int) -> Iterator[Callable]:
             yield lambda function, jobs, chunksize: map(function, jobs)
             return
         before = set(multiprocessing.active_children())
-        executor = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _ignore_interrupts)
+        executor = _started_pool(ProcessPoolExecutor, workers)
         try:
             yield lambda function, jobs, chunksize: _in_order(executor, function, iter(jobs), chunksize, 4 * workers)
         except BaseException as exc:
@@ -419,5 +419,15 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-def _ignore_interrupts() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _started_pool(pool: Callable, workers: int):
+    """A spawn pool of `workers` processes, all started now with Ctrl-C ignored: a process spawned with SIGINT
+    ignored keeps ignoring it (Python installs its own handler otherwise, and a Ctrl-C while it imports would
+    print its traceback). This process ignores Ctrl-C only while they start."""
+    kept = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        executor = pool(workers, multiprocessing.get_context("spawn"))
+        for started in [executor.submit(os.getpid) for _ in range(workers)]:  # each submit starts a process
+            started.result()
+    finally:
+        signal.signal(signal.SIGINT, kept)
+    return executor

@@ -146,12 +146,13 @@ def consequences(meta: dict, job: Job, world: int, changes: list[Change]) -> lis
     checkpoint's own spec going on where it was saved: the global batch, the length in steps (unless the length
     was asked for: `LENGTH`) and the LR of the step it resumes at (unless the LR curve was: `LR_CURVE`); and, as
     plain changes, a global batch kept on another world size and data streams read on fewer ranks. None where
-    the saved spec no longer reads or the batch is settled only at start (per_gpu 'auto')."""
+    the saved spec no longer reads, the checkpoint names no step or the batch is settled only at start (per_gpu
+    'auto')."""
     try:
         saved = Job.model_validate(meta["job"])
     except (KeyError, ValueError):
         return []
-    if job.batch.searched or saved.batch.searched:
+    if job.batch.searched or saved.batch.searched or "step" not in meta:
         return []
     step, seen = meta["step"], meta.get("samples_seen", 0)
     saved_world = saved.launch.world_size if "imported" in meta else meta["world_size"]  # an import's whole save: 1
