@@ -277,6 +277,7 @@ def test_what_a_relaunch_on_other_ranks_keeps_and_what_it_changes(tmp_path):
     assert batch(kept_batch(job(1, 32), meta(job(2, 32)), 1)) == (32, 2, None)
     assert batch(kept_batch(job(2, 32, 2), meta(job(1, 32, 2)), 2)) == (32, 1, None)
     assert batch(kept_batch(job(2, 8), meta(job(3, 8)), 2)) == (6, 2, None)
+    assert batch(kept_batch(job(1, 32), meta(job(1, 32, 2)), 1)) == (32, 2, None)  # the spec as written, after 2 → 1
     assert batch(kept_batch(job(2, 8, batch={"global_batch": 16}), meta(job(1, 8, 2, batch={"global_batch": 16})),
                             2)) == (8, 1, 16)
     assert batch(kept_batch(job(1, "auto"), meta(job(2, 32)), 1)) == ("auto", 1, 64)

@@ -427,6 +427,18 @@ def test_auto_workers_resume_with_the_count_the_checkpoint_was_saved_with(tmp_pa
     written = WebDatasetBatches(stream, 3, pin_memory=False)
     written.load_state_dict(saved)
     assert written.workers == 3
+    # A position saved before 'auto' (no count of its own) goes on with the count its spec wrote.
+    from fsdpclip.data.batches import with_worker_count
+    from fsdpclip.spec.resume import Change, keeps_data_position
+
+    old = {key: value for key, value in saved.items() if key != "worker_count"}
+    assert with_worker_count(old, {"data": {"workers": 2}})["worker_count"] == 2
+    assert with_worker_count({"streams": {"0": old}}, {"data": {"workers": 2}})["streams"]["0"]["worker_count"] == 2
+    assert keeps_data_position([Change("data.workers", 4, "auto")])
+    assert not keeps_data_position([Change("data.workers", 4, 2)])
+    hosted = WebDatasetBatches(stream, 3, pin_memory=False, settled=True)
+    hosted.load_state_dict(with_worker_count(old, {"data": {"workers": 2}}))
+    assert hosted.workers == 2
 
 
 # ------------------------------------------------------------------- mixtures

@@ -46,10 +46,11 @@ def test_a_checkpoint_record_leaves_the_bar_showing_training(tmp_path, monkeypat
 
 def test_a_data_bound_window_is_said_with_its_rate_and_the_fixes(tmp_path, capsys):
     """A log window whose step waited for its batches over 10% of its time shows the wait on its line, and the
-    first such window (then every NOTICE_EVERY-th) says so with the rate the data supplies, the step's own and
+    first such window after the start-up's (then every NOTICE_EVERY-th) says so with the rate the data supplies, the step's own and
     the fixes that apply; a window that waited less says nothing."""
     log = MetricsLog(tmp_path, total_steps=100, tensorboard=False, enabled=True, data_hints=("more data workers",))
     record = {"loss": 2.5, "samples_per_s": 1500.0, "samples_per_s_per_gpu": 1500.0, "step_time_s": 0.2}
+    log.write({"step": 5, **record, "data_wait_fraction": 0.9, "time_to_first_step_s": 30.0})  # the start-up's
     for step, wait in ((10, 0.79), (20, 0.05), (30, 0.5)):
         log.write({"step": step, **record, "data_wait_fraction": wait})
     log.close()
@@ -57,7 +58,7 @@ def test_a_data_bound_window_is_said_with_its_rate_and_the_fixes(tmp_path, capsy
     notices = [line for line in lines if line.startswith("data-bound")]
     assert notices == ["data-bound: the step waited for its batches 79% of the time: the data supplies ~1,500 "
                        "samples/s per GPU, the step alone would take ~7,143 (to feed it: more data workers)"]
-    steps = [line for line in lines if line.startswith("step ")]
+    steps = [line for line in lines if line.startswith("step ")][1:]
     assert "data wait 79%" in steps[0] and "data wait" not in steps[1] and "data wait 50%" in steps[2]
 
 

@@ -154,6 +154,17 @@ class WebDatasetBatches:
         return iter(loader)
 
 
+def with_worker_count(position: dict, saved_job: dict) -> dict:
+    """A saved webdataset position (or a rank's several: {"streams": ...}) with the data workers that made it:
+    its own count, else (saved before 'auto') the count its spec wrote."""
+    if "streams" in position:
+        return {"streams": {key: with_worker_count(part, saved_job) for key, part in position["streams"].items()}}
+    written = saved_job.get("data", {}).get("workers")
+    if "workers" in position and "worker_count" not in position and isinstance(written, int):
+        return {**position, "worker_count": written}
+    return position
+
+
 def _worker_position(saved: dict) -> WorkerPosition:
     """A worker's saved position (one saved before mixtures holds its one reading in its own fields)."""
     saved = dict(saved)

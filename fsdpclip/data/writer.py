@@ -422,12 +422,19 @@ def _interrupted(signum, frame):
 def _started_pool(pool: Callable, workers: int):
     """A spawn pool of `workers` processes, all started now with Ctrl-C ignored: a process spawned with SIGINT
     ignored keeps ignoring it (Python installs its own handler otherwise, and a Ctrl-C while it imports would
-    print its traceback). This process ignores Ctrl-C only while they start."""
+    print its traceback). Each waits in its initializer until all have started, so none is idle and every submit
+    starts one. This process ignores Ctrl-C only while they start."""
+    context = multiprocessing.get_context("spawn")
+    everyone = context.Barrier(workers)
     kept = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        executor = pool(workers, multiprocessing.get_context("spawn"))
-        for started in [executor.submit(os.getpid) for _ in range(workers)]:  # each submit starts a process
+        executor = pool(workers, context, initializer=_wait_for_the_others, initargs=(everyone,))
+        for started in [executor.submit(os.getpid) for _ in range(workers)]:
             started.result()
     finally:
         signal.signal(signal.SIGINT, kept)
     return executor
+
+
+def _wait_for_the_others(everyone) -> None:
+    everyone.wait(timeout=300)  # one that died while starting breaks the pool, never hangs it

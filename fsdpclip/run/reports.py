@@ -155,7 +155,8 @@ def data_wait_notice(wait: float, samples_per_s_per_gpu: float, hints: list[str]
     `DataSource.waiting_hints`); None where the step waited no more than DATA_BOUND."""
     if wait <= DATA_BOUND:
         return None
-    alone = samples_per_s_per_gpu / max(1e-9, 1 - wait)
+    wait = min(wait, 0.99)  # a window counts the device spans it sees finished: a short one can count more
+    alone = samples_per_s_per_gpu / (1 - wait)
     text = (f"data-bound: the step waited for its batches {wait:.0%} of the time: the data supplies "
             f"~{samples_per_s_per_gpu:,.0f} samples/s per GPU, the step alone would take ~{alone:,.0f}")
     return text + (" (to feed it: " + "; ".join(hints) + ")" if hints else "")

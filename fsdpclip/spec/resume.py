@@ -112,10 +112,12 @@ def kept_batch(job: Job, meta: dict, world: int) -> Job:
     """`job` with the global batch of the checkpoint whose meta.json is `meta`, where it is resumed on another
     number of ranks (`world`): grad_accum set so that per_gpu × grad_accum × ranks is the checkpoint's, with the
     largest per_gpu up to the spec's that divides the share of each rank (per_gpu 'auto': global_batch set, the
-    search splits it). The job as it is where the world size is the checkpoint's, where `batch.global_batch` asks
-    for another, or where the ranks do not divide the checkpoint's global batch (a consequence then)."""
+    search splits it); on the checkpoint's own world size too (a spec relaunched as written after a resume on
+    another one goes on with the batch that resume kept). The job as it is where `batch.global_batch` asks for
+    another, where the ranks do not divide the checkpoint's global batch (a consequence then), or where per_gpu
+    'auto' resumes on the checkpoint's world size (its search's record applies)."""
     saved, saved_world = meta.get("job"), meta.get("world_size")
-    if saved is None or saved_world in (None, world) or "imported" in meta:
+    if saved is None or saved_world is None or "imported" in meta or saved_world == world and job.batch.searched:
         return job
     target = saved["batch"]["per_gpu"] * saved["batch"]["grad_accum"] * saved_world
     batch = job.batch
@@ -212,8 +214,10 @@ def is_fixed(change: Change) -> bool:
 
 
 def keeps_data_position(changes: list[Change]) -> bool:
-    """Whether the saved data position still describes the new data stream."""
-    return not any(c.field.startswith(DATA_STREAM) and not c.field.startswith(SAME_STREAM) for c in changes)
+    """Whether the saved data position still describes the new data stream (data.workers changed to 'auto' does:
+    the stream goes on with the checkpoint's count)."""
+    return not any(c.field.startswith(DATA_STREAM) and not c.field.startswith(SAME_STREAM)
+                   and not (c.field == "data.workers" and c.after == "auto") for c in changes)
 
 
 def _short(value: Any, limit: int = 80) -> str:

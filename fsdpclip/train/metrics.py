@@ -119,8 +119,9 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(record)
         line = " ".join(f"{k} {_short(v)}" for k, v in record.items() if k in SHOWN and v is not None)
+        steady = "loss" in record and "time_to_first_step_s" not in record  # not the window holding the start-up
         notice = data_wait_notice(record.get("data_wait_fraction") or 0.0, record.get("samples_per_s_per_gpu") or 0.0,
-                                  self.data_hints) if "loss" in record else None
+                                  self.data_hints) if steady else None
         if notice is not None:
             line += f" data wait {record['data_wait_fraction']:.0%}"
             if self.data_bound % NOTICE_EVERY == 0:

@@ -155,7 +155,10 @@ class Checkpointing:
         if streams is not None:
             if rank_state is not None:
                 set_rng_state(rank_state["rng"], self.env.device)
-            self.batches.load_state_dict(self._data_position(checkpoint, meta, rank_state))
+            from fsdpclip.data.batches import with_worker_count
+
+            self.batches.load_state_dict(with_worker_count(self._data_position(checkpoint, meta, rank_state),
+                                                           meta.get("job", {})))
         else:
             why = f"imported from {meta['imported']['source']}" if "imported" in meta else \
                 "data or batch changed" if rank_state is not None else \

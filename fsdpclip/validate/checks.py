@@ -290,7 +290,7 @@ def kept_on_resume(job: Job) -> Job:
     try:
         candidates, _ = resume_candidates(resolved.run_dir, resolved.checkpoint.resume)
         return kept_batch(job, read_meta(candidates[0]), job.launch.world_size) if candidates else job
-    except (CheckpointError, OSError, ValueError):  # said by _check_resume
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):  # said by _check_resume
         return job
 
 
