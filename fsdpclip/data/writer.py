@@ -387,8 +387,11 @@ def _processes(workers: int) -> Iterator[Callable]:
         try:
             yield lambda function, jobs, chunksize: _in_order(executor, function, iter(jobs), chunksize, 4 * workers)
         except BaseException as exc:
-            for child in set(multiprocessing.active_children()) - before:
+            children = set(multiprocessing.active_children()) - before
+            for child in children:
                 child.kill()
+            for child in children:  # gone before this process is: none is left running under its group
+                child.join(10)
             if isinstance(exc, BrokenProcessPool):
                 raise WriteError("a worker process died (killed, or out of memory?): the shards written whole are "
                                  "kept, and the same command goes on from them") from None
