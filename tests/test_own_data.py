@@ -236,8 +236,9 @@ def test_an_interrupted_run_goes_on_to_the_same_shards(cli, tmp_path, stop):
     else:
         assert process.returncode == 130 and "interrupted: the shards written whole are kept" in output, output
     assert "Traceback" not in output, output
-    group = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-g", str(process.pid)], capture_output=True, text=True)
-    running = [line for line in group.stdout.splitlines() if not line.startswith("Z")]  # exited, not yet reaped
+    deadline = time.monotonic() + 15  # multiprocessing's resource tracker ends once the command has ended
+    while (running := _still_running(process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not running, running  # none of its processes is left
     assert sorted(path.name for path in out.iterdir()) == ["shard-000000.tar", "shard-000001.tar", "shards.json"]
     for path in out.glob("*.tar"):  # whole: every member there, to the archive's end
@@ -254,6 +255,12 @@ def test_an_interrupted_run_goes_on_to_the_same_shards(cli, tmp_path, stop):
     for index in range(3):
         name = f"shard-{index:06d}.tar"
         assert (out / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+def _still_running(group: int) -> list[str]:
+    """The processes of process group `group` that have not exited (a zombie, not yet reaped, has)."""
+    found = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-g", str(group)], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if not line.startswith("Z")]
 
 
 def test_resize_shrinks_the_images_and_keeps_every_other_member(cli, tmp_path):
