@@ -327,7 +327,9 @@ def main() -> None:
     urls = write_shards(args.out / "shards", args.shards, args.per_shard, args.image_size, args.images)
     args.workers = args.workers if args.workers == "auto" else int(args.workers)
     print(f"{args.shards} shards of {args.per_shard} in {args.out / 'shards'}: {time.time() - began:.0f} s", flush=True)
-    shards = {"urls": urls, "samples": args.shards * args.per_shard, "workers": args.workers}
+    shards = {"urls": urls, "samples": args.shards * args.per_shard}  # the default side: the minimal spec
+    if args.workers != "auto":
+        shards["workers"] = args.workers
     shard_data = ["--train-data", urls, "--dataset-type", "webdataset"]
     sides = {"synthetic": lambda: fsdpclip_side("synthetic", {"source": "synthetic"}, args),
              "default": lambda: fsdpclip_side("default", shards, args),
