@@ -46,7 +46,7 @@ import torch
 
 from fsdpclip.data.batches import PREFETCH, webdataset_batches
 from fsdpclip.data.resize import resized_crops
-from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded
+from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, unpacked
 from fsdpclip.model.build import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.spec.job import ModelSpec
@@ -171,10 +171,10 @@ def gpu_decode_parts(taken: list, device: torch.device) -> dict:
 
 
 def mixed_decode_parts(taken: list, device: torch.device) -> dict:
-    """'mixed': the pinned crops' copy to the device, their resize (from channels last), the pinning
+    """'mixed': the pinned crops' copy to the device, their resize (unpacked, from channels last), the pinning
     thread's call (pinning, copy and resize)."""
     pinned = [CroppedBatch(batch.pixels.pin_memory(), batch.boxes, batch.size) for batch in taken]
-    copied = [batch.pixels.to(device).permute(0, 3, 1, 2) for batch in pinned]
+    copied = [unpacked(batch.pixels.to(device), batch.boxes).permute(0, 3, 1, 2) for batch in pinned]
     return {"copy": (lambda i: pinned[i].pixels.to(device, non_blocking=True), len(taken)),
             "resized_crops": (lambda i: resized_crops(copied[i], pinned[i].boxes, pinned[i].size),
                               len(taken)),

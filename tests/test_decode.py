@@ -26,7 +26,7 @@ from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
 from fsdpclip.data.augment import coloured, crop_box
 from fsdpclip.data.resize import resample_weights
-from fsdpclip.data.transform import CroppedBatch, EncodedBatch, TrainImages, decode_mode, pooled_batch
+from fsdpclip.data.transform import CroppedBatch, EncodedBatch, TrainImages, decode_mode, pooled_batch, unpacked
 
 SIZE = 48  # the model's image size in these tests
 
@@ -178,11 +178,12 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert isinstance(batch, CroppedBatch) and batch.pixels.dtype == torch.uint8
     boxes = encoded_batch.boxes[encoded_batch.order]
     assert torch.equal(batch.boxes[:, 2:], boxes[:, 2:]) and not batch.boxes[:, :2].any()
-    assert len({tuple(box) for box in boxes[:, 2:].tolist()}) > 1  # crops of several sizes: padded
-    for crop, jpeg, (top, left, height, width) in zip(batch.pixels, data, boxes.tolist()):  # (H, W, 3), as PIL
-        whole = torch.from_numpy(np.array(Image.open(io.BytesIO(jpeg)).convert("RGB")))
+    assert len({tuple(box) for box in boxes[:, 2:].tolist()}) > 1  # crops of several sizes
+    crop_bytes = 3 * boxes[:, 2] * boxes[:, 3]
+    assert batch.pixels.shape == (crop_bytes.sum() + 3 * boxes[:, 3].max(),)  # end to end, not padded
+    for crop, jpeg, (top, left, height, width) in zip(unpacked(batch.pixels, batch.boxes), data, boxes.tolist()):
+        whole = torch.from_numpy(np.array(Image.open(io.BytesIO(jpeg)).convert("RGB")))  # (H, W, 3), as PIL
         assert torch.equal(crop[:height, :width], whole[top:top + height, left:left + width])
-        assert not crop[height:].any() and not crop[:, width:].any()  # zero padding
     target = torch.device(device)
     got = TrainImages(transform, "mixed", target)(batch.pin_memory() if device == "cuda" else batch)
     assert got.device.type == device
@@ -200,9 +201,9 @@ def test_a_large_photo_is_resized_on_the_worker_not_padded_into_its_batch(tmp_pa
     samples = [("jpg", d) for d in data]
     (cpu, _), _ = batches(tmp_path, samples, "cpu", transform, len(data))
     (mixed, _), _ = batches(tmp_path, samples, "mixed", transform, len(data))
-    assert mixed.pixels.shape[1] <= 64 and mixed.pixels.shape[2] <= 64
+    assert mixed.boxes[:, 2:].max() <= 64
     assert mixed.boxes[1].tolist() == [0, 0, SIZE, SIZE]
-    assert torch.equal(mixed.pixels[1, :SIZE, :SIZE], cpu[1].permute(1, 2, 0))
+    assert torch.equal(unpacked(mixed.pixels, mixed.boxes)[1, :SIZE, :SIZE], cpu[1].permute(1, 2, 0))
     (gpu, _), _ = batches(tmp_path, samples, "gpu", transform, len(data))
     assert len(gpu.lengths) == 2 and gpu.pixels is not None and torch.equal(gpu.pixels[0], cpu[1])
     for batch, decode in ((mixed, "mixed"), (gpu, "gpu")):
@@ -320,7 +321,7 @@ def test_the_rank_hands_a_buffer_back_once_it_is_read(monkeypatch):
     batch.release()
     assert flag.item() == 0
     flag = torch.zeros(1, dtype=torch.int32)
-    pixels = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
+    pixels = torch.randint(0, 256, (3 * (8 * 8 + 6 * 7 + 8),), dtype=torch.uint8)
     got = TrainImages(train_transform(), "mixed", torch.device("cpu"))(CroppedBatch(pixels, boxes, (4, 4), flag))
     assert got.shape == (2, 3, 4, 4) and flag.item() == 1
 
@@ -328,7 +329,7 @@ def test_the_rank_hands_a_buffer_back_once_it_is_read(monkeypatch):
 def test_a_workers_reused_buffers_leave_every_held_batch_intact(tmp_path):
     """"mixed" through a real data worker: batches the rank still holds keep their pixels while the worker
     goes on (it writes only buffers the rank released), those it released are written again (the same shared
-    memory comes back), and every batch, held or not, equals the in-process stream's, padding zeroed."""
+    memory comes back), and every batch, held or not, equals the in-process stream's, byte for byte."""
     rng = np.random.default_rng(4)
     data = [encoded(picture(rng, 40 + index % 5, 44 + index % 3)) for index in range(60)]
     path = tmp_path / "shard.tar"
@@ -610,7 +611,7 @@ def test_a_batch_of_mixed_images(tmp_path):
     cpu_images, cpu_texts, cpu_broken = run("cpu")
     mixed, mixed_texts, mixed_broken = run("mixed")
     assert torch.equal(mixed_texts, cpu_texts) and mixed_broken == cpu_broken == 2  # every format on the workers
-    assert isinstance(mixed, CroppedBatch) and mixed.pixels.shape[0] == len(good)
+    assert isinstance(mixed, CroppedBatch) and mixed.boxes.shape[0] == len(good)
     error = levels(TrainImages(transform, "mixed", torch.device("cpu"))(mixed),
                    TrainImages(transform, "cpu", torch.device("cpu"))(cpu_images), transform)
     assert (error.amax(dim=(1, 2, 3)) <= 2 + 1e-3).all(), error.amax(dim=(1, 2, 3))
@@ -717,3 +718,23 @@ def test_validate_shows_the_resolved_preprocess_and_refuses_what_it_cannot_mean(
         job = dict(tiny_job, data={**tiny_job["data"], "preprocess": wrong})
         code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
         assert code == 2 and [e["location"] for e in out["errors"]] == [location], (wrong, out["errors"])
+
+
+def test_what_lies_past_a_packed_crop_weighs_nothing_in_its_resize():
+    """`unpacked` fills each crop's batch slot past its box with the next crops' bytes: the resize of that
+    batch equals, exactly, the resize of the same crops zero-padded."""
+    from fsdpclip.data.resize import resized_crops
+    from fsdpclip.data.transform import packed
+
+    rng = np.random.default_rng(5)
+    crops = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((30, 17), (9, 41), (25, 25), (40, 8))]
+    boxes = torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops])
+    flat, _ = packed(crops)
+    batch = unpacked(flat, boxes)
+    zeroed = torch.zeros_like(batch)
+    for slot, crop in zip(zeroed, crops):
+        slot[:crop.shape[0], :crop.shape[1]] = torch.from_numpy(crop)
+    assert not torch.equal(batch, zeroed)  # the slots past the crops hold other bytes
+    for size in ((16, 16), (48, 20)):
+        assert torch.equal(resized_crops(batch.permute(0, 3, 1, 2), boxes, size),
+                           resized_crops(zeroed.permute(0, 3, 1, 2), boxes, size))
