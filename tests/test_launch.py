@@ -223,6 +223,50 @@ def test_a_killed_forked_torchrun_reports_its_signal_and_leaves_no_rank(tmp_path
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
+# A process that keeps forking children (as a rank starts its next data workers), each alive for 0.5 s; all
+# of them named by argv[1].
+_FORKING = """
+import os, time
+while True:
+    if os.fork() == 0:
+        time.sleep(0.5)
+        os._exit(0)
+    time.sleep(0.003)
+"""
+
+
+def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path):
+    """A tree whose members fork all the time (as a rank starting its next data workers): nothing forked
+    between kill_tree's scan of the tree and its kill outlives it as an orphan."""
+    import time
+
+    from fsdpclip.launch.local import kill_tree
+
+    marker = f"fork-marker-{tmp_path.name}"
+    root = subprocess.Popen([sys.executable, "-c", _FORKING, marker])
+
+    def named() -> list[int]:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z" and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    try:
+        time.sleep(1.0)
+        assert len(named()) >= 10  # the root and its children
+        kill_tree(root.pid)
+        assert named() == []  # an orphan forked during the kill would live on for up to 0.5 s
+        assert root.wait(10) == -9
+    finally:
+        for pid in named():
+            os.kill(pid, 9)
+
+
 @pytest.mark.slow
 def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again), takes the spec's

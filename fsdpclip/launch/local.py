@@ -321,22 +321,40 @@ class ForkedTorchrun:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every process under it (Linux: their parents read from /proc)."""
+    """SIGKILL a process and every process under it (Linux: their parents read from /proc). The tree is
+    stopped first (SIGSTOP, until a scan finds no member it has not stopped), so that a process forked between
+    a scan and the kill (a rank's next data workers, say) cannot outlive its killed parent as an orphan."""
+    stopped: set[int] = set()
+    while True:
+        members = [member for member in _tree(pid) if member not in stopped]
+        if not members:
+            break
+        for member in members:
+            _signal(member, signal.SIGSTOP)
+            stopped.add(member)
+    for member in stopped:
+        _signal(member, signal.SIGKILL)
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every living process under it."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            if fields[0] not in "ZX":  # a zombie has no children to hide and cannot be signalled
+                children.setdefault(int(fields[1]), []).append(int(entry))
     tree, todo = [pid], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             tree.append(child)
             todo.append(child)
-    for member in tree:
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return tree
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
