@@ -180,7 +180,7 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert torch.equal(batch.boxes[:, 2:], boxes[:, 2:]) and not batch.boxes[:, :2].any()
     assert len({tuple(box) for box in boxes[:, 2:].tolist()}) > 1  # crops of several sizes
     crop_bytes = 3 * boxes[:, 2] * boxes[:, 3]
-    assert batch.pixels.shape == (crop_bytes.sum() + 3 * boxes[:, 3].max(),)  # end to end, not padded
+    assert batch.pixels.shape == (int(crop_bytes.sum() + 3 * boxes[:, 3].max()),)  # end to end, not padded
     for crop, jpeg, (top, left, height, width) in zip(unpacked(batch.pixels, batch.boxes), data, boxes.tolist()):
         whole = torch.from_numpy(np.array(Image.open(io.BytesIO(jpeg)).convert("RGB")))  # (H, W, 3), as PIL
         assert torch.equal(crop[:height, :width], whole[top:top + height, left:left + width])

@@ -11,8 +11,9 @@ import torch
 def resized_crops(batch: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Each uint8 image's box (top, left, height, width) resized to `size` as PIL's bicubic resize of the
     crop does (a horizontal pass rounded to 8 bits, then a vertical one): uint8 (n, 3, *size). `batch`
-    (n, 3, H, W), of any strides, may be zero-padded (`transform.padded`): a box lies inside its image, and the weights
-    outside the box are 0. `boxes` are on the host (they size the weights' band)."""
+    (n, 3, H, W), of any strides, may be padded with any values (`transform.padded`, `transform.unpacked`): a
+    box lies inside its image, and the weights outside the box are 0. `boxes` are on the host (they size the
+    weights' band)."""
     count, height, width = batch.shape[0], batch.shape[2], batch.shape[3]
     across = resample_weights(boxes[:, 1], boxes[:, 3], width, size[1], batch.device)  # (n, out width, width)
     down = resample_weights(boxes[:, 0], boxes[:, 2], height, size[0], batch.device)  # (n, out height, height)

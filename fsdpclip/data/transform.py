@@ -343,14 +343,13 @@ def unpacked(flat: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     width, on `flat`'s device in one gather: row y of crop i is the 3·W bytes from that row's start (crop
     i's last row past its height). Past each crop's own width and height the batch holds the next bytes,
     which `resized_crops` weighs 0."""
-    heights, widths = boxes[:, 2], boxes[:, 3]
-    height, width = int(heights.max()), int(widths.max())
+    height, width = (int(extent) for extent in boxes[:, 2:].max(0).values)
+    heights, widths = boxes[:, 2:].to(flat.device, non_blocking=True).unbind(1)
     sizes = 3 * heights * widths
-    rows = torch.arange(height)[None, :].minimum(heights[:, None] - 1)
-    starts = (sizes.cumsum(0) - sizes)[:, None] + 3 * widths[:, None] * rows  # (n, H), host
+    rows = torch.arange(height, device=flat.device)[None, :].minimum(heights[:, None] - 1)
+    starts = (sizes.cumsum(0) - sizes)[:, None] + 3 * widths[:, None] * rows  # (n, H), made on the device
     windows = flat.unfold(0, 3 * width, 1)  # every 3·W bytes from every byte: a view
-    return windows.index_select(0, starts.flatten().to(flat.device, non_blocking=True)).view(
-        len(boxes), height, width, 3)
+    return windows.index_select(0, starts.flatten()).view(len(boxes), height, width, 3)
 
 
 POOLED = 6  # a worker's pooled batch buffers: DataLoader's prefetch (4, the one being made among them), the

@@ -383,7 +383,7 @@ def _processes(workers: int) -> Iterator[Callable]:
             yield lambda function, jobs, chunksize: map(function, jobs)
             return
         before = set(multiprocessing.active_children())
-        executor = _started_pool(ProcessPoolExecutor, workers)
+        executor = _started_pool(workers)
         try:
             yield lambda function, jobs, chunksize: _in_order(executor, function, iter(jobs), chunksize, 4 * workers)
         except BaseException as exc:
@@ -422,7 +422,7 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-def _started_pool(pool: Callable, workers: int):
+def _started_pool(workers: int) -> ProcessPoolExecutor:
     """A spawn pool of `workers` processes, all started now with Ctrl-C ignored: a process spawned with SIGINT
     ignored keeps ignoring it (Python installs its own handler otherwise, and a Ctrl-C while it imports would
     print its traceback). Each waits in its initializer until all have started, so none is idle and every submit
@@ -431,7 +431,7 @@ def _started_pool(pool: Callable, workers: int):
     everyone = context.Barrier(workers)
     kept = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        executor = pool(workers, context, initializer=_wait_for_the_others, initargs=(everyone,))
+        executor = ProcessPoolExecutor(workers, context, initializer=_wait_for_the_others, initargs=(everyone,))
         for started in [executor.submit(os.getpid) for _ in range(workers)]:
             started.result()
     finally:
