@@ -153,7 +153,8 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
         else []
     if len(records) < 2:
         return {"error": f"exit {code}; see {name}.log"}
-    return {"samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
+    shares = [r["jpeg_engine_share"] for r in records if "jpeg_engine_share" in r]
+    return {"jpeg_engine_shares": shares or None, "samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
             "data_wait_fraction": second_half([r["data_wait_fraction"] for r in records]),
             "step_limited_samples_per_s_per_gpu": step_rate(records),
             "time_to_first_step_s": records[0]["time_to_first_step_s"], "exit": code,
@@ -254,6 +255,22 @@ def ceiling_side(urls: str, args) -> dict:
     return row
 
 
+def resized_side(shards: dict, args) -> dict:
+    """The default spec on the shards shrunk to the model's size (`fsdpclip data resize --model`, in parallel over
+    the node's cores; its time in the row), kept for the next run in OUT/resized."""
+    resized = args.out / "resized"
+    began = time.time()
+    code = run([sys.executable, "-m", "fsdpclip", "data", "resize", str(args.out / "shards"), str(resized),
+                "--model", args.model], args.out / "resize.log", args.timeout)
+    seconds = time.time() - began
+    if code != 0:
+        return {"error": f"data resize exit {code}; see resize.log"}
+    row = fsdpclip_side("resized", {**shards, "urls": shards["urls"].replace(str(args.out / "shards"), str(resized))},
+                        args)
+    return {**row, "resize_s": round(seconds, 1),
+            "resized_mean_kb": sum(f.stat().st_size for f in resized.glob("*.tar")) / args.shards / args.per_shard / 1024}
+
+
 TRAIN_LINE = re.compile(r"^(\S+) \|.*Train Epoch: .*Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), .*?([\d.]+)/s/gpu")
 
 
@@ -337,6 +354,8 @@ def main() -> None:
              "gpu": lambda: fsdpclip_side("decode-gpu", {**shards, "decode": "gpu"}, args),
              "mixed": lambda: fsdpclip_side("decode-mixed", {**shards, "decode": "mixed"}, args),
              "mixed-4-workers": lambda: fsdpclip_side("mixed-4-workers", {**shards, "workers": 4}, args),
+             "workers-only": lambda: fsdpclip_side("workers-only", {**shards, "jpeg_engines": False}, args),
+             "resized": lambda: resized_side(shards, args),
              "ceiling": lambda: ceiling_side(urls, args),
              "open_clip_train": lambda: openclip_side("open_clip_train", args.openclip_site, shard_data, args),
              "open_clip_main": lambda: openclip_side("open_clip_main", args.openclip_main_site, shard_data, args,

@@ -50,19 +50,28 @@ def train_transform(size: int = SIZE):
     return image_transform_v2(PreprocessCfg(size=size), is_train=True)
 
 
-def batches(tmp_path, images: list[tuple[str, bytes]], decode: str, transform, batch: int, workers: int = 0):
+def batches(tmp_path, images: list[tuple[str, bytes]], decode: str, transform, batch: int, workers: int = 0,
+            engine_share: float = 0.0):
     """The first micro batch of `batch` samples of a shard of (key, image) samples, whose captions are
-    their indices, decoded as `decode` says, through a real stream; and the stream."""
+    their indices, decoded as `decode` says, through a real stream; and the stream. With `engine_share`, the
+    hardware JPEG engines take that share of a 'mixed' stream (nvImageCodec's CPU decoder here)."""
     path = tmp_path / f"shard-{decode}.tar"
     with wds.TarWriter(str(path)) as sink:
         for index, (key, data) in enumerate(images):
             sink.write({"__key__": f"{index:04d}", key: data, "txt": f"sample {index}"})
-    spec = WebDatasetSpec(urls=str(path), samples=batch, workers=workers, shuffle_buffer=0, decode=decode)
-    tokenize = lambda captions: torch.tensor([[int(c.split()[-1])] for c in captions])  # noqa: E731
+    spec = WebDatasetSpec(urls=str(path), samples=batch, workers=workers, shuffle_buffer=0, decode=decode,
+                          jpeg_engines=bool(engine_share))
     worker_transform = TrainImages(transform, decode, torch.device("cpu")).worker_transform
-    stream = WebDatasetBatches(ShardStream(spec, worker_transform, tokenize, batch, rank=0, world_size=1, seed=3),
-                               workers, pin_memory=False)
+    stream = WebDatasetBatches(ShardStream(spec, worker_transform, caption_indices, batch, rank=0, world_size=1,
+                                           seed=3), workers, pin_memory=False, engines=bool(engine_share))
+    if engine_share:
+        stream.engines.value[0] = engine_share
     return next(iter(stream)), stream
+
+
+def caption_indices(captions: list[str]) -> torch.Tensor:
+    """The tokens of `batches`' captions: each one's sample index."""
+    return torch.tensor([[int(c.split()[-1])] for c in captions])
 
 
 def levels(a: torch.Tensor, b: torch.Tensor, transform) -> torch.Tensor:
@@ -189,6 +198,117 @@ def test_mixed_decode_gives_the_cpu_paths_crops_and_pixels(tmp_path, device):
     assert got.device.type == device
     error = levels(got, TrainImages(transform, "cpu", target)(cpu_images), transform)
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+
+
+def test_the_jpeg_engines_take_their_share_with_the_cpu_paths_crops(tmp_path, monkeypatch):
+    """'mixed' with the hardware JPEG engines (nvImageCodec's CPU decoder stands in for them): the workers, started
+    from a fork server, leave the share's JPEGs encoded; the others (the PNG among them) are cropped on the workers;
+    the batch, decoded, cropped and resized on the device in sample order, is the cpu path's within 2 levels."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    from fsdpclip.data import engines
+
+    monkeypatch.setattr(engines, "_REFUSED", [])
+    data, cpu_images, _ = _both_paths(tmp_path, copies=3)
+    images = [("jpg", d) for d in data] + [("png", encoded(picture(np.random.default_rng(4), 50, 70), "PNG"))]
+    transform = train_transform()
+    (cpu_images, cpu_texts), _ = batches(tmp_path, images, "cpu", transform, len(images))
+    (batch, texts), stream = batches(tmp_path, images, "mixed", transform, len(images), workers=1, engine_share=0.5)
+    assert stream._context().get_start_method() == "forkserver"
+    assert torch.equal(texts, cpu_texts)
+    assert isinstance(batch, CroppedBatch) and batch.jpegs is not None and batch.jpegs.engines
+    assert 0 < len(batch.jpegs.lengths) < len(data) and len(batch.boxes) + len(batch.jpegs.lengths) == len(images)
+    device = torch.device("cpu")
+    error = levels(TrainImages(transform, "mixed", device)(batch), TrainImages(transform, "cpu", device)(cpu_images),
+                   transform)
+    assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
+    assert engines._REFUSED == [] and engines._DECODERS  # decoded by nvImageCodec, not the fallback
+
+
+def test_where_the_engines_decode_nothing_the_jpegs_are_decoded_otherwise_and_none_are_sent(tmp_path, monkeypatch):
+    """Engines that cannot start (a GPU without them, a driver too old): the batch's JPEGs are decoded as nvJPEG's
+    path decodes them, and the share falls to 0 at the next batch, for good."""
+    from fsdpclip.data import engines
+
+    data, cpu_images, _ = _both_paths(tmp_path)
+    transform = train_transform()
+    (batch, _), stream = batches(tmp_path, [("jpg", d) for d in data], "mixed", transform, len(data), engine_share=1.0)
+    assert isinstance(batch, EncodedBatch) and batch.engines  # every JPEG to the engines (no workers: in this process)
+
+    class Refusing:
+        def __init__(self, device):
+            raise RuntimeError("no hardware JPEG decoder on this device")
+
+    monkeypatch.setattr(engines, "_Decoder", Refusing)
+    monkeypatch.setattr(engines, "_DECODERS", {})
+    monkeypatch.setattr(engines, "_REFUSED", [])
+    device = torch.device("cpu")
+    error = levels(TrainImages(transform, "mixed", device)(batch), TrainImages(transform, "cpu", device)(cpu_images),
+                   transform)
+    assert error.max() <= 2 + 1e-3, error.max()
+    stream.engines.observe(0.5, 0.1)
+    assert stream.engines.share == 0.0
+    for _ in range(4 * stream.engines.window):
+        stream.engines.observe(0.5, 0.1)
+    assert stream.engines.share == 0.0
+
+
+def test_the_engines_share_rises_while_the_step_waits_and_falls_when_they_are_the_bottleneck(monkeypatch):
+    """Judged per window of batches: raised by a step while the step waits for its batches, held once it does not,
+    lowered (and no longer raised) when a raise made the wait longer."""
+    from fsdpclip.data import engines
+    from fsdpclip.data.engines import EngineShare
+
+    monkeypatch.setattr(engines, "_REFUSED", [])
+    share = EngineShare(window=4)
+
+    def window(waited: float, spent: float = 1.0) -> float:
+        for _ in range(4):
+            share.observe(waited, spent)
+        return round(share.share, 6)
+
+    start, step = EngineShare.START, EngineShare.STEP
+    assert window(0.0) == start  # no wait: held
+    assert window(0.3) == round(start + step, 6)  # the step waits: raised
+    assert window(0.2) == round(start + 2 * step, 6)  # still waits, less: raised again
+    assert window(0.5) == round(start + step, 6)  # the last raise made it wait longer: lowered
+    assert window(0.0) == round(start + step, 6)  # held
+    assert window(0.3) == round(start + step, 6)  # waits, but the engines could not take more: held
+    rising = EngineShare(window=1)
+    for _ in range(40):
+        rising.observe(0.3, 1.0)
+    assert rising.share == pytest.approx(EngineShare.MOST)
+
+
+def test_a_share_sends_the_same_samples_to_the_engines_on_every_run():
+    from fsdpclip.data.engines import to_engines
+
+    seeds = [hash((3, 0, 0, 0, emitted)) for emitted in range(4000)]
+    drawn = [to_engines(seed, 0.3) for seed in seeds]
+    assert drawn == [to_engines(seed, 0.3) for seed in seeds]
+    assert 0.27 <= sum(drawn) / len(drawn) <= 0.33
+    assert not any(to_engines(seed, 0.0) for seed in seeds)
+    assert all(to_engines(seed, 0.6) for seed, sent in zip(seeds, drawn) if sent)  # a larger share keeps these
+
+
+def test_jpeg_engines_true_is_refused_where_they_have_nothing_to_take(cli, tiny_job, tmp_path, monkeypatch):
+    """data.jpeg_engines true needs decode 'mixed' and nvImageCodec; 'auto' settles to them on CUDA where it is
+    installed, and validate's summary says so."""
+    from fsdpclip.data import engines
+
+    job = dict(tiny_job, data={**tiny_job["data"], "decode": "cpu", "jpeg_engines": True})
+    code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
+    assert code == 2 and [e["location"] for e in out["errors"]] == ["data.jpeg_engines"], out["errors"]
+    assert "decoded 'cpu'" in out["errors"][0]["message"]
+    monkeypatch.setattr(engines, "missing", lambda: "nvImageCodec is not installed (test)")
+    job = dict(tiny_job, data={**tiny_job["data"], "decode": "mixed", "jpeg_engines": True})
+    code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
+    assert code == 2 and "nvImageCodec is not installed" in out["errors"][0]["message"], out["errors"]
+    auto = dict(tiny_job, launch={**tiny_job["launch"], "device": "cuda"})
+    code, out = cli.validate_json(write_job(tmp_path, auto), "--no-check-paths")
+    assert code == 0 and out["summary"]["batch"]["decode"] == "mixed", out
+    monkeypatch.setattr(engines, "missing", lambda: None)
+    code, out = cli.validate_json(write_job(tmp_path, auto), "--no-check-paths")
+    assert code == 0 and out["summary"]["batch"]["decode"] == "mixed+engines", out
 
 
 def test_a_large_photo_is_resized_on_the_worker_not_padded_into_its_batch(tmp_path):
@@ -635,6 +755,7 @@ def test_decode_mode_is_settled_in_one_place(cli, tiny_job, tmp_path):
     assert decode_mode("auto", "cpu") == "cpu" and decode_mode("gpu", "cpu") == "gpu"
     assert decode_mode("auto", "cuda") == "mixed"
     unset = {k: v for k, v in tiny_job["data"].items() if k != "decode"}
+    unset["jpeg_engines"] = False  # 'auto' and the engines: test_jpeg_engines_true_is_refused_where_...
     for device, asked, settled in (("cpu", None, "cpu"), ("cuda", None, "mixed"), ("cpu", "gpu", "gpu"),
                                    ("cpu", "mixed", "mixed"), ("cuda", "cpu", "cpu")):
         job = dict(tiny_job, data=unset if asked is None else {**unset, "decode": asked},

@@ -7,12 +7,14 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
+from fsdpclip.data.engines import EngineShare, engines_on, missing
 from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
 from fsdpclip.data.transform import TrainImages, decode_mode
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
@@ -49,11 +51,17 @@ class WebDatasetBatches:
     """An endless iterator of (images, texts) micro batches for one rank, epoch after epoch, each epoch
     exactly `stream.batches_per_epoch` of them, taken from the logical workers in turn."""
 
-    def __init__(self, stream: ShardStream, workers: int, pin_memory: bool, settled: bool = False):
+    def __init__(self, stream: ShardStream, workers: int, pin_memory: bool, settled: bool = False,
+                 engines: bool = False):
         self.stream, self.workers, self.pin_memory = stream, workers, pin_memory
         self.settled = settled  # `workers` settled from 'auto': a resumed stream keeps its saved count
         self.position = StreamPosition()
         self.started: Optional[Iterator] = None  # a loader set going ahead (`start`, the next epoch's), not iterated
+        # data.jpeg_engines: the share of JPEGs the workers leave to the hardware JPEG engines, judged over windows
+        # longer than the batches the workers hold ahead
+        self.engines = EngineShare(window=2 * max(1, workers) * PREFETCH) if engines else None
+        stream.engine_share = None if self.engines is None else self.engines.value
+        self._yielded: Optional[float] = None  # when the last batch was handed over
 
     def start(self) -> None:
         """Set the data workers going now: they fill their prefetch queues while the rest of the run
@@ -73,6 +81,11 @@ class WebDatasetBatches:
     def broken(self) -> int:
         """Broken samples skipped so far."""
         return self.position.broken
+
+    @property
+    def jpeg_engine_share(self) -> Optional[float]:
+        """The share of JPEGs the workers now leave to the hardware JPEG engines (None: they take none here)."""
+        return None if self.engines is None else self.engines.share
 
     @property
     def source_samples(self) -> dict[str, int]:
@@ -119,7 +132,10 @@ class WebDatasetBatches:
                 batches = self.started if self.started is not None else self._loader(position)
                 self.started = None
                 try:
+                    asked = time.perf_counter()
                     for batch in batches:
+                        if self.engines is not None and self._yielded is not None:  # the step's wait, its work
+                            self.engines.observe(time.perf_counter() - asked, asked - self._yielded)
                         if "error" in batch:
                             raise RuntimeError(batch["error"])
                         if batch["worker"] != position.batches % workers:
@@ -133,7 +149,9 @@ class WebDatasetBatches:
                         if self.workers and self.started is None and \
                                 per_epoch - position.batches <= self.workers * PREFETCH:
                             self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
+                        self._yielded = time.perf_counter()
                         yield batch["images"], batch["texts"]
+                        asked = time.perf_counter()
                     if position.batches != per_epoch:
                         raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in "
                                            f"epoch {position.epoch}, not {per_epoch}")
@@ -150,8 +168,21 @@ class WebDatasetBatches:
         self.stream.worker_offset = position.batches % max(1, self.workers)
         self.stream.resume = dict(position.workers)
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
-                            prefetch_factor=PREFETCH if self.workers else None, worker_init_fn=ignore_stop_signals)
+                            prefetch_factor=PREFETCH if self.workers else None, worker_init_fn=ignore_stop_signals,
+                            multiprocessing_context=self._context())
         return iter(loader)
+
+    def _context(self):
+        """How the workers start: forked from the rank, but from a fork server (started before any decoder)
+        where the rank holds the hardware JPEG engines' decoder, whose threads a fork from the rank would
+        copy mid-work (the next epoch's workers died so)."""
+        if self.engines is None or not self.workers:
+            return None
+        import multiprocessing
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["fsdpclip.data.forkserver"])
+        return context
 
 
 def with_worker_count(position: dict, saved_job: dict) -> dict:
@@ -185,7 +216,11 @@ def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Cal
                          rank, world_size, seed)
     pin = device.type == "cuda" if pin_memory is None else pin_memory
     workers = spec.settled_workers(world_size, local_ranks(), usable_cores())
-    return WebDatasetBatches(stream, workers, pin_memory=pin, settled=spec.workers == "auto"), images
+    engines = decode == "mixed" and engines_on(spec.jpeg_engines, device.type)
+    if rank == 0 and decode == "mixed" and device.type == "cuda" and not engines and spec.jpeg_engines == "auto":
+        log.info("data: the data workers decode every JPEG: %s lets the GPU's hardware JPEG engines take a share",
+                 missing())
+    return WebDatasetBatches(stream, workers, pin_memory=pin, settled=spec.workers == "auto", engines=engines), images
 
 
 def shutdown_workers(batches: Iterator) -> None:

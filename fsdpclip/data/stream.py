@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from fsdpclip.data.augment import random_resized_crop
+from fsdpclip.data.engines import to_engines
 from fsdpclip.data.jpeg import read_header, refuse_huge
 from fsdpclip.data.tarshards import shard_samples
 from fsdpclip.data.transform import CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, collate, cropped, for_device
@@ -202,6 +203,7 @@ class ShardStream(IterableDataset):
                  rank: int, world_size: int, seed: int):
         self.spec, self.preprocess, self.tokenize = spec, preprocess, tokenize
         self.crop = random_resized_crop(preprocess.transforms) if spec.decode in ("gpu", "mixed") else None
+        self.engine_share: Optional[torch.Tensor] = None  # "mixed": the share of JPEGs left to the engines (shared)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         mixture = spec.mixture()
         self.urls: list[str] = []
@@ -274,7 +276,8 @@ class ShardStream(IterableDataset):
         """Image and caption of one sample; the image's random augmentation is what `preprocess` draws with
         torch's generator seeded with `seed`. With `spec.decode` "gpu" (settled by the trainer:
         transform.decode_mode) a JPEG the device decodes stays encoded, with the crop box `preprocess` would
-        draw for it; with "mixed" every image is decoded and cut to that box."""
+        draw for it; with "mixed" every image is decoded and cut to that box, but the JPEGs the engines' share
+        draws (`engines.to_engines`), which stay encoded as for "gpu"."""
         key = next((k for k in self.image_keys if k in sample), None)
         if key is None or self.spec.text_key not in sample:
             raise ValueError(f"sample {sample.get('__key__')} lacks an image or a '{self.spec.text_key}' caption")
@@ -287,6 +290,11 @@ class ShardStream(IterableDataset):
             return self._preprocessed(image, seed), caption
         header = read_header(data)
         if self.spec.decode == "mixed":
+            if self.engine_share is not None and to_engines(seed, float(self.engine_share[0])):
+                jpeg = for_device(data, header, self.crop, seed)
+                if jpeg is not None:
+                    jpeg.engines = True
+                    return jpeg, caption
             return cropped(data, header, self.crop, seed), caption
         pixels = for_device(data, header, self.crop, seed)
         return (pixels if pixels is not None else self._preprocessed(header.image(data), seed)), caption

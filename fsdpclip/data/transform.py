@@ -19,7 +19,9 @@ the resized batch, PIL's arithmetic in torch ops (`augment.coloured`: the same p
 nvJPEG's decode does not overlap a training step that keeps the GPU busy (docs/performance.md,
 "Data on real shards"): with "mixed" the workers decode every image (JPEGs with libjpeg-turbo through
 torchvision, whose pixels equal PIL's in the tests; others with PIL) and cut its crop; the pinning thread
-copies the batch to the device and resizes it there, on its stream, as with "gpu".
+copies the batch to the device and resizes it there, on its stream, as with "gpu". With `data.jpeg_engines`
+the workers leave a share of the JPEGs encoded, as for "gpu", and the pinning thread decodes those on the
+GPU's hardware JPEG engines (`fsdpclip.data.engines`) beside resizing the others' crops.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdpclip.data.transform")
 DECODED_WHERE = {"cpu": "by the data workers", "gpu": "on the device (nvJPEG on CUDA)",
-                 "mixed": "and cropped by the data workers, resized on the device"}  # per data.decode
+                 "mixed": "and cropped by the data workers, resized on the device",
+                 "mixed+engines": "and cropped by the data workers, resized on the device, a share of the JPEGs "
+                                  "decoded on the GPU's hardware JPEG engines"}  # per data.decode (and jpeg_engines)
 
 
 def decode_mode(requested: str, device_type: str) -> str:
@@ -65,6 +69,7 @@ class EncodedJpeg:
     box: tuple[int, int, int, int]
     size: tuple[int, int]
     colours: Optional[tuple[float, ...]] = None
+    engines: bool = False  # decoded on the GPU's hardware JPEG engines ("mixed"), not nvJPEG's CUDA decode
 
 
 def for_device(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> Optional[EncodedJpeg]:
@@ -110,24 +115,38 @@ def cropped(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> Cropped
 
 def collate(items: list) -> Union[torch.Tensor, "EncodedBatch", "CroppedBatch"]:
     """One micro batch: the images stacked, with JPEGs for the device an EncodedBatch, or ("mixed") a
-    CroppedBatch."""
-    if isinstance(items[0], CroppedImage):
-        crops = [item.pixels for item in items]
+    CroppedBatch (with the JPEGs left to the hardware engines, if any)."""
+    jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+    others = [i for i, item in enumerate(items) if not isinstance(item, EncodedJpeg)]
+    if isinstance(items[others[0]] if others else None, CroppedImage):
+        crops = [items[i].pixels for i in others]
         pixels, release_flag = packed(crops)
         return CroppedBatch(pixels, torch.tensor([(0, 0, *crop.shape[:2]) for crop in crops]), items[0].size,
-                            release_flag, _colours(items))
-    jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+                            release_flag, _colours([items[i] for i in others]),
+                            _encoded([items[i] for i in jpegs]) if jpegs else None,
+                            _order(others, jpegs) if jpegs else None)
     if not jpegs:
         return torch.stack(items)
-    decoded = [i for i, item in enumerate(items) if not isinstance(item, EncodedJpeg)]
-    order = [0] * len(items)
-    for row, index in enumerate(jpegs + decoded):
-        order[index] = row
-    data = [items[i].data for i in jpegs]
+    encoded = _encoded([items[i] for i in jpegs])
+    encoded.pixels = torch.stack([items[i] for i in others]) if others else None
+    encoded.order = _order(jpegs, others)
+    return encoded
+
+
+def _encoded(jpegs: list[EncodedJpeg]) -> "EncodedBatch":
+    """JPEGs for the device as one batch, in their order (no pixels from the worker)."""
+    data = [jpeg.data for jpeg in jpegs]
     return EncodedBatch(torch.frombuffer(bytearray().join(data), dtype=torch.uint8), [len(d) for d in data],
-                        torch.tensor([items[i].box for i in jpegs]), items[jpegs[0]].size,
-                        torch.stack([items[i] for i in decoded]) if decoded else None, torch.tensor(order),
-                        _colours([items[i] for i in jpegs]))
+                        torch.tensor([jpeg.box for jpeg in jpegs]), jpegs[0].size, None, torch.arange(len(jpegs)),
+                        _colours(jpegs), jpegs[0].engines)
+
+
+def _order(first: list[int], then: list[int]) -> torch.Tensor:
+    """Where each sample's row is when the samples at `first` come first and those at `then` after them."""
+    order = [0] * (len(first) + len(then))
+    for row, index in enumerate(first + then):
+        order[index] = row
+    return torch.tensor(order)
 
 
 def _colours(items: list) -> Optional[torch.Tensor]:
@@ -149,6 +168,7 @@ class EncodedBatch:
     pixels: Optional[torch.Tensor]  # (decoded, 3, *size) uint8
     order: torch.Tensor  # (batch,) int64
     colours: Optional[torch.Tensor] = None  # (jpegs, 9) float64
+    engines: bool = False  # decoded on the GPU's hardware JPEG engines, not with nvJPEG
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: decodes it on that
@@ -178,19 +198,23 @@ class CroppedBatch:
     """A micro batch cropped by the workers for the device to resize ("mixed"): the crops end to end
     (`packed`: in a worker's pooled shared-memory buffer, no padding crossing to the rank), their boxes in
     that batch (top 0, left 0, height, width), the output size, the buffer's release flag (`pooled_batch`)
-    and the colour draws (`coloured`; None: no colour augmentation)."""
+    and the colour draws (`coloured`; None: no colour augmentation); with `data.jpeg_engines`, the JPEGs the
+    workers left to the engines and `order`: sample i is row order[i] of the crops followed by the JPEGs."""
 
     pixels: torch.Tensor  # (bytes,) uint8: `packed` crops
-    boxes: torch.Tensor  # (batch, 4) int64: top, left, height, width
+    boxes: torch.Tensor  # (crops, 4) int64: top, left, height, width
     size: tuple[int, int]
     release_flag: Optional[torch.Tensor] = None  # a worker's pooled buffer's: set once the rank is done reading it
-    colours: Optional[torch.Tensor] = None  # (batch, 9) float64
+    colours: Optional[torch.Tensor] = None  # (crops, 9) float64
+    jpegs: Optional[EncodedBatch] = None  # for the hardware JPEG engines
+    order: Optional[torch.Tensor] = None  # (batch,) int64, with `jpegs`
 
     def pin_memory(self) -> "DecodedBatch":
         """What the DataLoader's pinning thread calls on a batch, ahead of the step: pinned, copied and
         resized on that thread's CUDA device, on a stream of its own (so the copy overlaps the step)."""
         try:
-            pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size, colours=self.colours)
+            pinned = CroppedBatch(self.pixels.pin_memory(), self.boxes, self.size, colours=self.colours,
+                                  jpegs=self.jpegs, order=self.order)
         finally:
             self.release()
         return _ahead_of_the_step(pinned.resized)
@@ -204,9 +228,16 @@ class CroppedBatch:
             self.release_flag = None
 
     def resized(self, device: torch.device) -> torch.Tensor:
-        """The crops resized on `device`, their colours augmented: uint8 (batch, 3, *size)."""
-        crops = unpacked(self.pixels.to(device, non_blocking=True), self.boxes)
-        return coloured(resized_crops(crops.permute(0, 3, 1, 2), self.boxes, self.size), self.colours)
+        """The crops resized on `device`, their colours augmented, with the JPEGs decoded there, if any: uint8
+        (batch, 3, *size) in sample order."""
+        parts = []
+        if len(self.boxes):
+            crops = unpacked(self.pixels.to(device, non_blocking=True), self.boxes)
+            parts.append(coloured(resized_crops(crops.permute(0, 3, 1, 2), self.boxes, self.size), self.colours))
+        if self.jpegs is None:
+            return parts[0]
+        parts.append(decoded_pixels(self.jpegs, device))
+        return torch.cat(parts)[self.order.to(device, non_blocking=True)]
 
 
 @dataclass
@@ -220,7 +251,8 @@ class DecodedBatch:
 
 def decoded_pixels(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's pixels on `device` in sample order: uint8 (batch, 3, H, W)."""
-    jpegs = _decode_jpegs(list(batch.data.split(batch.lengths)), batch.boxes, device)
+    jpegs = list(batch.data.split(batch.lengths))
+    jpegs = _on_engines(jpegs, batch.boxes, device) if batch.engines else _decode_jpegs(jpegs, batch.boxes, device)
     pixels = coloured(resized_crops(padded(jpegs), batch.boxes, batch.size), batch.colours)
     if batch.pixels is not None:
         pixels = torch.cat([pixels, batch.pixels.to(device, non_blocking=True)])
@@ -243,6 +275,19 @@ def _decode_jpegs(jpegs: list[torch.Tensor], boxes: torch.Tensor, device: torch.
             except RuntimeError as exc:
                 decoded.append(_decode_on_host(jpeg, box, exc).to(device))
         return decoded
+
+
+def _on_engines(jpegs: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """The JPEGs decoded on `device`'s hardware JPEG engines; those they could not decode as `_decode_jpegs`
+    decodes them."""
+    from fsdpclip.data import engines
+
+    decoded = engines.decode(jpegs, device)
+    refused = [i for i, image in enumerate(decoded) if image is None]
+    if refused:
+        for i, image in zip(refused, _decode_jpegs([jpegs[i] for i in refused], boxes[refused], device)):
+            decoded[i] = image
+    return decoded
 
 
 def _decode_on_host(jpeg: torch.Tensor, box: list[int], refused: Exception) -> torch.Tensor:

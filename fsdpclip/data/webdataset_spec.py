@@ -71,6 +71,12 @@ class WebDatasetSpec(Section):
                             "(ViT-B-32 on 256-px JPEG shards, 1×H200: 0.96× the synthetic rate, against 0.73× for "
                             "'gpu' and 0.39× for 'cpu': benchmarks/results/2026-12-03-jpeg-default-1xh200.jsonl), "
                             "'cpu' on the CPU.")
+    jpeg_engines: Union[bool, Literal["auto"]] = Field(
+        "auto", description="With decode 'mixed': the GPU's hardware JPEG engines (nvImageCodec, "
+                            "`pip install 'fsdpclip[nvimgcodec]'`) decode a share of the JPEGs in the rank, ahead "
+                            "of the step, the data workers the rest; the share rises while the step waits for its "
+                            "batches. 'auto' (the default): on CUDA where nvImageCodec is installed. true: wherever "
+                            "it is installed (on the CPU its CPU decoder stands in).")
     preprocess: PreprocessSpec = Field(
         default_factory=PreprocessSpec, description="Normalisation, evaluation resize and training augmentation "
                                                     "(crop scale, colour jitter, grayscale), each field over the "

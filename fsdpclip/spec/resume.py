@@ -34,7 +34,7 @@ IGNORED = ("checkpoint.resume", "checkpoint.accept_changes", "$schema")
 # Fields whose change means the saved data position no longer applies (the stream restarts its epoch),
 # less those that change how the same samples are made, not which.
 DATA_STREAM = ("data.", "batch.per_gpu", "run.seed")
-SAME_STREAM = ("data.decode", "data.preprocess")
+SAME_STREAM = ("data.decode", "data.jpeg_engines", "data.preprocess")
 # Fields `batch.per_gpu: "auto"` settles at start: the trainer compares what it settled (a relaunch reuses its record).
 SEARCHED = ("batch.per_gpu", "batch.grad_accum")
 # Fields whose change is a change of the run's length, or of its LR curve: what the run's length or LR then does

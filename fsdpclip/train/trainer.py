@@ -239,6 +239,8 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
                   "skipped_steps": int(self.skipped_steps.item())}
         if by_source:
             record["source_samples"] = by_source
+        if (share := getattr(self.batches, "jpeg_engine_share", None)) is not None:
+            record["jpeg_engine_share"] = round(share, 3)  # this rank's
         record.update(window.rates(env.world_size, self.flops_per_sample, self.peak))
         record["peak_memory_gib"] = peak_memory_gib(env.device)
         if self.scaler is not None:

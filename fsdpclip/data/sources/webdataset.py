@@ -39,7 +39,7 @@ class WebDatasetSource(DataSource):
         batches, images = webdataset_batches(spec, image_transform(rank.model, train=True), rank.tokenizer,
                                              rank.batch_size, rank.rank, rank.world_size, rank.seed, rank.device)
         if rank.is_main:
-            log.info("data: images decoded %s", DECODED_WHERE[images.decode])
+            log.info("data: images decoded %s", DECODED_WHERE[images.decode + ("+engines" if batches.engines else "")])
             if mixture := self.describe(spec):
                 log.info("data: %s", mixture)
         return batches, images
@@ -51,6 +51,7 @@ class WebDatasetSource(DataSource):
         for index, source in enumerate(spec.mixture()):
             where = "data.urls" if spec.sources is None else f"data.sources[{index}].urls"
             total += self._check_urls(source.urls, where, spec, report, check_paths)
+        self._check_engines(spec, job, report)
         if spec.sources is None:
             return
         if total > MAX_SHARDS:
@@ -63,6 +64,21 @@ class WebDatasetSource(DataSource):
                              hint="give each source a name of its own (one without is named by its place: '0', "
                                   "'1', ...)")
             names.add(source.name)
+
+    def _check_engines(self, spec: WebDatasetSpec, job: Job, report: Report) -> None:
+        """`jpeg_engines: true` where they have a share to take: decode 'mixed', nvImageCodec installed."""
+        from fsdpclip.data.engines import missing
+        from fsdpclip.data.transform import decode_mode
+
+        if spec.jpeg_engines is not True:
+            return
+        mode = decode_mode(spec.decode, job.launch.device)
+        if mode != "mixed":
+            report.error("data.jpeg_engines", f"the JPEG engines take a share of decode 'mixed', but this run's images "
+                         f"are decoded '{mode}'", True, hint="data.decode 'mixed', or data.jpeg_engines 'auto'")
+        elif reason := missing():
+            report.error("data.jpeg_engines", reason, True, hint="data.jpeg_engines 'auto' decodes every JPEG on the "
+                         "data workers where nvImageCodec is missing")
 
     def _check_urls(self, urls: Union[str, list[str]], where: str, spec: WebDatasetSpec, report: Report,
                     check_paths: bool) -> int:
@@ -122,9 +138,12 @@ class WebDatasetSource(DataSource):
         return f"{len(mixture)} sources mixed by weight: " + ", ".join(parts)
 
     def decode(self, spec: WebDatasetSpec, device: str) -> Optional[str]:
+        """`data.decode` settled for `device`; 'mixed+engines' where the hardware JPEG engines take a share."""
+        from fsdpclip.data.engines import engines_on
         from fsdpclip.data.transform import decode_mode
 
-        return decode_mode(spec.decode, device)
+        mode = decode_mode(spec.decode, device)
+        return mode + "+engines" if mode == "mixed" and engines_on(spec.jpeg_engines, device) else mode
 
     def waiting_hints(self, spec: WebDatasetSpec, world_size: int, local_ranks: int,
                       cores: Optional[int]) -> list[str]:
