@@ -143,6 +143,10 @@ CASES = [
      None),
     ("batch-in-a-string", lambda j: _set(j, "batch.per_gpu", "32"), "batch.per_gpu",
      "expected 'auto' or an integer from 1 to 1,048,576", None),
+    ("number-in-a-string", lambda j: _set(j, "optimizer.lr", "1e-3"), "optimizer.lr",
+     "expected a number, not a string: write it without quotes", None),
+    ("boolean-in-a-string", lambda j: _set(j, "fsdp.compile", "yes"), "fsdp.compile",
+     "expected true/false, not a string", None),
     ("batch-beyond-any-gpu", lambda j: _set(j, "batch.per_gpu", 999999999999999999999), "batch.per_gpu",
      "expected 'auto' or an integer from 1 to 1,048,576", None),
     ("accumulation-beyond-any-job", lambda j: _set(j, "batch.grad_accum", 2 ** 64), "batch.grad_accum",
@@ -227,6 +231,14 @@ def test_set_override_is_validated_like_the_file(cli, tiny_job, tmp_path):
     code, out = cli.validate_json(write_job(tmp_path, tiny_job), "--set", "batch.per_gpu=-3")
     assert code == 2
     assert out["errors"][0]["location"] == "batch.per_gpu"
+
+
+def test_set_values_are_read_as_json(cli, tiny_job, tmp_path):
+    """What a file must write without quotes, `--set` may: its value is read as JSON before the spec sees it."""
+    code, out = cli.validate_json(write_job(tmp_path, tiny_job), "--set", "batch.per_gpu=8", "--set",
+                                  "optimizer.lr=1e-3", "--set", "fsdp.compile=false")
+    assert code == 0, out["errors"]
+    assert out["summary"]["batch"]["per_gpu"] == 8
 
 
 def test_world_size_flags_change_the_batch_check(cli, tiny_job, tmp_path):
