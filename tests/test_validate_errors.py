@@ -202,6 +202,37 @@ def test_every_error_at_once(cli, tiny_job, tmp_path):
     assert {e["location"] for e in out["errors"]} == {"fsdp.param_dtype", "model.nmae", "batch.per_gpu"}
 
 
+def test_one_mistake_of_every_kind_in_one_round(cli, tiny_job, tmp_path):
+    """A spec holding one mistake of every kind validate knows, each in a field of its own: a key given twice, an
+    unknown key, a wrong type, a number in a string, a value not allowed, one out of range, a bad regex, an unknown
+    kind, an override that cannot apply; the batch's arithmetic, the schedule, a class, a freeze range, the shard
+    degree, a CUDA-only option on the CPU, a compile option, the data, an eval set, a weights file and the run
+    directory. Every one comes in the first round, one located row each, and nothing follows from another."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    edits = {"fsdp.reshard_after_fwd": False, "data.workers": "two", "checkpoint.keep": "2", "schedule.kind": "cosin",
+             "logging.every_steps": 0, "optimizer.decay_rules": [{"pattern": "visual.(", "weight_decay": 0}],
+             "loss": {"kind": "infonce"}, "batch.global_batch": 100, "optimizer.lr": 0.5, "schedule.min_lr": 1.0,
+             "fsdp.wrap": {"text": ["Nope"]}, "freeze": {"image": {"blocks": "0:40"}}, "fsdp.shard_degree": 3,
+             "fsdp.cuda_graph": True, "fsdp.compile_options": {"coordinate_descent_tunning": True},
+             "data.urls": "/nonexistent/shard-{0..3}.tar",
+             "eval.zeroshot": [{"dataset": "digits", "path": "/nonexistent/test"}],
+             "model.image.pretrained": "/nonexistent/image.pt", "run.output_dir": str(blocker / "runs")}
+    job = tiny_job
+    for dotted, value in edits.items():
+        job = _set(job, dotted, value)
+    path = write_job(tmp_path, job)
+    path.write_text(path.read_text().replace('"run": {', '"run": {"seed": 1, "seed": 2, ', 1))
+    code, out = cli.validate_json(path, "--set", "run.name.x=1")
+    expected = {"run.seed", "run.name.x", "fsdp.reshard_after_fwd", "data.workers", "checkpoint.keep", "schedule.kind",
+                "logging.every_steps", "optimizer.decay_rules[0].pattern", "loss", "batch.global_batch",
+                "schedule.min_lr", "fsdp.wrap.text[0]", "freeze.image.blocks", "fsdp.shard_degree", "fsdp.cuda_graph",
+                "fsdp.compile_options.coordinate_descent_tunning", "data.urls", "eval.zeroshot[0].path",
+                "model.image.pretrained", "run.output_dir"}
+    assert code == 2
+    assert sorted(e["location"] for e in out["errors"]) == sorted(expected), out["errors"]
+
+
 def test_every_semantic_error_at_once(cli, tiny_job, tmp_path):
     job = _set(_set(_set(tiny_job, "freeze", {"image": {"blocks": "0:9"}}), "batch.global_batch", 7),
                "fsdp.wrap", {"text": ["Nope"]})
@@ -516,11 +547,16 @@ def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp
     job = _set(_set(tiny_job, "batch", {"per_gpu": 0}), "model", {"name": "ViT-B-32x"})
     code, out = cli.validate_json(write_job(tmp_path, job))
     assert {e["location"] for e in out["errors"]} == {"batch.per_gpu", "model.name"}
-    # the launch section lays out the world: without it nothing that counts ranks is checked, unless a flag gives it
+    # the launch section lays out the world: without its layout nothing that counts ranks is checked, unless a flag
+    # gives it; a mistake in another of its fields hides nothing
+    job = _set(_set(_set(tiny_job, "launch.gpus_per_node", "two"), "batch.global_batch", 7), "model",
+               {"name": "ViT-B-32x"})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert {e["location"] for e in out["errors"]} == {"launch.gpus_per_node", "model.name"}
+    code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
+    assert {e["location"] for e in out["errors"]} == {"launch.gpus_per_node", "model.name", "batch.global_batch"}
     job = _set(_set(_set(tiny_job, "launch.device", "gpu"), "batch.global_batch", 7), "model", {"name": "ViT-B-32x"})
     code, out = cli.validate_json(write_job(tmp_path, job))
-    assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name"}
-    code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
     assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name", "batch.global_batch"}
 
 

@@ -59,18 +59,15 @@ def validate(
     """Check a job spec and its meaning before any GPU is allocated."""
     from fsdpclip.cli.tables import summary_tables
     from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.validate.checks import check_job, if_parsed, kept_on_resume, layout_of
+    from fsdpclip.validate.checks import check_job, kept_on_resume, layout_of, spec_error_problems
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
         fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
     try:
         job = load_job(job_file, [*overrides, *launching.accepted(accept_changes)])
-    except SpecError as exc:  # with what the sections that parsed mean: every mistake in one round
-        if exc.salvaged is None:
-            fail(exc.problems, as_json)
-        layout = if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
-        fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths,
-                                      check_remote=check_remote).problems, as_json)
+    except SpecError as exc:
+        fail(spec_error_problems(exc, world_size, nodes, gpus_per_node, check_paths=check_paths,
+                                 check_remote=check_remote), as_json)
     if check_paths:
         job = kept_on_resume(job)
     report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths,

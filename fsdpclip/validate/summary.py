@@ -86,16 +86,14 @@ def preprocess_summary(model) -> dict:
 
 def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
     """The shard degree the job runs with (what 'auto' chooses from launch.gpu_memory_gib; full
-    sharding when that is not given), reporting a degree that does not fit the world or the memory."""
+    sharding when that is not given, or where the spec's degree does not fit the world), reporting a degree
+    whose estimate does not fit the memory where a larger one does."""
     world, per_node, limit = report.world_size, report.gpus_per_node, job.launch.gpu_memory_gib
     chosen = job.fsdp.shard_degree
     try:
         degree = resolve_shard_degree(chosen, world, per_node,
                                       lambda: auto_shard_degree(memory, world, per_node, limit * GIB if limit else None))
-    except ShardDegreeError as exc:
-        report.error("fsdp.shard_degree", str(exc), chosen,
-                     hint=f"valid for {world // per_node} node(s) × {per_node}: "
-                          f"{', '.join(map(str, valid_shard_degrees(world, per_node)))} (or 'auto')")
+    except ShardDegreeError:  # said by check_job, whether the model builds or not
         return world
     if chosen != "auto" and limit is not None and memory.estimate(world, chosen).total > limit * GIB:
         fitting = [d for d in valid_shard_degrees(world, per_node)
