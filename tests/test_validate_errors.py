@@ -233,6 +233,37 @@ def test_one_mistake_of_every_kind_in_one_round(cli, tiny_job, tmp_path):
     assert sorted(e["location"] for e in out["errors"]) == sorted(expected), out["errors"]
 
 
+def test_relative_paths_start_where_fsdpclip_runs(cli, tiny_job, tmp_path, digits_dir, monkeypatch):
+    """A spec with relative paths (as the examples hold them) validated from another directory: each row of a
+    missing relative path says which directory it was looked for in; a missing absolute path's row does not. From the
+    directory they start at, they are found."""
+    import shutil
+
+    from conftest import TINY_CONFIG
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "models").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(TINY_CONFIG, project / "models" / "tiny-clip.json")
+    (project / "data").symlink_to(digits_dir)
+    job = {**tiny_job, "model": {"config": "models/tiny-clip.json"},
+           "data": {**tiny_job["data"], "urls": "data/train-{000000..000007}.tar"},
+           "eval": {"zeroshot": [{"dataset": "digits", "path": "data/test"}],
+                    "retrieval": [{"path": str(tmp_path / "absent")}]}}
+    path = write_job(tmp_path, job)
+    monkeypatch.chdir(elsewhere)
+    code, out = cli.validate_json(path)
+    hints = {e["location"]: e["hint"] or "" for e in out["errors"]}
+    relative = {"model.config", "data.urls", "eval.zeroshot[0].path"}
+    assert code == 2 and set(hints) == relative | {"eval.retrieval[0].path"}, out["errors"]
+    assert all(f"a relative path starts at the directory fsdpclip runs in ({elsewhere}), not at the spec's" in
+               hints[location] for location in relative), hints
+    assert "relative path" not in hints["eval.retrieval[0].path"]
+    monkeypatch.chdir(project)
+    code, out = cli.validate_json(path)
+    assert [e["location"] for e in out["errors"]] == ["eval.retrieval[0].path"], out["errors"]
+
+
 def test_every_semantic_error_at_once(cli, tiny_job, tmp_path):
     job = _set(_set(_set(tiny_job, "freeze", {"image": {"blocks": "0:9"}}), "batch.global_batch", 7),
                "fsdp.wrap", {"text": ["Nope"]})

@@ -216,7 +216,7 @@ def _check_files(job: Job, report: Report) -> None:
         paths.append(("checkpoint.resume", resume))
     for location, path in paths:
         if path is not None and not Path(path).exists():
-            report.error(location, "file not found", path)
+            report.missing(location, "file not found", path)
         elif path is not None and location != "checkpoint.resume" and (kind := special_file(Path(path))):
             report.error(location, f"not a regular file but {kind}", path)
         elif path is not None and location != "checkpoint.resume" and Path(path).is_file():
