@@ -98,7 +98,8 @@ def plan(
                                                help="Collective bandwidth across nodes, Gb/s per GPU "
                                                     "(default: a 400G NDR adapter's 360)."),
     tflops: Optional[float] = typer.Option(None, "--tflops", min=1e-3,
-                                           help="Sustained TFLOP/s per GPU (default: what fsdpclip measured)."),
+                                           help="Sustained TFLOP/s per GPU (default: what fsdpclip measured on "
+                                                "H200; needed for a job on the CPU)."),
     gpu_memory_gib: Optional[float] = typer.Option(None, "--gpu-memory-gib", min=1e-3,
                                                    help="Memory of one GPU (default: launch.gpu_memory_gib, else "
                                                         "an H200's 139)."),
@@ -125,6 +126,10 @@ def plan(
     report = check_job(job, world, gpus_per_node, check_paths=False)
     # plan prices the model: the degree is what it helps choose, and the data does not enter its numbers
     blocking = [p for p in report.errors if p.location != "fsdp.shard_degree" and not p.location.startswith("data")]
+    if job.launch.device == "cpu" and tflops is None:
+        blocking.append(Problem("launch.device", "plan prices GPUs, at the rate fsdpclip sustained on H200: a step of "
+                                                 "ranks on the CPU is mostly host work its model leaves out", "cpu",
+                                hint="--tflops N prices each rank at N TFLOP/s"))
     if blocking:
         fail(blocking, as_json)
     capacity = gpu_memory_gib or job.launch.gpu_memory_gib or GPU_MEMORY_GIB
