@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
+from fsdpclip.data.urls import is_local, local_path
+
 # Ranks (GPUs) of one job, in a spec or a command-line flag: far beyond any cluster, few enough to count through.
 MAX_WORLD_SIZE = 2 ** 20
 
@@ -71,8 +73,6 @@ def relative_path_hint(path: Any) -> Optional[str]:
     """Where a relative local path that is not there was looked for: every command reads a spec's relative paths
     from the directory it runs in (`launch` writes them absolute into the run's job.json). None for anything else
     (an absolute path, a URL, a path that is there)."""
-    from fsdpclip.data.urls import is_local, local_path
-
     if not isinstance(path, str) or not path or not is_local(path):
         return None
     local = Path(local_path(path))
