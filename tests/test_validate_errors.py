@@ -578,6 +578,9 @@ def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp
     job = _set(_set(tiny_job, "batch", {"per_gpu": 0}), "model", {"name": "ViT-B-32x"})
     code, out = cli.validate_json(write_job(tmp_path, job))
     assert {e["location"] for e in out["errors"]} == {"batch.per_gpu", "model.name"}
+    job = _set(_set(tiny_job, "data", {"source": "parquet"}), "freeze", {"image": {"blocks": "0:40"}})
+    code, out = cli.validate_json(write_job(tmp_path, job))  # the model is checked without the data's preprocessing
+    assert {e["location"] for e in out["errors"]} == {"data", "freeze.image.blocks"}
     # the launch section lays out the world: without its layout nothing that counts ranks is checked, unless a flag
     # gives it; a mistake in another of its fields hides nothing
     job = _set(_set(_set(tiny_job, "launch.gpus_per_node", "two"), "batch.global_batch", 7), "model",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, TypeVar
 
-from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_from_config, original_shapes, \
-    text_shape, training_config
+from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_config, model_from_config, \
+    original_shapes, text_shape, training_config
 from fsdpclip.model.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
 from fsdpclip.model.towers import hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
@@ -39,7 +39,7 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary
     (`this_machine`: how a host estimate over this machine's memory is reported, 'error' or 'warning')."""
     try:
-        cfg = training_config(job)
+        cfg = if_parsed(training_config, job) or model_config(job.model)  # data not parsed: the model's preprocessing
         model = model_from_config(cfg, device="meta")
     except ModelError as exc:
         _model_problem(job, exc, report)
