@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
+
+from fsdpclip.data.urls import is_local, local_path
 
 # Ranks (GPUs) of one job, in a spec or a command-line flag: far beyond any cluster, few enough to count through.
 MAX_WORLD_SIZE = 2 ** 20
@@ -60,6 +63,27 @@ class Report:
 
     def warn(self, location: str, message: str, value=None, hint: Optional[str] = None) -> None:
         self.problems.append(Problem(location, message, value, hint, severity="warning"))
+
+    def missing(self, location: str, message: str, path: str, hint: Optional[str] = None) -> None:
+        """An error for a path that is not there; a relative one also says where it was looked for."""
+        self.error(location, message, path, joined(hint, relative_path_hint(path)))
+
+
+def relative_path_hint(path: Any) -> Optional[str]:
+    """Where a relative local path that is not there was looked for: every command reads a spec's relative paths
+    from the directory it runs in (`launch` writes them absolute into the run's job.json). None for anything else
+    (an absolute path, a URL, a path that is there)."""
+    if not isinstance(path, str) or not path or not is_local(path):
+        return None
+    local = Path(local_path(path))
+    if local.is_absolute() or local.exists():
+        return None
+    return f"a relative path starts at the directory fsdpclip runs in ({Path.cwd()}), not at the spec's"
+
+
+def joined(*hints: Optional[str]) -> Optional[str]:
+    """Hints given, as one."""
+    return "; ".join(hint for hint in hints if hint) or None
 
 
 class SpecError(Exception):

@@ -7,13 +7,24 @@ import re
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from conftest import REPO, TINY_CONFIG
 from fsdpclip.spec.job import LOSS_KINDS, Job, ModelSpec
 from fsdpclip.spec.registry import DATA_SOURCES
-from fsdpclip.spec.jobfile import model_in
 
 OPTIONS = REPO / "docs" / "options.md"
+
+
+def model_in(annotation):
+    """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def spec_fields(model=Job, prefix: str = "") -> set[str]:

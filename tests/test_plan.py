@@ -111,6 +111,17 @@ def test_plan_table_marks_the_choices(cli):
     assert "auto" in rows["full FSDP"] and "auto" not in rows["HSDP 4"]  # nothing fits with the margin: shard all
 
 
+def test_plan_prices_the_cpu_only_at_a_rate_given(cli, tiny_job, tmp_path):
+    """A job on the CPU: the H200 rate priced the demo at ~10^6 samples/s a rank, where it runs ~100. Refused in one
+    row naming launch.device, unless --tflops gives the rate."""
+    path = write_job(tmp_path, tiny_job)
+    code, out = _plan(cli, path, "--nodes", "1", "--gpus-per-node", "2")
+    assert code == 2 and "launch.device" in out and "--tflops N" in out, out
+    code, plan = _plan(cli, path, "--nodes", "1", "--gpus-per-node", "2", "--tflops", "0.001")
+    assert code == 0 and plan["tflops"] == 0.001
+    assert plan["rows"][0]["compute_s"] == pytest.approx(16 * plan["flops_per_sample"] / 1e9)
+
+
 def test_plan_refuses_a_bad_spec(cli, tiny_job, tmp_path):
     tiny_job["freeze"] = {"image": {"blocks": "0:40"}}
     code, out = _plan(cli, write_job(tmp_path, tiny_job), "--nodes", "1", "--gpus-per-node", "2")

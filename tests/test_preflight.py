@@ -52,6 +52,24 @@ def test_fewer_gpus_than_ranks_is_a_located_error(tmp_path, cli, monkeypatch):
     assert not (tmp_path / "runs" / "pre").exists()
 
 
+def test_the_nodes_rows_stand_beside_the_specs(tmp_path, cli, monkeypatch):
+    """A GPU job on a machine without one: the node's row (launch.device) comes in the same round as the spec's
+    (a data path, and a key that does not parse), not after they are fixed."""
+    from fsdpclip.validate import preflight
+
+    monkeypatch.setattr(preflight, "visible_gpus", lambda: (0, "no NVIDIA driver is loaded (no /dev/nvidiactl)"))
+    job = _job(tmp_path, device="cuda")
+    job["data"] = {"urls": str(tmp_path / "missing-{0..3}.tar"), "samples": 64, "resampled": True}
+    for extra, rows in (({}, ["data.urls", "launch.device"]),
+                        ({"fsdp": {"param_dtype": "fp32", "reshard": True}}, ["fsdp.reshard", "data.urls",
+                                                                               "launch.device"])):
+        result = cli("launch", write_job(tmp_path, {**job, **extra}))
+        assert result.exit_code == 2, result.output
+        errors = [row.split("│")[2].strip() for row in result.output.splitlines() if "│ ✗" in row]
+        assert errors == rows, result.output
+    assert not (tmp_path / "runs" / "pre").exists()
+
+
 @pytest.mark.slow
 def test_a_busy_rendezvous_port_and_too_many_workers(tmp_path, digits_dir):
     """Node 0 of a 2-node launch whose rendezvous port is taken on this host: an error row for

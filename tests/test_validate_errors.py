@@ -143,6 +143,10 @@ CASES = [
      None),
     ("batch-in-a-string", lambda j: _set(j, "batch.per_gpu", "32"), "batch.per_gpu",
      "expected 'auto' or an integer from 1 to 1,048,576", None),
+    ("number-in-a-string", lambda j: _set(j, "optimizer.lr", "1e-3"), "optimizer.lr",
+     "expected a number, not a string: write it without quotes", None),
+    ("boolean-in-a-string", lambda j: _set(j, "fsdp.compile", "yes"), "fsdp.compile",
+     "expected true/false, not a string", None),
     ("batch-beyond-any-gpu", lambda j: _set(j, "batch.per_gpu", 999999999999999999999), "batch.per_gpu",
      "expected 'auto' or an integer from 1 to 1,048,576", None),
     ("accumulation-beyond-any-job", lambda j: _set(j, "batch.grad_accum", 2 ** 64), "batch.grad_accum",
@@ -198,6 +202,68 @@ def test_every_error_at_once(cli, tiny_job, tmp_path):
     assert {e["location"] for e in out["errors"]} == {"fsdp.param_dtype", "model.nmae", "batch.per_gpu"}
 
 
+def test_one_mistake_of_every_kind_in_one_round(cli, tiny_job, tmp_path):
+    """A spec holding one mistake of every kind validate knows, each in a field of its own: a key given twice, an
+    unknown key, a wrong type, a number in a string, a value not allowed, one out of range, a bad regex, an unknown
+    kind, an override that cannot apply; the batch's arithmetic, the schedule, a class, a freeze range, the shard
+    degree, a CUDA-only option on the CPU, a compile option, the data, an eval set, a weights file and the run
+    directory. Every one comes in the first round, one located row each, and nothing follows from another."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    edits = {"fsdp.reshard_after_fwd": False, "data.workers": "two", "checkpoint.keep": "2", "schedule.kind": "cosin",
+             "logging.every_steps": 0, "optimizer.decay_rules": [{"pattern": "visual.(", "weight_decay": 0}],
+             "loss": {"kind": "infonce"}, "batch.global_batch": 100, "optimizer.lr": 0.5, "schedule.min_lr": 1.0,
+             "fsdp.wrap": {"text": ["Nope"]}, "freeze": {"image": {"blocks": "0:40"}}, "fsdp.shard_degree": 3,
+             "fsdp.cuda_graph": True, "fsdp.compile_options": {"coordinate_descent_tunning": True},
+             "data.urls": "/nonexistent/shard-{0..3}.tar",
+             "eval.zeroshot": [{"dataset": "digits", "path": "/nonexistent/test"}],
+             "model.image.pretrained": "/nonexistent/image.pt", "run.output_dir": str(blocker / "runs")}
+    job = tiny_job
+    for dotted, value in edits.items():
+        job = _set(job, dotted, value)
+    path = write_job(tmp_path, job)
+    path.write_text(path.read_text().replace('"run": {', '"run": {"seed": 1, "seed": 2, ', 1))
+    code, out = cli.validate_json(path, "--set", "run.name.x=1")
+    expected = {"run.seed", "run.name.x", "fsdp.reshard_after_fwd", "data.workers", "checkpoint.keep", "schedule.kind",
+                "logging.every_steps", "optimizer.decay_rules[0].pattern", "loss", "batch.global_batch",
+                "schedule.min_lr", "fsdp.wrap.text[0]", "freeze.image.blocks", "fsdp.shard_degree", "fsdp.cuda_graph",
+                "fsdp.compile_options.coordinate_descent_tunning", "data.urls", "eval.zeroshot[0].path",
+                "model.image.pretrained", "run.output_dir"}
+    assert code == 2
+    assert sorted(e["location"] for e in out["errors"]) == sorted(expected), out["errors"]
+
+
+def test_relative_paths_start_where_fsdpclip_runs(cli, tiny_job, tmp_path, digits_dir, monkeypatch):
+    """A spec with relative paths (as the examples hold them) validated from another directory: each row of a
+    missing relative path says which directory it was looked for in; a missing absolute path's row does not. From the
+    directory they start at, they are found."""
+    import shutil
+
+    from conftest import TINY_CONFIG
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "models").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(TINY_CONFIG, project / "models" / "tiny-clip.json")
+    (project / "data").symlink_to(digits_dir)
+    job = {**tiny_job, "model": {"config": "models/tiny-clip.json"},
+           "data": {**tiny_job["data"], "urls": "data/train-{000000..000007}.tar"},
+           "eval": {"zeroshot": [{"dataset": "digits", "path": "data/test"}],
+                    "retrieval": [{"path": str(tmp_path / "absent")}]}}
+    path = write_job(tmp_path, job)
+    monkeypatch.chdir(elsewhere)
+    code, out = cli.validate_json(path)
+    hints = {e["location"]: e["hint"] or "" for e in out["errors"]}
+    relative = {"model.config", "data.urls", "eval.zeroshot[0].path"}
+    assert code == 2 and set(hints) == relative | {"eval.retrieval[0].path"}, out["errors"]
+    assert all(f"a relative path starts at the directory fsdpclip runs in ({elsewhere}), not at the spec's" in
+               hints[location] for location in relative), hints
+    assert "relative path" not in hints["eval.retrieval[0].path"]
+    monkeypatch.chdir(project)
+    code, out = cli.validate_json(path)
+    assert [e["location"] for e in out["errors"]] == ["eval.retrieval[0].path"], out["errors"]
+
+
 def test_every_semantic_error_at_once(cli, tiny_job, tmp_path):
     job = _set(_set(_set(tiny_job, "freeze", {"image": {"blocks": "0:9"}}), "batch.global_batch", 7),
                "fsdp.wrap", {"text": ["Nope"]})
@@ -227,6 +293,14 @@ def test_set_override_is_validated_like_the_file(cli, tiny_job, tmp_path):
     code, out = cli.validate_json(write_job(tmp_path, tiny_job), "--set", "batch.per_gpu=-3")
     assert code == 2
     assert out["errors"][0]["location"] == "batch.per_gpu"
+
+
+def test_set_values_are_read_as_json(cli, tiny_job, tmp_path):
+    """What a file must write without quotes, `--set` may: its value is read as JSON before the spec sees it."""
+    code, out = cli.validate_json(write_job(tmp_path, tiny_job), "--set", "batch.per_gpu=8", "--set",
+                                  "optimizer.lr=1e-3", "--set", "fsdp.compile=false")
+    assert code == 0, out["errors"]
+    assert out["summary"]["batch"]["per_gpu"] == 8
 
 
 def test_world_size_flags_change_the_batch_check(cli, tiny_job, tmp_path):
@@ -504,11 +578,19 @@ def test_a_section_that_does_not_parse_hides_no_other_mistake(cli, tiny_job, tmp
     job = _set(_set(tiny_job, "batch", {"per_gpu": 0}), "model", {"name": "ViT-B-32x"})
     code, out = cli.validate_json(write_job(tmp_path, job))
     assert {e["location"] for e in out["errors"]} == {"batch.per_gpu", "model.name"}
-    # the launch section lays out the world: without it nothing that counts ranks is checked, unless a flag gives it
+    job = _set(_set(tiny_job, "data", {"source": "parquet"}), "freeze", {"image": {"blocks": "0:40"}})
+    code, out = cli.validate_json(write_job(tmp_path, job))  # the model is checked without the data's preprocessing
+    assert {e["location"] for e in out["errors"]} == {"data", "freeze.image.blocks"}
+    # the launch section lays out the world: without its layout nothing that counts ranks is checked, unless a flag
+    # gives it; a mistake in another of its fields hides nothing
+    job = _set(_set(_set(tiny_job, "launch.gpus_per_node", "two"), "batch.global_batch", 7), "model",
+               {"name": "ViT-B-32x"})
+    code, out = cli.validate_json(write_job(tmp_path, job))
+    assert {e["location"] for e in out["errors"]} == {"launch.gpus_per_node", "model.name"}
+    code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
+    assert {e["location"] for e in out["errors"]} == {"launch.gpus_per_node", "model.name", "batch.global_batch"}
     job = _set(_set(_set(tiny_job, "launch.device", "gpu"), "batch.global_batch", 7), "model", {"name": "ViT-B-32x"})
     code, out = cli.validate_json(write_job(tmp_path, job))
-    assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name"}
-    code, out = cli.validate_json(write_job(tmp_path, job), "--world-size", "2")
     assert {e["location"] for e in out["errors"]} == {"launch.device", "model.name", "batch.global_batch"}
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from conftest import write_job
+from conftest import TINY_CONFIG, write_job
 
 
 def _vit_job(model: str, **extra) -> dict:
@@ -180,3 +182,19 @@ def test_the_data_workers_and_the_rate_the_gpus_ask_of_them(cli, tmp_path, monke
     supply = cli.validate_json(write_job(tmp_path, cpu), "--no-check-paths")[1]["summary"]["supply"]
     assert supply["workers"] == 3 and not supply["auto"] and supply["asked_per_gpu"] is None
     assert cli.validate_json(write_job(tmp_path, _vit_job("ViT-B-32")))[1]["summary"]["supply"] is None
+
+
+def test_the_runs_duration_at_the_plans_step_time(cli, tmp_path):
+    """On GPUs the summary gives the run's expected duration: its steps at the step time `plan` gives the job's shard
+    degree, with that basis; on the CPU, none."""
+    job = {"model": {"config": str(TINY_CONFIG)}, "data": {"source": "synthetic"}, "schedule": {"steps": 500},
+           "batch": {"per_gpu": 32}, "launch": {"gpus_per_node": 2}}
+    path = write_job(tmp_path, job)
+    code, out = cli.validate_json(path)
+    assert code == 0, out
+    duration, degree = out["summary"]["duration"], out["summary"]["mesh"]["shard_degree"]
+    plan = json.loads(cli("plan", path, "--nodes", "1", "--gpus-per-node", "2", "--json").stdout)
+    assert duration["step_s"] == pytest.approx(next(r["step_s"] for r in plan["rows"] if r["degree"] == degree))
+    assert duration["steps"] == 500 and duration["seconds"] == pytest.approx(500 * duration["step_s"])
+    assert "steps at the plan's" in cli("validate", path).stdout
+    assert cli.validate_json(path, "--set", "launch.device=\"cpu\"")[1]["summary"]["duration"] is None

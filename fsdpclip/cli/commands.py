@@ -59,18 +59,15 @@ def validate(
     """Check a job spec and its meaning before any GPU is allocated."""
     from fsdpclip.cli.tables import summary_tables
     from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.validate.checks import check_job, if_parsed, kept_on_resume, layout_of
+    from fsdpclip.validate.checks import check_job, kept_on_resume, layout_of, spec_error_problems
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
         fail([Problem("--world-size", "give --world-size or --nodes/--gpus-per-node, not both")], as_json)
     try:
         job = load_job(job_file, [*overrides, *launching.accepted(accept_changes)])
-    except SpecError as exc:  # with what the sections that parsed mean: every mistake in one round
-        if exc.salvaged is None:
-            fail(exc.problems, as_json)
-        layout = if_parsed(layout_of, exc.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
-        fail(exc.problems + check_job(exc.salvaged, *layout, check_paths=check_paths,
-                                      check_remote=check_remote).problems, as_json)
+    except SpecError as exc:
+        fail(spec_error_problems(exc, world_size, nodes, gpus_per_node, check_paths=check_paths,
+                                 check_remote=check_remote), as_json)
     if check_paths:
         job = kept_on_resume(job)
     report = check_job(job, *layout_of(job, world_size, nodes, gpus_per_node), check_paths=check_paths,
@@ -101,7 +98,8 @@ def plan(
                                                help="Collective bandwidth across nodes, Gb/s per GPU "
                                                     "(default: a 400G NDR adapter's 360)."),
     tflops: Optional[float] = typer.Option(None, "--tflops", min=1e-3,
-                                           help="Sustained TFLOP/s per GPU (default: what fsdpclip measured)."),
+                                           help="Sustained TFLOP/s per GPU (default: what fsdpclip measured on "
+                                                "H200; needed for a job on the CPU)."),
     gpu_memory_gib: Optional[float] = typer.Option(None, "--gpu-memory-gib", min=1e-3,
                                                    help="Memory of one GPU (default: launch.gpu_memory_gib, else "
                                                         "an H200's 139)."),
@@ -128,6 +126,10 @@ def plan(
     report = check_job(job, world, gpus_per_node, check_paths=False)
     # plan prices the model: the degree is what it helps choose, and the data does not enter its numbers
     blocking = [p for p in report.errors if p.location != "fsdp.shard_degree" and not p.location.startswith("data")]
+    if job.launch.device == "cpu" and tflops is None:
+        blocking.append(Problem("launch.device", "plan prices GPUs, at the rate fsdpclip sustained on H200: a step of "
+                                                 "ranks on the CPU is mostly host work its model leaves out", "cpu",
+                                hint="--tflops N prices each rank at N TFLOP/s"))
     if blocking:
         fail(blocking, as_json)
     capacity = gpu_memory_gib or job.launch.gpu_memory_gib or GPU_MEMORY_GIB

@@ -162,7 +162,7 @@ def import_command(
     from fsdpclip.run.directory import IMPORT_FILE
     from fsdpclip.run.lock import RunLocked
     from fsdpclip.spec.jobfile import load_job
-    from fsdpclip.validate.checks import check_job
+    from fsdpclip.validate.checks import check_job, spec_error_problems
 
     try:
         job = load_job(job_file, overrides)
@@ -170,7 +170,7 @@ def import_command(
         if report.errors:
             fail(report.problems)
     except SpecError as exc:
-        fail(exc.problems)
+        fail(spec_error_problems(exc))
     job = resolve_paths(job, Path.cwd())
     try:
         imported = import_open_clip_train(checkpoint, job)

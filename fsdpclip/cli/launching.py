@@ -15,7 +15,7 @@ from rich.markup import escape
 from fsdpclip.cli.console import (
     WithRegisteredOptions, console, err_console, fail, model_error_line, option, problem_table, stop,
 )
-from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, SpecError
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, SpecError
 
 if TYPE_CHECKING:
     from fsdpclip.launch.launcher import LaunchFlags
@@ -67,6 +67,7 @@ def launch_command(
     flags = LaunchFlags(nodes, gpus_per_node, name, partition, time_limit, node_rank, master_addr, master_port, dry_run,
                         None if isinstance(value, bool) else value, include, exclude)
     backend = chosen_backend(flags)
+    here = backend.runs_here and not dry_run
     try:
         flags.check()
         backend.check_flags()
@@ -75,19 +76,23 @@ def launch_command(
         from fsdpclip.validate.checks import check_job, kept_on_resume
 
         job = kept_on_resume(job)
-        report = check_job(job, check_paths=check_paths, on_this_node=backend.runs_here and not dry_run)
-        if report.errors:
-            fail(report.problems)
-        if report.warnings:
-            problem_table(report.warnings, console)
+        problems = [*check_job(job, check_paths=check_paths, on_this_node=here).problems,
+                    *_node_problems(job, flags, here)]
+        if any(problem.severity == "error" for problem in problems):
+            fail(problems)
+        if problems:
+            problem_table(problems, console)
         backend.check_job(job)
     except SpecError as exc:
-        fail(exc.problems)
+        from fsdpclip.validate.checks import spec_error_problems
+
+        fail(spec_error_problems(exc, check_paths=check_paths, on_this_node=here) +
+             _node_problems(exc.salvaged, flags, here))
     except LaunchError as exc:
         stop(str(exc))
     job = resolve_paths(job, Path.cwd())
-    if backend.runs_here and not dry_run:
-        _preflight(job, flags)
+    if here:
+        _end_if_finished(job, flags)
     if not dry_run:
         _fetch_published(job.model)
     try:
@@ -113,18 +118,29 @@ def backend_options() -> list[inspect.Parameter]:
 launch = WithRegisteredOptions(launch_command, backend_options, after="nodes")
 
 
-def _preflight(job: Job, flags: LaunchFlags) -> None:
-    """This node's checks before any process starts (`preflight`): errors end the launch (exit 2), warnings are
-    shown; a run already over ends it as finished, starting nothing."""
-    from fsdpclip.run.directory import EXIT_OK
-    from fsdpclip.validate.preflight import already_finished, preflight
+def _node_problems(job: Optional[Job], flags: LaunchFlags, here: bool) -> list[Problem]:
+    """This node's rows where the ranks start `here`, to stand beside the spec's: none elsewhere, nor where the
+    launch section did not parse."""
+    from fsdpclip.validate.checks import if_parsed
+
+    if not here or job is None:
+        return []
+    return if_parsed(_preflight, job, flags) or []
+
+
+def _preflight(job: Job, flags: LaunchFlags) -> list[Problem]:
+    """This node's problems with starting the job's ranks (`validate.preflight`: its GPUs, the rendezvous port)."""
+    from fsdpclip.validate.preflight import preflight
 
     static_rendezvous = job.launch.nodes > 1 or flags.master_addr is not None
-    report = preflight(job, flags.node_rank or 0, static_rendezvous)
-    if report.errors:
-        fail(report.problems)
-    if report.warnings:
-        problem_table(report.warnings, console)
+    return preflight(job, flags.node_rank or 0, static_rendezvous).problems
+
+
+def _end_if_finished(job: Job, flags: LaunchFlags) -> None:
+    """A run already over ends the launch on node 0 as finished, starting nothing."""
+    from fsdpclip.run.directory import EXIT_OK
+    from fsdpclip.validate.preflight import already_finished
+
     finished = already_finished(job) if (flags.node_rank or 0) == 0 else None
     if finished:
         _ending(EXIT_OK, finished, job.run_dir)

@@ -63,11 +63,21 @@ def summary_tables(summary: dict) -> list:
         batch_line += "; " + auto_batch_note(batch["auto"])
     if batch["decode"]:
         batch_line += f"; images decoded {DECODED_WHERE[batch['decode']]}"
+    duration = [duration_line(summary["duration"])] if summary.get("duration") else []
     data = [f"data: {escape(summary['data'])}"] if summary.get("data") else []
     if summary.get("supply"):
         data.append(supply_line(summary["supply"]))
-    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line,
+    return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line, *duration,
             preprocess_line(summary["preprocess"]), *data]
+
+
+def duration_line(duration: dict) -> str:
+    """The run's expected duration on GPUs, with what it rests on."""
+    seconds = duration["seconds"]
+    span = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} days"
+    return (f"duration: ≈ {span}, {duration['steps']:,} steps at the plan's {duration['step_s']:.3g} s/step (its H200 "
+            f"model: {duration['tflops']:g} TFLOP/s sustained; `fsdpclip plan --tflops` prices other GPUs)")
 
 
 def supply_line(supply: dict) -> str:

@@ -46,7 +46,7 @@ class RetrievalTask(EvalTask):
         try:
             load_retrieval_set(spec, transform=None)  # its layout and captions, not its images
         except DatasetError as exc:
-            report.error(f"{where}.path", str(exc), spec.path)
+            report.missing(f"{where}.path", str(exc), spec.path)
 
     def load(self, spec: RetrievalSpec, transform: Optional[Callable]) -> RetrievalSet:
         return load_retrieval_set(spec, transform)

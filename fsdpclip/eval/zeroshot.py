@@ -47,11 +47,11 @@ class ZeroShotTask(EvalTask):
 
     def check_paths(self, spec: ZeroShotSpec, where: str, report: Report) -> None:
         if not Path(spec.path).is_dir():
-            report.error(f"{where}.path", "directory not found", spec.path)
+            report.missing(f"{where}.path", "directory not found", spec.path)
         if spec.classnames is not None and (why := _unreadable(spec.classnames)):
-            report.error(f"{where}.classnames", f"cannot read it: {why}", spec.classnames)
+            report.missing(f"{where}.classnames", f"cannot read it: {why}", spec.classnames)
         if spec.templates not in (None, "openai", "simple") and (why := _unreadable(spec.templates)):
-            report.error(f"{where}.templates", f"not 'openai', 'simple' or a readable file: {why}", spec.templates)
+            report.missing(f"{where}.templates", f"not 'openai', 'simple' or a readable file: {why}", spec.templates)
 
     def load(self, spec: ZeroShotSpec, transform: Optional[Callable]) -> ZeroShotSet:
         return load_zeroshot_set(spec, transform)

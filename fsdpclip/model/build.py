@@ -23,7 +23,7 @@ from torch import nn
 
 from fsdpclip.spec.preprocess import PREPROCESSING_KEYS, PreprocessSpec
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
-from fsdpclip.problems import ModelError
+from fsdpclip.problems import ModelError, relative_path_hint
 from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, Job, ModelSpec
 from fsdpclip.spec.registry import TOWER_FAMILIES
@@ -48,7 +48,8 @@ def model_config(spec: ModelSpec, preprocess: Optional[PreprocessSpec] = None) -
         try:
             raw = json.loads(read_text_file(Path(spec.config)))
         except OSError as exc:
-            raise ModelError(f"cannot read model config: {exc.strerror}", "model.config", spec.config) from None
+            raise ModelError(f"cannot read model config: {exc.strerror}", "model.config", spec.config,
+                             hint=relative_path_hint(spec.config)) from None
         except json.JSONDecodeError as exc:
             raise ModelError(f"model config is not valid JSON: {exc.msg} at line {exc.lineno}", "model.config",
                              spec.config) from None

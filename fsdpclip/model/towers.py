@@ -15,7 +15,7 @@ from typing import Optional
 
 from torch import nn
 
-from fsdpclip.problems import ModelError, closest
+from fsdpclip.problems import ModelError, closest, joined, relative_path_hint
 from fsdpclip.run.files import read_text_file, special_file
 from fsdpclip.spec.job import ModelSpec
 
@@ -51,7 +51,8 @@ def check_timm_name(name: str, location: str) -> str:
     source, colon, rest = name.partition(":")
     if colon and source == "local-dir":
         if not (Path(rest) / "config.json").is_file():
-            raise ModelError("not a local timm directory with a config.json", location, rest, hint=LOCAL_HINT)
+            raise ModelError("not a local timm directory with a config.json", location, rest,
+                             hint=joined(relative_path_hint(rest), LOCAL_HINT))
         return name
     if colon or "/" in name:
         raise ModelError(f"the timm tower '{name}' is a hub id", location, name, hint=LOCAL_HINT)
@@ -84,9 +85,11 @@ def check_hf_dir(path: str, location: str, from_spec: bool) -> None:
     config = Path(path) / "config.json"
     if not config.is_file():
         if from_spec:
-            raise ModelError("not a local directory with a config.json", location, path, hint=LOCAL_HINT)
+            raise ModelError("not a local directory with a config.json", location, path,
+                             hint=joined(relative_path_hint(path), LOCAL_HINT))
         raise ModelError(f"its text tower '{path}' is a Hugging Face hub id", location, path,
-                         hint="set model.text.hf.path to a local directory with that model's files")
+                         hint=joined(relative_path_hint(path), "set model.text.hf.path to a local directory with "
+                                                               "that model's files"))
     try:
         import transformers  # noqa: F401  (only whether it is there)
     except ImportError:

@@ -196,27 +196,31 @@ def strategy_name(degree: int, world: int) -> str:
     return "replicate (DDP-like)" if degree == 1 else "full FSDP" if degree == world else f"HSDP {degree}"
 
 
+def strategy(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: int, gpus_per_node: int, degree: int,
+             tflops: float, intra_gbps: float = INTRA_GBPS, inter_gbps: float = INTER_GBPS) -> Strategy:
+    """Shard degree `degree` over `nodes` × `gpus_per_node`, priced by this model: compute takes samples × FLOPs
+    per sample ÷ `tflops`; a collective runs at `intra_gbps` while its group lies in one node and at
+    `inter_gbps` once it spans nodes (the shard group when it is larger than a node, the replicas whenever
+    there is more than one node). FSDP overlaps its collectives with compute, so a step takes the longer of
+    the two plus EXPOSED_FRACTION of the communication."""
+    world, samples = nodes * gpus_per_node, job.batch.per_gpu * job.batch.grad_accum
+    compute = samples * flops_per_sample / (tflops * 1e12)
+    moved = traffic(memory.job, memory.units, world, degree)  # the units and resharding as built
+    group_gbps = intra_gbps if degree <= gpus_per_node else inter_gbps
+    replica_gbps = intra_gbps if nodes == 1 else inter_gbps
+    communication = moved.shard_group / (group_gbps * 1e9 / 8) + moved.all_reduce / (replica_gbps * 1e9 / 8)
+    step = max(compute, communication) + EXPOSED_FRACTION * communication
+    estimate = memory.estimate(world, degree)
+    host = estimate_host_memory(estimate, sum(unit.numel for unit in memory.units), gpus_per_node)
+    return Strategy(strategy_name(degree, world), degree, world // degree, estimate.total / GIB, host.total / GIB,
+                    moved, compute, communication, step, samples / step)
+
+
 def strategies(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: int, gpus_per_node: int,
                tflops: float, intra_gbps: float = INTRA_GBPS, inter_gbps: float = INTER_GBPS) -> list[Strategy]:
-    """Every valid shard degree for `nodes` × `gpus_per_node`, priced by this model: compute takes
-    samples × FLOPs per sample ÷ `tflops`; a collective runs at `intra_gbps` while its group lies in
-    one node and at `inter_gbps` once it spans nodes (the shard group when it is larger than a node,
-    the replicas whenever there is more than one node). FSDP overlaps its collectives with compute,
-    so a step takes the longer of the two plus EXPOSED_FRACTION of the communication."""
-    world, samples, rows = nodes * gpus_per_node, job.batch.per_gpu * job.batch.grad_accum, []
-    compute = samples * flops_per_sample / (tflops * 1e12)
-    parameters = sum(unit.numel for unit in memory.units)
-    for degree in valid_shard_degrees(world, gpus_per_node):
-        moved = traffic(memory.job, memory.units, world, degree)  # the units and resharding as built
-        group_gbps = intra_gbps if degree <= gpus_per_node else inter_gbps
-        replica_gbps = intra_gbps if nodes == 1 else inter_gbps
-        communication = moved.shard_group / (group_gbps * 1e9 / 8) + moved.all_reduce / (replica_gbps * 1e9 / 8)
-        step = max(compute, communication) + EXPOSED_FRACTION * communication
-        estimate = memory.estimate(world, degree)
-        host = estimate_host_memory(estimate, parameters, gpus_per_node)
-        rows.append(Strategy(strategy_name(degree, world), degree, world // degree, estimate.total / GIB,
-                             host.total / GIB, moved, compute, communication, step, samples / step))
-    return rows
+    """Every valid shard degree for `nodes` × `gpus_per_node`, priced by this model (`strategy`)."""
+    return [strategy(job, memory, flops_per_sample, nodes, gpus_per_node, degree, tflops, intra_gbps, inter_gbps)
+            for degree in valid_shard_degrees(nodes * gpus_per_node, gpus_per_node)]
 
 
 @dataclass

@@ -41,11 +41,12 @@ MAX_COUNT = 2 ** 20  # a per-GPU batch, an accumulation, a unit size: beyond any
 
 def _auto_or_count(value: Any, handler) -> Any:
     """One error for a value that is neither 'auto' nor an integer from 1 to MAX_COUNT (not one per union member);
-    a number in a string ("32") is no count."""
+    a number in a string ("32") is no count, nor is true/false."""
     try:
         return handler(value)
     except ValidationError:
-        raise ValueError(f"expected 'auto' or an integer from 1 to {MAX_COUNT:,}") from None
+        raise ValueError("expected a number, not true/false" if isinstance(value, bool) else
+                         f"expected 'auto' or an integer from 1 to {MAX_COUNT:,}") from None
 
 
 AutoOrCount = Annotated[Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]],

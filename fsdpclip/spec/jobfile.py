@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, Discriminator, Tag, ValidationError
 
 from fsdpclip.problems import Problem, SpecError, closest
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import LOSS_KINDS, Job
-from fsdpclip.spec.registry import DATA_SOURCES
+from fsdpclip.spec.job import Job
 
 
-def read_job_dict(path: Path) -> dict:
-    """Read a job file as a dict; a missing file or bad JSON is a SpecError."""
+def read_job_dict(path: Path) -> tuple[dict, list[Problem]]:
+    """Read a job file as a dict, with a Problem for each key given twice in one object (the dict keeps the
+    last, as JSON does); a missing file or bad JSON is a SpecError."""
     try:
         text = read_text_file(Path(path))
     except OSError as exc:
@@ -42,13 +43,13 @@ def read_job_dict(path: Path) -> dict:
                                  value=str(path))]) from None
     if not isinstance(raw, dict):
         raise SpecError([Problem("(file)", "a job spec must be a JSON object", value=type(raw).__name__)])
-    if repeated:
-        try:
-            problems = _repeated_keys(raw, repeated, [])
-        except RecursionError:
-            problems = [Problem("(file)", "nested too deeply to be a job spec (a spec is a few levels deep)")]
-        raise SpecError(problems)
-    return raw
+    if not repeated:
+        return raw, []
+    try:
+        return raw, _repeated_keys(raw, repeated, [])
+    except RecursionError:
+        raise SpecError([Problem("(file)", "nested too deeply to be a job spec (a spec is a few levels deep)")]) \
+            from None
 
 
 def _repeated_keys(node: Any, repeated: dict[int, list[str]], path: list) -> list[Problem]:
@@ -66,8 +67,9 @@ def _repeated_keys(node: Any, repeated: dict[int, list[str]], path: list) -> lis
     return problems
 
 
-def apply_overrides(raw: dict, assignments: list[str]) -> dict:
-    """Apply `a.b=value` overrides (value parsed as JSON, else taken as a string)."""
+def apply_overrides(raw: dict, assignments: list[str]) -> tuple[dict, list[Problem]]:
+    """Apply `a.b=value` overrides (value parsed as JSON, else taken as a string): the dict with those that
+    apply, and a Problem for each that does not."""
     raw = copy.deepcopy(raw)
     problems = []
     for assignment in assignments:
@@ -91,46 +93,140 @@ def apply_overrides(raw: dict, assignments: list[str]) -> dict:
             node = child
         else:
             node[leaf] = value
-    if problems:
-        raise SpecError(problems)
-    return raw
+    return raw, problems
 
 
 def parse_job(raw: dict) -> Job:
     """Validate a raw dict into a Job; every structural problem at once as a SpecError, which carries
-    the sections that did parse (`SpecError.salvaged`) for the checks that need only them."""
+    what did parse (`SpecError.salvaged`, `salvaged_job`) for the checks that need only that."""
     try:
         return Job.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError([_problem(error) for error in exc.errors()], salvaged=salvaged_job(raw)) from None
-
-
-def salvaged_job(raw: dict) -> Job:
-    """A Job holding only the top-level sections of `raw` that validate on their own (or their defaults
-    where `raw` leaves them out). A section that did not parse is absent: reading it raises AttributeError."""
-    sections, unparsed = {}, []
-    for name, field in Job.model_fields.items():
-        key = field.alias or name
-        if key not in raw:
-            continue
-        try:
-            sections[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(raw[key])
-        except ValidationError:
-            unparsed.append(name)
-    job = Job.model_construct(**sections)
-    for name in unparsed:  # model_construct gave them their defaults
-        job.__dict__.pop(name, None)
-    return job
+        raise SpecError(_problems(exc.errors(), raw), salvaged=salvaged_job(raw)) from None
 
 
 def load_job(path: Path, overrides: Optional[list[str]] = None) -> Job:
-    """Read, override and validate a job file."""
-    return parse_job(apply_overrides(read_job_dict(path), overrides or []))
+    """Read, override and validate a job file: the problems of all three at once as one SpecError, with what
+    parsed (keys given twice keep their last value, overrides that apply are applied)."""
+    raw, problems = read_job_dict(path)
+    raw, refused = apply_overrides(raw, overrides or [])
+    problems += refused
+    try:
+        job = parse_job(raw)
+    except SpecError as exc:
+        raise SpecError(problems + exc.problems, salvaged=exc.salvaged) from None
+    if problems:
+        raise SpecError(problems, salvaged=job)
+    return job
 
 
-def _problem(error: dict) -> Problem:
-    """Turn one pydantic error into a Problem with a JSON location and a hint."""
-    path, model = _json_path(error["loc"])
+def salvaged_job(raw: dict) -> Optional[Job]:
+    """The Job of what parses in `raw` (`_salvaged`): a section or field that did not parse raises AttributeError
+    when read, so that a check reading it is skipped rather than run on a default."""
+    holes: list[tuple[BaseModel, str]] = []
+    job = _salvaged(Job, raw, holes)
+    for section, name in holes:  # only now: the validators of the blocks around a section read it whole
+        section.__dict__.pop(name, None)
+    return job
+
+
+def _salvaged(model: type[BaseModel], raw: dict, holes: list[tuple[BaseModel, str]]) -> Optional[BaseModel]:
+    """`model` validated from `raw` without the keys that fail (a block among them salvaged in turn, as far as
+    its own fields parse), or None where the rest does not validate either (a rule over several fields). Each
+    field left out is added to `holes`, (section, name), to be taken out of the section: its default stands in
+    for it meanwhile. A block that only lacks required fields left out, and has no rule over several fields, is
+    kept without them."""
+    values, left_out = dict(raw), set()
+    while True:
+        try:
+            section = model.model_validate(values)
+            break
+        except ValidationError as exc:
+            failed = {error["loc"][0] for error in exc.errors() if error["loc"]} - left_out
+            if not failed:
+                if not all(error["type"] == "missing" for error in exc.errors()) or \
+                        model.__pydantic_decorators__.model_validators:
+                    return None
+                section = model.model_construct()
+                for key, value in values.items():  # each validated as the model validates it
+                    model.__pydantic_validator__.validate_assignment(section, _field_name(model, key), value)
+                break
+        for key in failed:
+            block = block_of(model, key, values.get(key))
+            kept = _salvaged(block, values[key], holes) if block is not None else None
+            if kept is None:
+                values.pop(key, None)
+                left_out.add(key)
+            else:
+                values[key] = kept
+    holes += [(section, name) for key in left_out if (name := _field_name(model, key))]
+    return section
+
+
+def _field_name(model: type[BaseModel], key: str) -> Optional[str]:
+    """The field of `model` a JSON key names (its alias or its name), None for an unknown key."""
+    return next((name for name, field in model.model_fields.items() if key in (field.alias, name)), None)
+
+
+def block_of(model: type[BaseModel], key: str, value: Any) -> Optional[type[BaseModel]]:
+    """The spec block (a model) `value` is given as under `key` of `model`: a tagged union's member by the
+    value's tag; None where it is no block."""
+    name = _field_name(model, key)
+    if name is None or not isinstance(value, dict):
+        return None
+    field = model.model_fields[name]
+    found = _inner(field.annotation)
+    if _is_union(found):
+        tag = next((meta.discriminator(value) for meta in field.metadata if isinstance(meta, Discriminator)), None)
+        found = _member(found, tag)
+    return found if isinstance(found, type) and issubclass(found, BaseModel) else None
+
+
+def _inner(annotation: Any) -> Any:
+    """The type inside Annotated[X, ...] and Optional[X]."""
+    while True:
+        if get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+        elif _is_union(annotation) and len(members := _members(annotation)) == 1:
+            annotation = members[0]
+        else:
+            return annotation
+
+
+def _is_union(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, types.UnionType)
+
+
+def _members(union: Any) -> list:
+    return [member for member in get_args(union) if member is not type(None)]
+
+
+def _member(union: Any, tag: Any) -> Optional[type[BaseModel]]:
+    """The member of a tagged union (`section.tagged_union`) with this tag; None for another tag or a plain union."""
+    for member in _members(union):
+        if get_origin(member) is Annotated and any(isinstance(meta, Tag) and meta.tag == tag
+                                                   for meta in get_args(member)[1:]):
+            return get_args(member)[0]
+    return None
+
+
+def _problems(errors: list[dict], raw: dict) -> list[Problem]:
+    """A Problem per pydantic error, but one per field where a value takes none of a plain union's forms (pydantic
+    reports each form's error)."""
+    problems, unions = [], set()
+    for error in errors:
+        path, model, union = _json_path(error["loc"])
+        if union is None:
+            problems.append(_problem(error, path, model))
+        elif tuple(path) not in unions:
+            unions.add(tuple(path))
+            problems.append(Problem(_format_path(path), f"expected {' or '.join(map(_form, _members(union)))}",
+                                    value=_value_at(raw, path)))
+    return problems
+
+
+def _problem(error: dict, path: list, model: Optional[type[BaseModel]]) -> Problem:
+    """Turn one pydantic error at `path` (in `model`) into a Problem with a hint."""
     kind, message, value = error["type"], error["msg"], error.get("input")
     hint = None
     if kind == "extra_forbidden":
@@ -154,40 +250,57 @@ def _problem(error: dict) -> Problem:
     return Problem(_format_path(path), message, value=value, hint=hint)
 
 
-def union_members() -> dict[str, dict[str, type[BaseModel]]]:
-    """The members of the spec's tagged unions by field of `Job`: the registered data sources, the losses."""
-    return {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
-
-
-def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
-    """Drop union tags from a pydantic location; return it with the model owning its last key."""
-    model: Optional[type[BaseModel]] = Job
+def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]], Any]:
+    """A pydantic location as a JSON path (without a tagged union's tag), the model owning its last key, and the
+    plain union whose forms' errors it is (cut at the union's field), None where it is none."""
     path: list = []
-    members: Optional[dict] = None
+    annotation: Any = Job
+    model: Optional[type[BaseModel]] = Job
     for part in loc:
-        if members is not None:
-            model, members = members.get(part), None
-            if model is not None:
-                continue
-        path.append(part)
-        if model is None or isinstance(part, int) or part not in model.model_fields:
+        kind = _inner(annotation)
+        if _is_union(kind):
+            annotation = _member(kind, part)
+            if annotation is None:
+                return path, model, kind
             continue
-        if model is Job and part in union_members():
-            members, model = union_members()[part], None
+        path.append(part)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            name = _field_name(kind, part) if isinstance(part, str) else None
+            model, annotation = kind, kind.model_fields[name].annotation if name else None
         else:
-            model = model_in(model.model_fields[part].annotation)
-    return path, model
+            annotation = _item(kind, part)
+    return path, model, None
 
 
-def model_in(annotation: Any) -> Optional[type[BaseModel]]:
-    """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = model_in(arg)
-        if found is not None:
-            return found
+def _item(container: Any, part: Any) -> Any:
+    """The annotation of the item `part` of a list, tuple or dict annotation; None for anything else."""
+    origin, args = get_origin(container), get_args(container)
+    if origin is dict:
+        return args[1]
+    if origin is list or (origin is tuple and args[-1:] == (Ellipsis,)):
+        return args[0]
+    if origin is tuple and isinstance(part, int) and part < len(args):
+        return args[part]
     return None
+
+
+def _form(member: Any) -> str:
+    """A form of a plain union as a message names it."""
+    member = _inner(member)
+    if get_origin(member) is Literal:
+        return " or ".join(map(repr, get_args(member)))
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(member) or ("a list" if get_origin(member) in (list, tuple) else "an object")
+
+
+def _value_at(raw: Any, path: list) -> Any:
+    """The value at a JSON path of `raw`, None where it has none."""
+    for part in path:
+        try:
+            raw = raw[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return raw
 
 
 def _format_path(path: list) -> str:

@@ -67,7 +67,8 @@ class DataSource:
 
     def paths(self, spec: Section) -> tuple[str, ...]:
         """Its fields that hold local paths (a string or a list of them; `name[].field`: that field of each
-        block in the list `name`): `fsdpclip launch` makes them absolute, relative to the spec file's directory."""
+        block in the list `name`): `fsdpclip launch` makes them absolute; a relative one starts at the directory
+        fsdpclip runs in."""
         return ()
 
     def describe(self, spec: Section) -> Optional[str]:

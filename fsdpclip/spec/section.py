@@ -3,46 +3,43 @@ registered data sources and tower families (`fsdpclip.spec.registry`) declare th
 
 from __future__ import annotations
 
-import types
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidatorFunctionWrapHandler, field_validator
 
 
-def _boolean_for_number(value: Any, annotation: Any) -> bool:
-    """Whether `value` puts true/false where `annotation` takes a number and no boolean (pydantic would read
-    true as 1), also inside lists, tuples and objects."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        return _boolean_for_number(value, args[0])
-    if origin in (Union, types.UnionType):
-        members = [get_args(a)[0] if get_origin(a) is Annotated else a for a in args]
-        if isinstance(value, bool):
-            return bool not in members and any(m in (int, float) for m in members)
-        return any(_boolean_for_number(value, m) for m in members if get_origin(m) in (list, tuple, dict))
-    if isinstance(value, bool):
-        return annotation in (int, float)
-    if origin in (list, tuple) and isinstance(value, (list, tuple)):
-        items = args[:1] * len(value) if origin is list or args[-1:] == (Ellipsis,) else args
-        return any(_boolean_for_number(item, kind) for item, kind in zip(value, items))
-    if origin is dict and isinstance(value, dict):
-        return any(_boolean_for_number(item, args[1]) for item in value.values())
-    return False
+def json_kind_problem(raw: Any, parsed: Any) -> Optional[str]:
+    """What a value pydantic read in `parsed` should have been, where its lax mode read `raw` as another JSON kind:
+    a number from a string or from true/false, true/false from a string or a number (also inside lists, tuples
+    and objects); None where every value kept its kind."""
+    if isinstance(parsed, bool):
+        return None if isinstance(raw, bool) else \
+            f"expected true/false, not {'a string' if isinstance(raw, str) else 'a number'}"
+    if isinstance(parsed, (int, float)):
+        return "expected a number, not true/false" if isinstance(raw, bool) else \
+            "expected a number, not a string: write it without quotes" if isinstance(raw, str) else None
+    if isinstance(parsed, (list, tuple)) and isinstance(raw, (list, tuple)):
+        return next(filter(None, map(json_kind_problem, raw, parsed)), None)
+    if isinstance(parsed, dict) and isinstance(raw, dict):
+        return next(filter(None, (json_kind_problem(raw[key], value) for key, value in parsed.items() if key in raw)),
+                    None)
+    return None
 
 
 class Section(BaseModel):
     """Base of every spec block: unknown keys are errors, never ignored; numbers are finite (JSON's 1e400
-    and Python's Infinity would reach the ranks as inf, and job.json as null) and never true/false."""
+    and Python's Infinity would reach the ranks as inf, and job.json as null); every value is of the JSON kind
+    its field takes (no number in a string, no true/false for a number: pydantic's lax mode would convert them)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
-    @field_validator("*", mode="before")
+    @field_validator("*", mode="wrap")
     @classmethod
-    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if _boolean_for_number(value, cls.model_fields[info.field_name].annotation):
-            raise ValueError("expected a number, not true/false")
-        return value
-
+    def _json_kinds(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        parsed = handler(value)
+        if problem := json_kind_problem(value, parsed):
+            raise ValueError(problem)
+        return parsed
 
 
 def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) -> Any:

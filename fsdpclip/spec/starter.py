@@ -8,7 +8,7 @@ from typing import Any, Optional
 from pydantic import BaseModel
 
 from fsdpclip.spec.job import Job
-from fsdpclip.spec.jobfile import model_in, union_members
+from fsdpclip.spec.jobfile import block_of
 
 SYNTHETIC_STEPS = 100  # a run on synthetic batches: long enough to see the speed settle
 LR_FROM_SCRATCH, LR_FINE_TUNING = 5e-4, 1e-5  # AdamW peaks: OpenCLIP's ViT-B-32 recipe; a published model's fine-tuning
@@ -47,14 +47,11 @@ def described_fields(spec: dict) -> list[tuple[str, Any, str]]:
     """(dotted field, value, its description in the spec) for every value set in `spec`."""
     rows = []
 
-    def walk(node: dict, model: Optional[type[BaseModel]], prefix: str) -> None:
+    def walk(node: dict, model: type[BaseModel], prefix: str) -> None:
         for key, value in node.items():
-            field = model.model_fields.get(key) if model is not None else None
-            if model is Job and key in union_members():
-                inner = union_members()[key][value.get("source", "webdataset")] if key == "data" else None
-            else:
-                inner = model_in(field.annotation) if field is not None else None
-            if isinstance(value, dict) and inner is not None:
+            field = model.model_fields.get(key)
+            inner = block_of(model, key, value)
+            if inner is not None:
                 walk(value, inner, f"{prefix}{key}.")
             else:
                 rows.append((prefix + key, value, field.description if field is not None else ""))

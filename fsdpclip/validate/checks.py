@@ -17,7 +17,7 @@ from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.model.weights import check_weights_file
 from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
-from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Report, closest
+from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, Report, SpecError, closest
 from fsdpclip.run.files import special_file
 from fsdpclip.spec.job import Job, is_url, largest_divisor, world_size_problem
 from fsdpclip.spec.registry import DATA_SOURCES
@@ -36,15 +36,17 @@ def layout_of(job: Job, world_size: Optional[int] = None, nodes: Optional[int] =
 
 
 def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optional[int] = None,
-              check_paths: bool = True, check_remote: bool = False, on_this_node: bool = False) -> Report:
+              check_paths: bool = True, check_remote: bool = False, on_this_node: bool = False,
+              whole: bool = True) -> Report:
     """Check everything `validate` promises; returns a Report (never raises for a user's mistake).
 
     The world defaults to the spec's launch section; `check_paths=False` skips the existence of data,
     eval and weight files (paths of another machine); `check_remote` reaches the object storage the
     checkpoints go to (credentials, reachability); `on_this_node`: the job's first node is this machine (a
     launch here), whose memory then bounds the host estimate (else a warning where paths are checked here).
-    Where the launch section did not parse and no world is given, the checks that count ranks are skipped
-    (the report's world size is 0).
+    `whole`: the spec parsed whole, as comparing it with its run's checkpoint needs (not so for the Job of
+    `spec_error_problems`). Where the launch section's layout did not parse and no world is given, the checks
+    that count ranks are skipped (the report's world size is 0).
     """
     if world_size is None:
         world_size, gpus_per_node = if_parsed(layout_of, job) or (0, 0)
@@ -60,6 +62,8 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if world_size and not (searched and auto is None):
         if_parsed(_check_global_batch, job, report)
         steps = if_parsed(_check_batch_and_schedule, job, report)
+    if world_size:
+        if_parsed(_check_shard_degree, job, report)
     if_parsed(_check_learning_rate, job, report)
     usable_run_dir = if_parsed(_check_output_dir, job, report)
     if_parsed(_check_data, job, report, check_paths)
@@ -69,7 +73,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
         if_parsed(_check_files, job, report)
         if_parsed(_check_workers_against_cores, job, report)
         if_parsed(_check_eval_paths, job, report)
-        if usable_run_dir and job.__dict__.keys() >= Job.model_fields.keys():  # a checkpoint meets a whole spec
+        if usable_run_dir and whole:
             if_parsed(_check_resume, spec_job, report)
     if_parsed(_check_logging, job, report)
     if_parsed(check_model, job, report, steps, check_paths,
@@ -77,6 +81,17 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if searched and "batch" in report.summary:
         report.summary["batch"]["auto"] = auto
     return report
+
+
+def spec_error_problems(error: SpecError, world_size: Optional[int] = None, nodes: Optional[int] = None,
+                        gpus_per_node: Optional[int] = None, **options) -> list[Problem]:
+    """Every problem of a spec that did not load: its own (`error.problems`), then `check_job`'s of what parsed
+    (`error.salvaged`; `options` as `check_job` takes them), for the world `layout_of` lays out: one round shows
+    every mistake."""
+    if error.salvaged is None:
+        return error.problems
+    layout = if_parsed(layout_of, error.salvaged, world_size, nodes, gpus_per_node) or (world_size, None)
+    return error.problems + check_job(error.salvaged, *layout, whole=False, **options).problems
 
 
 def _check_logging(job: Job, report: Report) -> None:
@@ -95,6 +110,17 @@ def _check_global_batch(job: Job, report: Report) -> None:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
                      hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+
+
+def _check_shard_degree(job: Job, report: Report) -> None:
+    """A shard degree given as a number fits the world: it divides it, and a group lies inside a node or spans
+    whole nodes."""
+    from fsdpclip.plan.mesh import shard_degree_problem, valid_shard_degrees
+
+    chosen, world, per_node = job.fsdp.shard_degree, report.world_size, report.gpus_per_node
+    if chosen != "auto" and (problem := shard_degree_problem(chosen, world, per_node)):
+        report.error("fsdp.shard_degree", problem, chosen, hint=f"valid for {world // per_node} node(s) × {per_node}: "
+                     f"{', '.join(map(str, valid_shard_degrees(world, per_node)))} (or 'auto')")
 
 
 def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
@@ -190,7 +216,7 @@ def _check_files(job: Job, report: Report) -> None:
         paths.append(("checkpoint.resume", resume))
     for location, path in paths:
         if path is not None and not Path(path).exists():
-            report.error(location, "file not found", path)
+            report.missing(location, "file not found", path)
         elif path is not None and location != "checkpoint.resume" and (kind := special_file(Path(path))):
             report.error(location, f"not a regular file but {kind}", path)
         elif path is not None and location != "checkpoint.resume" and Path(path).is_file():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, TypeVar
 
-from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_from_config, original_shapes, \
-    text_shape, training_config
+from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_config, model_from_config, \
+    original_shapes, text_shape, training_config
 from fsdpclip.model.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
 from fsdpclip.model.towers import hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
@@ -17,18 +17,19 @@ from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
 from fsdpclip.parallel.units import wrap_classes
 from fsdpclip.problems import ModelError, Report, closest
 from fsdpclip.spec.job import TOWERS, Job
+from fsdpclip.spec.section import Section
 from fsdpclip.validate.summary import summarise
 
 T = TypeVar("T")
 
 
 def if_parsed(check: Callable[..., T], job: Job, *args) -> Optional[T]:
-    """Run one check, or skip it (None) when it reads a section of the job that did not parse (a Job from
-    `jobfile.salvaged_job`): every check whose sections parsed still runs, so one round shows every mistake."""
+    """Run one check, or skip it (None) when it reads a section or field of the job that did not parse (a Job from
+    `jobfile.salvaged_job`): every check whose fields parsed still runs, so one round shows every mistake."""
     try:
         return check(job, *args)
     except AttributeError as exc:
-        if isinstance(exc.obj, Job) and exc.name in Job.model_fields:
+        if isinstance(exc.obj, Section) and exc.name in type(exc.obj).model_fields:
             return None
         raise
 
@@ -38,7 +39,7 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     """The model on the meta device: its text input, classes, freeze ranges, decay groups, then the summary
     (`this_machine`: how a host estimate over this machine's memory is reported, 'error' or 'warning')."""
     try:
-        cfg = training_config(job)
+        cfg = if_parsed(training_config, job) or model_config(job.model)  # data not parsed: the model's preprocessing
         model = model_from_config(cfg, device="meta")
     except ModelError as exc:
         _model_problem(job, exc, report)
@@ -49,14 +50,12 @@ def check_model(job: Job, report: Report, steps: Optional[int], check_paths: boo
     towers = find_towers(model, job.model.block_classes)
     if_parsed(_check_compile_options_used, job, model, towers, report)
     classes_ok = if_parsed(_check_classes, job, towers, report)
-    if_parsed(_check_freeze, job, towers, report)
-    frozen = if_parsed(lambda job: frozen_names(towers, job.freeze) if not report.errors else set(), job)
-    if frozen is None:
-        return
-    apply_freeze(model, frozen)
+    freeze_ok = if_parsed(_check_freeze, job, towers, report)
+    frozen = if_parsed(lambda job: frozen_names(towers, job.freeze), job) if freeze_ok else None
+    apply_freeze(model, frozen or set())  # a freeze that is wrong or did not parse freezes nothing here
     groups = if_parsed(_check_decay, job, model, report)
     if_parsed(_check_loss_fits, job, model, report)
-    if classes_ok and text_ok and groups is not None and report.world_size:
+    if frozen is not None and classes_ok and text_ok and groups is not None and report.world_size:
         if_parsed(summarise, job, model, towers, frozen, groups, steps, report, this_machine)
 
 
@@ -163,7 +162,9 @@ def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
     return ok
 
 
-def _check_freeze(job: Job, towers: dict[str, Tower], report: Report) -> None:
+def _check_freeze(job: Job, towers: dict[str, Tower], report: Report) -> bool:
+    """Each tower's frozen blocks lie among its blocks; whether they all do."""
+    errors = len(report.errors)
     for name in TOWERS:
         blocks = getattr(job.freeze, name).blocks
         if blocks is None:
@@ -172,6 +173,7 @@ def _check_freeze(job: Job, towers: dict[str, Tower], report: Report) -> None:
         why = slice_problem(blocks, length) if length else f"the {name} tower has no blocks to freeze"
         if why:
             report.error(f"freeze.{name}.blocks", why, blocks)
+    return len(report.errors) == errors
 
 
 def _check_decay(job: Job, model, report: Report) -> Optional[list[DecayGroup]]:

@@ -1,7 +1,7 @@
 """What `fsdpclip validate` reports about a job that builds: parameters per tower, FSDP units, decay
 groups, batch, the device mesh with its traffic per step, the per-GPU memory estimate (checked against
-`launch.gpu_memory_gib`) and the host memory of a node (checked against `launch.host_memory_gib`, else this
-machine's)."""
+`launch.gpu_memory_gib`), the host memory of a node (checked against `launch.host_memory_gib`, else this
+machine's) and, on GPUs, the run's expected duration at `fsdpclip plan`'s step time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fsdpclip.parallel.units import Unit
 from fsdpclip.node import host_memory, usable_cores
 from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory
 from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree, \
-    sustained_tflops, traffic, valid_shard_degrees
+    strategy, sustained_tflops, traffic, valid_shard_degrees
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import TOWERS, Job
 from fsdpclip.spec.registry import DATA_SOURCES
@@ -45,7 +45,9 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                         "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
     summary["preprocess"] = preprocess_summary(model)
     summary["data"] = DATA_SOURCES[job.data.source].describe(job.data)
-    summary["supply"] = _supply(job, model, report, summary["parameters"]["parameters"])
+    rate = sustained_tflops(summary["parameters"]["parameters"])
+    flops = training_flops_per_sample(model) if job.launch.device == "cuda" else None  # plan's step time: GPUs
+    summary["supply"] = _supply(job, report, rate * 1e12 / flops if flops else None)
     try:
         memory, widths = memory_model(job, model, towers)
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
@@ -63,11 +65,21 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                        and job.launch.device == "cuda" and world > report.gpus_per_node,
                        "traffic_gib_per_step": traffic(memory.job, memory.units, world, degree).as_gib()}
     summary["memory_gib"] = estimate.as_gib()
+    summary["duration"] = _duration(job, memory, flops, degree, steps, rate, report) if flops and steps else None
     host = estimate_host_memory(estimate, summary["parameters"]["parameters"], report.gpus_per_node)
     summary["host_memory_gib"] = host.as_gib()
     report.summary = summary
     _check_memory(job, estimate, report)
     _check_host_memory(job, host, report, this_machine)
+
+
+def _duration(job: Job, memory: MemoryModel, flops: float, degree: int, steps: int, rate: float,
+              report: Report) -> dict:
+    """The run's expected duration on GPUs: its steps at the step time `plan` gives the job's shard degree (its
+    model of an H200: `rate` TFLOP/s sustained, NVLink and InfiniBand NDR)."""
+    per_node = report.gpus_per_node
+    step = strategy(job, memory, flops, report.world_size // per_node, per_node, degree, rate).step_s
+    return {"steps": steps, "step_s": step, "seconds": steps * step, "tflops": rate}
 
 
 def preprocess_summary(model) -> dict:
@@ -86,16 +98,14 @@ def preprocess_summary(model) -> dict:
 
 def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
     """The shard degree the job runs with (what 'auto' chooses from launch.gpu_memory_gib; full
-    sharding when that is not given), reporting a degree that does not fit the world or the memory."""
+    sharding when that is not given, or where the spec's degree does not fit the world), reporting a degree
+    whose estimate does not fit the memory where a larger one does."""
     world, per_node, limit = report.world_size, report.gpus_per_node, job.launch.gpu_memory_gib
     chosen = job.fsdp.shard_degree
     try:
         degree = resolve_shard_degree(chosen, world, per_node,
                                       lambda: auto_shard_degree(memory, world, per_node, limit * GIB if limit else None))
-    except ShardDegreeError as exc:
-        report.error("fsdp.shard_degree", str(exc), chosen,
-                     hint=f"valid for {world // per_node} node(s) × {per_node}: "
-                          f"{', '.join(map(str, valid_shard_degrees(world, per_node)))} (or 'auto')")
+    except ShardDegreeError:  # said by check_job, whether the model builds or not
         return world
     if chosen != "auto" and limit is not None and memory.estimate(world, chosen).total > limit * GIB:
         fitting = [d for d in valid_shard_degrees(world, per_node)
@@ -148,16 +158,13 @@ def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_machin
                  hint=hint)
 
 
-def _supply(job: Job, model, report: Report, parameters: int) -> Optional[dict]:
+def _supply(job: Job, report: Report, asked: Optional[float]) -> Optional[dict]:
     """The data workers a rank starts (`data.workers` settled for this machine's cores) and, on CUDA, the
-    samples/s each GPU asks of them at the step time `plan` models (its sustained rate for a model of this
+    samples/s each GPU `asked` of them at the step time `plan` models (its sustained rate for a model of this
     size); None for data without workers."""
     settle = getattr(job.data, "settled_workers", None)
     if settle is None:
         return None
     cores = usable_cores()
-    asked = None
-    if job.launch.device == "cuda":
-        asked = sustained_tflops(parameters) * 1e12 / training_flops_per_sample(model)
     return {"workers": settle(report.world_size, report.gpus_per_node, cores), "auto": job.data.workers == "auto",
             "cores": cores, "ranks_per_node": report.gpus_per_node, "asked_per_gpu": asked}

@@ -104,9 +104,8 @@ class WebDatasetSource(DataSource):
             report.error(where, f"{message}: {len(unreadable)} of {of} shards", url, hint=hint)
         missing = [u for u in sample if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
         if missing:
-            report.error(where, f"{len(missing)} of {of} shards not found", missing[0],
-                         hint="check the path and the brace range" if len(missing) < len(sample) else
-                         "paths are relative to the directory you run fsdpclip in")
+            report.missing(where, f"{len(missing)} of {of} shards not found", missing[0],
+                           hint="check the path and the brace range" if len(missing) < len(sample) else None)
         workers = max(1, spec.settled_workers(report.world_size, report.gpus_per_node, usable_cores()))
         needed = report.world_size * workers
         if not spec.resampled and count < needed:  # each worker of each rank reads shards of its own

@@ -96,7 +96,7 @@ class TimmFamily(TowerFamily):
             return
         if isinstance(spec.pretrained, str):
             if not Path(spec.pretrained).exists():
-                report.error(location, "file not found", spec.pretrained)
+                report.missing(location, "file not found", spec.pretrained)
             elif kind := special_file(Path(spec.pretrained)):
                 report.error(location, f"not a regular file but {kind}", spec.pretrained)
         elif spec.path and not any((Path(spec.path) / f).is_file() for f in WEIGHT_FILES):
