@@ -234,7 +234,6 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
 ) -> None:
     """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
-    from fsdpclip.node import usable_cores
     from fsdpclip.spec.jobfile import parse_job
     from fsdpclip.spec.starter import described_fields, starter_spec
     from fsdpclip.validate.checks import check_job
@@ -246,7 +245,7 @@ def init(
         import torch
 
         gpus = torch.cuda.device_count()
-    spec = starter_spec(model, gpus, usable_cores(), data, samples, pretrained, per_gpu)
+    spec = starter_spec(model, gpus, data, samples, pretrained, per_gpu)
     try:
         report = check_job(parse_job(spec))
     except SpecError as exc:
@@ -260,8 +259,8 @@ def init(
     table = Table(title=escape(str(out)), title_justify="left")
     for column in ("field", "value", "what it means"):
         table.add_column(column, overflow="fold")
-    for field, value, description in described_fields(spec):
-        table.add_row(field, escape(json.dumps(value)), escape(description))
+    for field, value, description, why in described_fields(spec):
+        table.add_row(field, escape(json.dumps(value)), escape(description + (f" ({why})" if why else "")))
     console.print(table)
     if report.warnings:
         problem_table(report.warnings, console)

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from fsdpclip.problems import Problem, SpecError, closest
 from fsdpclip.run.files import read_text_file
@@ -157,6 +159,30 @@ def _problem(error: dict) -> Problem:
 def union_members() -> dict[str, dict[str, type[BaseModel]]]:
     """The members of the spec's tagged unions by field of `Job`: the registered data sources, the losses."""
     return {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
+
+
+def spec_fields(model: type[BaseModel] = Job, prefix: str = "") -> dict[str, FieldInfo]:
+    """Every leaf field of the spec by its dotted path (`[]` marks the members of a list of blocks); a field that
+    several members of a union have (`data.samples`) is its default member's (the first)."""
+    fields: dict[str, FieldInfo] = {}
+    for name, field in model.model_fields.items():
+        path = prefix + (field.alias or name)
+        inner = model_in(field.annotation)
+        if model is Job and name in union_members():
+            for member in union_members()[name].values():
+                fields = spec_fields(member, path + ".") | fields
+        elif inner is None:
+            fields[path] = field
+        else:
+            fields |= spec_fields(inner, path + ("[]." if "list" in str(field.annotation) else "."))
+    return fields
+
+
+def spelled_default(field: FieldInfo) -> str:
+    """A field's default as a spec would spell it (JSON), or 'required'."""
+    if field.is_required():
+        return "required"
+    return json.dumps(to_jsonable_python(field.get_default(call_default_factory=True)))
 
 
 def _json_path(loc: tuple) -> tuple[list, Optional[type[BaseModel]]]:
