@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+
+from conftest import REPO
 
 
 @pytest.mark.slow
@@ -37,3 +40,16 @@ def test_demo_job_learns_digits(demo_run):
     flops = training_flops_per_sample(frozen_meta_model(model_config(job.model), job)[0])
     for record in train:
         assert abs(record["mfu"] - record["samples_per_s_per_gpu"] * flops / 1e12) <= 1e-9 * record["mfu"]
+
+
+def test_the_demo_validates_on_two_cores_without_a_warning(cli, digits_dir, tmp_path, monkeypatch):
+    """examples/tiny-cpu.json where the README's `make demo` lies (data/digits beside examples/), on 2 cores: its
+    data workers are left to the cores, so validate (and launch, which runs it) warns of nothing."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(digits_dir)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fsdpclip.validate.checks.usable_cores", lambda: 2)
+    code, out = cli.validate_json(Path("examples/tiny-cpu.json"))
+    assert code == 0 and out["warnings"] == [], out
+
