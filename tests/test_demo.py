@@ -1,4 +1,5 @@
-"""The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps (conftest)."""
+"""The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps (conftest), and what its
+launch prints to do next."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, printed_commands, run_printed
 
 
 @pytest.mark.slow
@@ -53,3 +54,17 @@ def test_the_demo_validates_on_two_cores_without_a_warning(cli, digits_dir, tmp_
     code, out = cli.validate_json(Path("examples/tiny-cpu.json"))
     assert code == 0 and out["warnings"] == [], out
 
+
+@pytest.mark.slow
+def test_every_command_a_finished_launch_prints_runs_as_printed(demo_run, cli, tmp_path, monkeypatch):
+    """The demo launch's `next:` commands (its report, its zero-shot set evaluated again, its export into the current
+    folder) exit 0 as printed; the digits' evaluation says nothing of class names."""
+    _, output = demo_run
+    commands = printed_commands(output)["next"]
+    assert [command[1] for command in commands] == ["report", "eval", "export"], output[-2000:]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        code, printed = run_printed(command, cli)
+        assert code == 0, (command, printed[-3000:])
+        assert "class names" not in printed
+    assert (tmp_path / "tiny-cpu.safetensors").is_file() and (tmp_path / "tiny-clip.json").is_file()

@@ -206,6 +206,21 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
         assert "Traceback" not in result.output
 
 
+def test_each_tasks_flags_are_read_back_as_its_set():
+    """The options a finished launch prints to evaluate a set again (`EvalTask.flags`) give that set back."""
+    from fsdpclip.eval.tasks import task_of
+    from fsdpclip.spec.job import RetrievalSpec, ZeroShotSpec
+
+    for spec in (ZeroShotSpec(dataset="folder", path="/d", classnames="/n.txt", templates="simple", max_samples=5),
+                 ZeroShotSpec(dataset="digits", path="/digits"), RetrievalSpec(path="/r", max_samples=3)):
+        kind, value, *options = task_of(spec).flags(spec)
+        given = dict(zip(options[::2], options[1::2]))
+        samples = given.pop("--max-samples", None)
+        read = task_of(spec).spec_from_flags(value, given.pop("--data", None), given.pop("--classnames", None),
+                                             given.pop("--templates", None), samples and int(samples))
+        assert kind == f"--{task_of(spec).kind}" and given == {} and read == spec
+
+
 def test_weights_of_another_model_are_named_as_such(tmp_path, digits_dir, cli):
     """The tiny model's weights evaluated as ViT-B-32: one line naming both models and a tensor of another
     size, instead of OpenCLIP's 'text pos_embed width changed!'."""

@@ -181,12 +181,10 @@ def report(
     info = summary(run)
     try:
         info["panels"], info["png"] = plot(run, out), str(out)
-    except ReportError as exc:
-        stop(str(exc))
     except ImportError:
         stop("fsdpclip report draws with matplotlib: pip install 'fsdpclip[report]'")
-    except OSError as exc:  # a read-only run directory, say: the summary still stands
-        unwritten = f"cannot write the plot {out}: {exc.strerror or exc}"
+    except (ReportError, OSError) as exc:  # nothing logged yet, a read-only run directory: the summary still stands
+        unwritten = str(exc) if isinstance(exc, ReportError) else f"cannot write the plot {out}: {exc.strerror or exc}"
         info["panels"], info["png"] = [], None
     if as_json:
         print(json.dumps(info, indent=2))

@@ -41,6 +41,11 @@ class ZeroShotTask(EvalTask):
         return ZeroShotSpec(dataset=value, path=data, templates=templates, max_samples=max_samples,
                             classnames=classnames)
 
+    def flags(self, spec: ZeroShotSpec) -> list[str]:
+        given = {"--classnames": spec.classnames, "--templates": spec.templates, "--max-samples": spec.max_samples}
+        return ["--zeroshot", spec.dataset, "--data", spec.path,
+                *(part for flag, value in given.items() if value is not None for part in (flag, str(value)))]
+
     def check_paths(self, spec: ZeroShotSpec, where: str, report: Report) -> None:
         if not Path(spec.path).is_dir():
             report.error(f"{where}.path", "directory not found", spec.path)
