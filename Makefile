@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 DEMO_DATA ?= data/digits
 
-.PHONY: venv demo test test-fast schema clean
+.PHONY: venv demo test test-fast schema clean distclean
 
 venv: $(VENV)/.demo-installed
 
@@ -50,5 +50,11 @@ test-fast: $(VENV)/.installed
 schema: venv
 	$(BIN)/fsdpclip schema > schemas/job.schema.json
 
+# What the demo wrote: its data and its runs. `distclean` also removes the virtual environment (`make demo` builds it
+# again, minutes).
 clean:
-	rm -rf $(VENV) $(DEMO_DATA) runs
+	rm -rf $(DEMO_DATA) runs
+
+distclean: clean
+	@echo "== removing $(VENV), torch and the test extras with it"
+	rm -rf $(VENV)

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -184,6 +185,40 @@ def synthetic_job(directory: Path, name: str = "t", **launch) -> dict:
     }
 
 
+PRINTED = re.compile(r"^(next|resume|progress|launch again|run again[^:]*): (fsdpclip .*)$")
+
+
+def printed_commands(output: str) -> dict[str, list[list[str]]]:
+    """The commands the last lines of a launch (or a report) give, by label ('next', 'resume', 'progress',
+    'run again (...)'), each split as a shell splits it; a label's further commands are indented below it."""
+    commands: dict[str, list[list[str]]] = {}
+    label = None
+    for line in output.splitlines():
+        match = PRINTED.match(line)
+        if match:
+            label = match[1]
+            commands.setdefault(label, []).append(shlex.split(match[2]))
+        elif label is not None and line.startswith(" " * 6 + "fsdpclip "):
+            commands[label].append(shlex.split(line))
+        else:
+            label = None
+    return commands
+
+
+def run_printed(command: list[str], cli: "Cli") -> tuple[int, str]:
+    """A printed `fsdpclip ...` command run as a user runs it: a launch as a process of its own (its ranks are
+    processes), any other command in-process; its exit code and output."""
+    if command[1] == "launch":
+        import sys
+
+        from ranks import run_group
+
+        proc = run_group([sys.executable, "-m", *command], timeout=300)
+        return proc.returncode, proc.stdout
+    result = cli(*command[1:])
+    return result.exit_code, result.output
+
+
 def write_job(tmp_path: Path, job: dict, name: str = "job.json") -> Path:
     path = tmp_path / name
     path.write_text(json.dumps(job))
@@ -221,8 +256,6 @@ class RunsCode:
 
 def squeezed(text: str) -> str:
     """Text without whitespace or table borders, to find a message that rich wrapped in a table cell."""
-    import re
-
     return re.sub(r"[\s│┃]+", "", text)
 
 

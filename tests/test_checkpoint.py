@@ -372,18 +372,25 @@ def trained_for_export(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["model.pt", "model.safetensors", "local-dir"])
-def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export):
-    import open_clip
+def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export, monkeypatch):
+    """The export loads in OpenCLIP by the Python line it prints, into an OpenCLIP that does not know the tiny model
+    (as a new interpreter's): a weights file by the model's name, its config registered from the file beside it."""
+    from open_clip import factory
 
     run_dir, trained = trained_for_export
     exported = tmp_path / target
     result = cli("export", run_dir, exported)
     assert result.exit_code == 0, result.output
-    if target == "local-dir":
-        model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{exported}")
-    else:
-        open_clip.add_model_config(TINY_CONFIG)
-        model, _, _ = open_clip.create_model_and_transforms(TINY_CONFIG.stem, pretrained=str(exported))
+    [line] = [line.removeprefix("in Python: ") for line in result.output.splitlines() if line.startswith("in Python: ")]
+    monkeypatch.setattr(factory, "_MODEL_CONFIG_PATHS",
+                        [path for path in factory._MODEL_CONFIG_PATHS if Path(path) != TINY_CONFIG])
+    monkeypatch.setattr(factory, "_MODEL_CONFIGS",
+                        {name: cfg for name, cfg in factory._MODEL_CONFIGS.items() if name != TINY_CONFIG.stem})
+    loaded = {}
+    exec(line, loaded)
+    model = loaded["model"]
+    if target != "local-dir":
+        assert (tmp_path / "tiny-clip.json").is_file() and f"create_model_and_transforms('tiny-clip', " in line
     assert model.logit_scale.shape == ()
     torch.manual_seed(123)
     images = torch.randn(5, 3, 32, 32)

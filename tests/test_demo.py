@@ -1,11 +1,15 @@
-"""The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps (conftest)."""
+"""The demo job (examples/tiny-cpu.json) through `fsdpclip launch`, shortened to 40 steps (conftest), and what its
+launch prints to do next."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+
+from conftest import REPO, printed_commands, run_printed
 
 
 @pytest.mark.slow
@@ -37,3 +41,30 @@ def test_demo_job_learns_digits(demo_run):
     flops = training_flops_per_sample(frozen_meta_model(model_config(job.model), job)[0])
     for record in train:
         assert abs(record["mfu"] - record["samples_per_s_per_gpu"] * flops / 1e12) <= 1e-9 * record["mfu"]
+
+
+def test_the_demo_validates_on_two_cores_without_a_warning(cli, digits_dir, tmp_path, monkeypatch):
+    """examples/tiny-cpu.json where the README's `make demo` lies (data/digits beside examples/), on 2 cores: its
+    data workers are left to the cores, so validate (and launch, which runs it) warns of nothing."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(digits_dir)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fsdpclip.validate.checks.usable_cores", lambda: 2)
+    code, out = cli.validate_json(Path("examples/tiny-cpu.json"))
+    assert code == 0 and out["warnings"] == [], out
+
+
+@pytest.mark.slow
+def test_every_command_a_finished_launch_prints_runs_as_printed(demo_run, cli, tmp_path, monkeypatch):
+    """The demo launch's `next:` commands (its report, its zero-shot set evaluated again, its export into the current
+    folder) exit 0 as printed; the digits' evaluation says nothing of class names."""
+    _, output = demo_run
+    commands = printed_commands(output)["next"]
+    assert [command[1] for command in commands] == ["report", "eval", "export"], output[-2000:]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        code, printed = run_printed(command, cli)
+        assert code == 0, (command, printed[-3000:])
+        assert "class names" not in printed
+    assert (tmp_path / "tiny-cpu.safetensors").is_file() and (tmp_path / "tiny-clip.json").is_file()

@@ -70,7 +70,7 @@ def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
 
     run_dir, weights = trained
     record = _ours(cli, tmp_path, run_dir, "--zeroshot", "digits", "--data", digits_dir / "test")
-    assert record.pop("folder_classes") == dict(zip(map(str, range(10)), CLASSNAMES))  # folders 0-9: as paired
+    assert "folder_classes" not in record  # folders 0-9 are paired with the digits' class list, as made to be
     assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
     assert record["task"] == "zeroshot_classification" and record["dataset"] == "digits"
     assert record["metrics"]["acc1"] > 0.2  # trained: well above chance (0.1)
@@ -89,6 +89,9 @@ def test_folder_matches_clip_benchmark(trained, digits_dir, tmp_path, cli):
     by_name = _ours(cli, tmp_path, run_dir, "--zeroshot", "folder", "--data", named, "--classnames",
                     _names(tmp_path, CLASSNAMES), "--templates", _templates(tmp_path))
     assert by_name["metrics"] == pytest.approx(record["metrics"], abs=1e-6) and "folder_classes" not in by_name
+    unnamed = _ours(cli, tmp_path, run_dir, "--zeroshot", "folder", "--data", named, "--templates",
+                    _templates(tmp_path))
+    assert unnamed["metrics"] == by_name["metrics"] and "folder_classes" not in unnamed  # the folder names
     # The trainer's own evaluation of the same weights (2 sharded ranks, eval.batch_per_gpu 37) agrees.
     logged = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
               if "zeroshot/digits" in r][-1]["zeroshot/digits"]
@@ -201,6 +204,21 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
         assert result.exit_code == 2, (args, result.output)
         assert squeezed(message) in squeezed(result.output), (message, result.output)
         assert "Traceback" not in result.output
+
+
+def test_each_tasks_flags_are_read_back_as_its_set():
+    """The options a finished launch prints to evaluate a set again (`EvalTask.flags`) give that set back."""
+    from fsdpclip.eval.tasks import task_of
+    from fsdpclip.spec.job import RetrievalSpec, ZeroShotSpec
+
+    for spec in (ZeroShotSpec(dataset="folder", path="/d", classnames="/n.txt", templates="simple", max_samples=5),
+                 ZeroShotSpec(dataset="digits", path="/digits"), RetrievalSpec(path="/r", max_samples=3)):
+        kind, value, *options = task_of(spec).flags(spec)
+        given = dict(zip(options[::2], options[1::2]))
+        samples = given.pop("--max-samples", None)
+        read = task_of(spec).spec_from_flags(value, given.pop("--data", None), given.pop("--classnames", None),
+                                             given.pop("--templates", None), samples and int(samples))
+        assert kind == f"--{task_of(spec).kind}" and given == {} and read == spec
 
 
 def test_weights_of_another_model_are_named_as_such(tmp_path, digits_dir, cli):

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from conftest import (
-    PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, small_disk, squeezed,
-    write_job,
+    PREEMPTIBLE_STEPS, TINY_CONFIG, RunsCode, assert_same_losses, logged_losses, preemptible_job, printed_commands,
+    run_printed, small_disk, squeezed, write_job,
 )
 from ranks import (
     REPO, finish_launch, json_result, last_json, run_group, start_launch, torchrun, torchrun_command,
@@ -98,8 +98,9 @@ def _report(cli, run_dir: Path, tmp_path: Path) -> dict:
 def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_dir, straight_losses, cli):
     """SIGTERM to the whole process group of `fsdpclip launch` (a scheduler's `kill -TERM -PGID`), with
     2 data workers per rank: a checkpoint, exit 75, no process left, no traceback nor torchrun's error line, the
-    launch's own last lines say how to resume; relaunched, the run finishes with the losses of a run that was
-    never stopped."""
+    stop said once, by the launch's own last lines, which say how to resume; relaunched as the report printed
+    there says (`launch RUN/job.json`), the run finishes with the losses of a run that was never stopped, and the
+    launch's own resume command then finds it finished."""
     run_dir = tmp_path / "runs" / "preempted"
     path = write_job(tmp_path, preemptible_job(tmp_path / "runs", digits_dir, "preempted"))
     process = start_launch(path, tmp_path / "first.log")
@@ -114,26 +115,34 @@ def test_sigterm_to_the_launch_group_checkpoints_and_resumes(tmp_path, digits_di
     at = report["step"]  # the ranks' next stop check: step 10, or 5 where a loaded machine makes steps slow
     assert report["code"] == 75 and at in (5, 10) and f"a stop was requested: stopped after step {at}" in \
         report["message"], report
+    assert output.count("a stop was requested") == 1, output[-4000:]
     _none_left(run_dir, path)
     stopped = _report(cli, run_dir, tmp_path)
-    assert stopped["state"].startswith("stopped") and stopped["step"] == at
+    assert stopped["state"] == f"stopped (preempted or asked to), resumable from step {at}"
     assert stopped["last_checkpoint"] == f"step-{at:08d}" and stopped["exit"]["code"] == 75
-    again = run_group([sys.executable, "-m", "fsdpclip", "launch", str(path)], timeout=300)
-    assert again.returncode == 0, again.stdout[-4000:]
-    assert "resumed from" in again.stdout and f"step-{at:08d}" in again.stdout
+    printed = printed_commands(output)
+    code, shown = run_printed(printed["progress"][0], cli)
+    assert code == 0 and printed_commands(shown)["resume"] == [["fsdpclip", "launch", str(run_dir / "job.json")]]
+    code, again = run_printed(printed_commands(shown)["resume"][0], cli)
+    assert code == 0, again[-4000:]
+    assert "resumed from" in again and f"step-{at:08d}" in again
     assert_same_losses(run_dir, straight_losses)
     finished = _report(cli, run_dir, tmp_path)
     assert finished["state"] == "finished" and finished["step"] == finished["total_steps"] == max(straight_losses)
-    assert finished["launches"] == 2 and finished["restarts_at"] == [at]
+    assert finished["launches"] == 2 and finished["restarts_at"] == [at] and finished["relaunch"] is None
+    resumed = cli(*printed["resume"][0][1:])  # in-process: a finished run starts nothing
+    assert resumed.exit_code == 0 and "already finished" in resumed.output, resumed.output[-3000:]
 
 
 @pytest.mark.slow
 def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     """While a job runs, a second launch into its run directory is refused (exit 2, naming the holder)
-    and changes nothing; two Ctrl-C to the first stop it at once (exit 130), leaving no process."""
+    and changes nothing; two Ctrl-C to the first stop it at once (exit 130), leaving no process: the launch and
+    the report say it stopped, resumable from its last checkpoint, and how to resume it."""
     run_dir = tmp_path / "runs" / "busy"
     job = preemptible_job(tmp_path / "runs", digits_dir, "busy")
     job["schedule"]["steps"], job["batch"]["per_gpu"] = 1000, 64  # slow steps: the ranks must not stop first
+    job["checkpoint"]["every_steps"] = 10
     path = write_job(tmp_path, job)
     first = start_launch(path, tmp_path / "first.log")
     _wait_for_step(run_dir, 2, first, tmp_path / "first.log")
@@ -153,7 +162,15 @@ def test_busy_run_directory_and_a_second_interrupt(tmp_path, digits_dir, cli):
     code, output = finish_launch(first, tmp_path / "first.log", timeout=60)
     assert code == 130, output[-3000:]
     _none_left(run_dir, path)
+    kept = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert _exit_report(run_dir)["code"] == 130
+    assert f"‖ stopped at once (a second interrupt), resumable from its last checkpoint, {kept}" in output
+    printed = printed_commands(output)
+    assert printed["resume"] == [["fsdpclip", "launch", str(path)]] and "logs:" not in output, output[-3000:]
+    code, shown = run_printed(printed["progress"][0], cli)
+    step = int(kept.removeprefix("step-"))
+    assert code == 0 and f"stopped at once (a second interrupt), resumable from step {step}" in shown, shown
+    assert printed_commands(shown)["resume"] == [["fsdpclip", "launch", str(run_dir / "job.json")]]
     steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(steps) == len(set(steps))  # one job wrote them
 
@@ -453,9 +470,10 @@ def test_a_relaunch_compares_files_by_content(tmp_path, digits_dir, cli):
 
 
 @pytest.mark.slow
-def test_a_crashing_rank_is_reported(tmp_path):
+def test_a_crashing_rank_is_reported(tmp_path, cli):
     """A rank that fails (here: its shard is no tar, so it holds no sample to read) ends the launch with one
-    ✗ line naming it and its error, written to exit.json over the previous launch's report."""
+    ✗ line naming it and its error, written to exit.json over the previous launch's report, then where its logs
+    are and the commands that come next (the report runs as printed, though no step was logged)."""
     import webdataset as wds
 
     from fsdpclip.data.digits import load_sklearn_digits, to_jpeg
@@ -471,11 +489,18 @@ def test_a_crashing_rank_is_reported(tmp_path):
     run_dir = tmp_path / "runs" / "story"
     run_dir.mkdir(parents=True)
     (run_dir / "exit.json").write_text(json.dumps({"code": 0, "message": "finished 40 steps", "time": 1.0}))
-    crashed = _launch(write_job(tmp_path, job))
+    path = write_job(tmp_path, job)
+    crashed = _launch(path)
     report = _exit_report(run_dir)
     assert crashed.returncode == 1 and report["code"] == 1, crashed.stdout[-3000:]
     assert "failed: RuntimeError: rank" in report["message"] and "hold no readable sample" in report["message"]
     assert f"✗ {report['message'][:60]}" in crashed.stdout
+    assert f"logs: {run_dir / 'logs'}" in crashed.stdout and (run_dir / "logs").is_dir()
+    printed = printed_commands(crashed.stdout)  # `run again` runs as printed in test_a_full_disk_is_named_once_...
+    assert printed["run again (it resumes from the last checkpoint, if any)"] == [["fsdpclip", "launch", str(path)]]
+    code, shown = run_printed(printed["progress"][0], cli)  # no step logged: the summary, without curves
+    assert code == 0 and "failed (exit 1)" in shown and "no training step logged yet" in shown, shown
+    assert printed_commands(shown)["launch again"] == [["fsdpclip", "launch", str(run_dir / "job.json")]]
 
 
 def _ranks(launcher: int) -> list[int]:
@@ -726,12 +751,12 @@ def test_a_crash_in_an_evaluation_during_training_ends_the_run(tmp_path, digits_
 
 
 @pytest.mark.slow
-def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
+def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path, cli):
     """A run directory on a 64 MB disk where the second checkpoint (~41 MB) does not fit beside the first: the
     ranks agree on it before writing anything of it, the launch ends with exit 74 and one line naming the device,
     the mount point, the checkpoint's path, the space needed and free (no OSError or traceback from any
-    rank); the first checkpoint stays latest and whole, and once the disk is larger a relaunch resumes from
-    it and finishes."""
+    rank); the first checkpoint stays latest and whole, and once the disk is larger the launch's own `run again`
+    command, run as printed, resumes from it and finishes."""
     with small_disk(tmp_path / "disk", 64) as disk:
         job = _short_job(tmp_path, run={"name": "full", "output_dir": str(disk), "seed": 1}, schedule={"steps": 8},
                          checkpoint={"every_steps": 4, "keep": 2})
@@ -747,9 +772,10 @@ def test_a_full_disk_is_named_once_and_loses_nothing(tmp_path):
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-00000004"]
         assert _exit_report(run_dir)["code"] == 74
         subprocess.run(["mount", "-o", "remount,size=160m", str(disk)], check=True)
-        resumed = _launch(path)
-        assert resumed.returncode == 0, resumed.stdout[-3000:]
-        assert "resumed from" in resumed.stdout and _exit_report(run_dir)["step"] == 8
+        [again] = printed_commands(output)["run again (it resumes from the last checkpoint, if any)"]
+        code, resumed = run_printed(again, cli)  # as the failed launch printed it
+        assert code == 0, resumed[-3000:]
+        assert "resumed from" in resumed and _exit_report(run_dir)["step"] == 8
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Set FSDPCLIP_UPDATE_GOLDEN=1 to rewrite the golden files after an intended chang
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -243,7 +244,7 @@ def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path):
     from fsdpclip.launch.local import kill_tree
 
     marker = f"fork-marker-{tmp_path.name}"
-    root = subprocess.Popen([sys.executable, "-c", _FORKING, marker])
+    root = subprocess.Popen([sys.executable, "-c", _FORKING, marker], start_new_session=True)
 
     def named() -> list[int]:
         found = []
@@ -262,9 +263,10 @@ def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path):
         kill_tree(root.pid)
         assert named() == []  # an orphan forked during the kill would live on for up to 0.5 s
         assert root.wait(10) == -9
-    finally:
-        for pid in named():
-            os.kill(pid, 9)
+    finally:  # whatever kill_tree did: the tree's process group (its members keep it) stops at once
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(root.pid, 9)
+        root.wait(10)
 
 
 @pytest.mark.slow

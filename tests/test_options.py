@@ -3,70 +3,63 @@ option table of docs/options.md, which must name every field of the spec and a t
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
-from pydantic import BaseModel
 
 from conftest import REPO, TINY_CONFIG
-from fsdpclip.spec.job import LOSS_KINDS, Job, ModelSpec
-from fsdpclip.spec.registry import DATA_SOURCES
+from fsdpclip.spec.job import ModelSpec
+from fsdpclip.spec.jobfile import spec_fields, spelled_default
 
 OPTIONS = REPO / "docs" / "options.md"
+ROW = re.compile(r"^\| `(?P<field>[^`]+)` \|.*\| (?P<tests>.*) \|$")
+DEFAULT_CELL = re.compile(r"^\| `(?P<field>[^`]+)` \| (?P<default>[^|]*) \|")  # in any table of a field per row
+UPDATE = os.environ.get("FSDPCLIP_UPDATE_GOLDEN") == "1"
 
 
-def model_in(annotation):
-    """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def spec_fields(model=Job, prefix: str = "") -> set[str]:
-    """Every leaf field of the spec as a dotted path (`[]` for the members of a list of blocks)."""
-    unions = {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
-    fields = set()
-    for name, field in model.model_fields.items():
-        path = prefix + (field.alias or name)
-        if path in unions:
-            for member in unions[path].values():
-                fields |= spec_fields(member, path + ".")
-            continue
-        inner = model_in(field.annotation)
-        if inner is None:
-            fields.add(path)
-        else:
-            is_list = "list" in str(field.annotation)
-            fields |= spec_fields(inner, path + ("[]." if is_list else "."))
-    return fields
-
-
-def table_rows() -> dict[str, str]:
-    """docs/options.md's rows: field -> the tests that verify it."""
+def table_rows() -> dict[str, re.Match]:
+    """docs/options.md's rows by field (`tests`: the tests that verify it)."""
     rows = {}
     for line in OPTIONS.read_text().splitlines():
-        match = re.match(r"^\| `([^`]+)` \|.*\| (.*) \|$", line)
+        match = ROW.match(line)
         if match:
-            assert match.group(1) not in rows, f"{match.group(1)} has two rows"
-            rows[match.group(1)] = match.group(2)
+            assert match["field"] not in rows, f"{match['field']} has two rows"
+            rows[match["field"]] = match
     return rows
 
 
 def test_every_field_has_a_row_and_every_row_a_test():
     rows = table_rows()
     fields = spec_fields()
-    assert sorted(fields - set(rows)) == [], "fields without a row in docs/options.md"
-    assert sorted(set(rows) - fields) == [], "rows for fields the spec does not have"
-    for field, verified_by in rows.items():
-        tests = re.findall(r"`(tests/[\w/]+\.py)::(\w+)", verified_by)
+    assert sorted(set(fields) - set(rows)) == [], "fields without a row in docs/options.md"
+    assert sorted(set(rows) - set(fields)) == [], "rows for fields the spec does not have"
+    for field, row in rows.items():
+        tests = re.findall(r"`(tests/[\w/]+\.py)::(\w+)", row["tests"])
         assert tests, f"{field}: names no test"
         for file, name in tests:
             assert re.search(rf"^def {name}\(", (REPO / file).read_text(), re.M), f"{field}: {file}::{name} not found"
+
+
+@pytest.mark.parametrize("page", [OPTIONS, REPO / "docs" / "guide.md"], ids=lambda page: page.name)
+def test_every_row_gives_the_fields_default(page):
+    """The default column of options.md and of the guide's first-run options is the pydantic models'
+    (FSDPCLIP_UPDATE_GOLDEN=1 writes it)."""
+    fields = spec_fields()
+
+    def with_default(line: str) -> str:
+        match = DEFAULT_CELL.match(line)
+        if match is None or match["field"] not in fields:
+            return line
+        start, end = match.span("default")
+        return f"{line[:start]}`{spelled_default(fields[match['field']])}`{line[end:]}"
+
+    text = page.read_text()
+    expected = "\n".join(map(with_default, text.split("\n")))
+    if UPDATE:
+        page.write_text(expected)
+    assert text == expected, f"{page.name}'s defaults differ from the spec's: rerun with FSDPCLIP_UPDATE_GOLDEN=1"
 
 
 def _meta_pair(spec: ModelSpec, **forced):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 
 import pytest
@@ -42,6 +43,23 @@ def test_a_checkpoint_record_leaves_the_bar_showing_training(tmp_path, monkeypat
     log.close()
     assert task.description == "loss 2.5" and task.fields["rate"] == "1,234 samples/s"
     assert "step 40 checkpoint_blocked_s 0.7" in capsys.readouterr().out  # said once, above the bar
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_bar_keeps_the_step_rate_and_time_left_at_any_width(tmp_path, monkeypatch, width):
+    """On a terminal of 80 columns the bar shows step of total, samples/s and time left whole, and as much of the
+    log line as fits; of 200, all of it."""
+    monkeypatch.setattr("fsdpclip.train.metrics.live_progress", lambda console, environ: True)
+    log = MetricsLog(tmp_path, total_steps=330, tensorboard=False, enabled=True)
+    log.advance(186)
+    log.write({"step": 186, "loss": 2.741, "lr": 0.0005, "samples_per_s": 1234.0, "samples_per_s_per_gpu": 617.0,
+               "mfu": 0.0012, "peak_memory_gib": 0.8123})
+    screen = Console(file=io.StringIO(), width=width)
+    screen.print(log.progress.get_renderable())
+    log.close()
+    [line] = screen.file.getvalue().splitlines()
+    assert re.match(r"train ━+.* 186/330 1,234 samples/s (-:--:--|\d+:\d\d:\d\d) loss 2.741 lr ", line), line
+    assert line.endswith("…" if width == 80 else "peak_memory_gib 0.8123"), line
 
 
 def test_a_data_bound_window_is_said_with_its_rate_and_the_fixes(tmp_path, capsys):

@@ -10,8 +10,10 @@ open_clip_train checkpoint), `# [hub]` (downloads). JSON blocks are specs that `
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -85,6 +87,18 @@ def test_the_readme_specs_validate(tmp_path):
     path.write_text(specs)
     result = cli("validate", path, "--no-check-paths", "--world-size", "8")
     assert result.exit_code == 0, result.output
+
+
+def test_make_clean_keeps_the_venv_and_distclean_says_it_removes_it():
+    """`make clean` (the README's) removes the demo's data and runs only; `make distclean` the .venv too, saying so."""
+    def planned(target: str) -> str:  # as a shell runs it, not under the make that may run the tests
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        return subprocess.run(["make", "-n", target], cwd=REPO, env=env, capture_output=True, text=True,
+                              check=True).stdout
+
+    assert planned("clean").splitlines() == ["rm -rf data/digits runs"]
+    assert planned("distclean").splitlines()[1:] == ['echo "== removing .venv, torch and the test extras with it"',
+                                                      "rm -rf .venv"]
 
 
 def test_the_docs_keep_their_limits():

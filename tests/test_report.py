@@ -58,6 +58,25 @@ def test_report_of_a_run_cut_short(cli, tmp_path):
     assert info["restarts_at"] == [] and info["panels"] == ["loss", "learning rate"]
 
 
+def test_report_of_a_run_stopped_at_once_names_the_step_it_resumes_from(cli, tmp_path):
+    """A launch stopped by a second Ctrl-C (exit 130) after its checkpoint of step 2: the report says it stopped,
+    resumable from step 2, and gives the command that resumes it; before any checkpoint, that it starts afresh."""
+    run_dir = tmp_path / "run"
+    _cut_run(run_dir)
+    (run_dir / "job.json").write_text("{}")
+    (run_dir / "exit.json").write_text(json.dumps({"code": 130, "message": "stopped at once", "time": 5.0}))
+    info = summary(read_run(run_dir))
+    assert info["state"] == "stopped at once (a second interrupt), before any checkpoint: launched again, it starts " \
+                            "afresh"
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000002" / "meta.json").write_text("{}")
+    info = summary(read_run(run_dir))
+    assert info["state"] == "stopped at once (a second interrupt), resumable from step 2"
+    assert info["relaunch"] == f"fsdpclip launch {run_dir / 'job.json'}"
+    shown = cli("report", run_dir, "--png", tmp_path / "r.png")
+    assert shown.exit_code == 0 and f"resume: fsdpclip launch {run_dir / 'job.json'}" in shown.stdout, shown.output
+
+
 def test_report_says_a_run_waits_for_its_data_and_what_would_feed_it(cli, tmp_path):
     """A run whose step waited for its batches over 10% of its time (the median of its last windows, the
     start-up's first one left out): the report says so with the rate and the fixes its spec leaves open."""

@@ -7,6 +7,7 @@ import json
 
 import open_clip
 
+from conftest import squeezed
 from fsdpclip.model.published import published_tags
 
 
@@ -79,3 +80,22 @@ def test_init_refuses_in_one_line(cli, tmp_path):
     assert result.exit_code == 2 and "--samples" in result.output and not (tmp_path / "new.json").exists()
     result = cli("init", tmp_path / "new.json", "--model", "ViT-B-32x", "--gpus", "0")
     assert result.exit_code == 2 and "ViT-B-32" in result.output and not (tmp_path / "new.json").exists()
+
+
+def test_init_writes_the_specs_defaults_or_says_why_not(cli, tmp_path):
+    """Every value `init` writes on a CPU machine, on 8 GPUs, with shards and fine-tuning published weights is the
+    spec's default (its weight decay too), or unset by default, or its line says why it differs."""
+    from fsdpclip.spec.starter import described_fields, starter_spec
+
+    explained = {(0, None): {"run.name", "fsdp.param_dtype", "schedule.warmup_steps", "launch.device"},
+                 (8, "openai"): {"run.name", "optimizer.lr", "schedule.warmup_steps", "launch.gpus_per_node"}}
+    for (gpus, pretrained), fields in explained.items():
+        data = ("/d/{0..9}.tar", 10 ** 6) if gpus else (None, None)
+        rows = {field: (value, why) for field, value, _, why in
+                described_fields(starter_spec("ViT-B-32", gpus, *data, pretrained))}
+        assert {field for field, (_, why) in rows.items() if why} == fields
+        assert rows["optimizer.weight_decay"] == (0.2, None)
+    assert rows["optimizer.lr"][1] == "not the default 0.0005: published weights are fine-tuned at a lower rate"
+    result = cli("init", tmp_path / "cpu.json", "--model", "RN50", "--gpus", "0")
+    assert result.exit_code == 0, result.output
+    assert squeezed('(not the default "bf16": the CPU trains in fp32)') in squeezed(result.output)

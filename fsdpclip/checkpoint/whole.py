@@ -5,10 +5,12 @@ which `fsdpclip import` uses)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -66,29 +68,47 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tens
     return state
 
 
-def exported_files(out: Path, safetensors: bool = False) -> list[Path]:
-    """The files an export to `out` writes: `out` itself for a weights file (`.pt`, `.bin`, `.pth`,
-    `.safetensors`), else open_clip's `local-dir:` layout, its config and then its weights (safetensors or a
-    torch pickle)."""
+WEIGHTS_SUFFIXES = (".pt", ".bin", ".pth", ".safetensors")  # an export to a path with one is a weights file
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def open_clip_name(config: dict, label: str, out: Path) -> tuple[str, bool]:
+    """The name OpenCLIP loads a weights file exported to `out` by, and whether its model config must be
+    registered under it (`open_clip.add_model_config`): the label where OpenCLIP's own config of that name is the
+    model's; else the label where it is a name OpenCLIP has not taken, else the file's stem."""
+    import open_clip
+
+    own = open_clip.get_model_config(label)
+    if own is not None and own == {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS}:
+        return label, False
+    return (label if own is None and NAME.fullmatch(label) else Path(out).stem), True
+
+
+def exported_files(out: Path, safetensors: bool = False, config_name: Optional[str] = None) -> list[Path]:
+    """The files an export to `out` writes, configs first: a weights file (`out` with a suffix of WEIGHTS_SUFFIXES)
+    and, with `config_name`, the model config OpenCLIP registers under that name beside it (`config_name.json`);
+    else open_clip's `local-dir:` layout, its config and its weights (safetensors or a torch pickle)."""
     out = Path(out)
-    if out.suffix in (".pt", ".bin", ".pth", ".safetensors"):
-        return [out]
+    if out.suffix in WEIGHTS_SUFFIXES:
+        return [*([out.with_name(f"{config_name}.json")] if config_name else []), out]
     return [out / "open_clip_config.json",
             out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin")]
 
 
-def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False) -> Path:
+def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False,
+                      config_name: Optional[str] = None) -> Path:
     """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.
 
-    `out` is a file (`.pt`, `.bin`, `.safetensors`) or a directory laid out for open_clip's
-    `local-dir:` (open_clip_config.json beside the weights). `model` is the unwrapped model on
-    the meta device: its full state is allocated once on the CPU, filled from the checkpoint
-    and written from the same tensors. Returns the weights file written. The destination is made
-    (and so checked) before anything is read; OSError when it cannot be.
+    `out` is a file (`.pt`, `.bin`, `.safetensors`), with its model config beside it as `config_name.json` where
+    given (the file `open_clip.add_model_config` registers under that name), or a directory laid out for
+    open_clip's `local-dir:` (open_clip_config.json, with the preprocessing, beside the weights). `model` is the
+    unwrapped model on the meta device: its full state is allocated once on the CPU, filled from the checkpoint
+    and written from the same tensors. Returns the weights file written. The destination is made (and so
+    checked) before anything is read; OSError when it cannot be.
     """
     out = Path(out)
     safetensors = safetensors or out.suffix == ".safetensors"
-    *config_file, weights = exported_files(out, safetensors)
+    *config_file, weights = exported_files(out, safetensors, config_name)
     weights.parent.mkdir(parents=True, exist_ok=True)
     partial = weights.with_name(weights.name + PARTIAL_SUFFIX)
     partial.touch()
@@ -97,10 +117,11 @@ def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dic
         for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
             if name in state:
                 state[name] = state[name].reshape(())
+        model_cfg = {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS}
         for path in config_file:
-            write_atomically(path, json.dumps(
-                {"model_cfg": {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS},
-                 "preprocess_cfg": model.visual.preprocess_cfg}, indent=2))
+            layout = model_cfg if out.suffix in WEIGHTS_SUFFIXES else {"model_cfg": model_cfg,
+                                                                      "preprocess_cfg": model.visual.preprocess_cfg}
+            write_atomically(path, json.dumps(layout, indent=2))
         if safetensors:
             from safetensors.torch import save_file
 

@@ -183,12 +183,10 @@ def report(
     info = summary(run)
     try:
         info["panels"], info["png"] = plot(run, out), str(out)
-    except ReportError as exc:
-        stop(str(exc))
     except ImportError:
         stop("fsdpclip report draws with matplotlib: pip install 'fsdpclip[report]'")
-    except OSError as exc:  # a read-only run directory, say: the summary still stands
-        unwritten = f"cannot write the plot {out}: {exc.strerror or exc}"
+    except (ReportError, OSError) as exc:  # nothing logged yet, a read-only run directory: the summary still stands
+        unwritten = str(exc) if isinstance(exc, ReportError) else f"cannot write the plot {out}: {exc.strerror or exc}"
         info["panels"], info["png"] = [], None
     if as_json:
         print(json.dumps(info, indent=2))
@@ -236,7 +234,6 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
 ) -> None:
     """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
-    from fsdpclip.node import usable_cores
     from fsdpclip.spec.jobfile import parse_job
     from fsdpclip.spec.starter import described_fields, starter_spec
     from fsdpclip.validate.checks import check_job
@@ -248,7 +245,7 @@ def init(
         import torch
 
         gpus = torch.cuda.device_count()
-    spec = starter_spec(model, gpus, usable_cores(), data, samples, pretrained, per_gpu)
+    spec = starter_spec(model, gpus, data, samples, pretrained, per_gpu)
     try:
         report = check_job(parse_job(spec))
     except SpecError as exc:
@@ -262,8 +259,8 @@ def init(
     table = Table(title=escape(str(out)), title_justify="left")
     for column in ("field", "value", "what it means"):
         table.add_column(column, overflow="fold")
-    for field, value, description in described_fields(spec):
-        table.add_row(field, escape(json.dumps(value)), escape(description))
+    for field, value, description, why in described_fields(spec):
+        table.add_row(field, escape(json.dumps(value)), escape(description + (f" ({why})" if why else "")))
     console.print(table)
     if report.warnings:
         problem_table(report.warnings, console)

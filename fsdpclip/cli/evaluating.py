@@ -127,25 +127,39 @@ def export(
     safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle."),
     force: bool = typer.Option(False, "--force", help="Overwrite what OUT holds."),
 ) -> None:
-    """Write a sharded checkpoint as one OpenCLIP checkpoint."""
+    """Write a sharded checkpoint as one OpenCLIP checkpoint (a weights file, with the model config OpenCLIP
+    registers beside it where OpenCLIP does not know the model, or a local-dir), and the Python that loads it."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
-    from fsdpclip.checkpoint.whole import export_checkpoint, exported_files
+    from fsdpclip.checkpoint.whole import WEIGHTS_SUFFIXES, export_checkpoint, exported_files, open_clip_name
     from fsdpclip.model.build import model_from_config
 
     try:
         source = resolve_checkpoint(checkpoint)
-        for path in exported_files(out, safetensors):
+        for path in exported_files(out, safetensors):  # before the checkpoint is read
             check_destination(path, overwrite=force)
         meta = read_meta(source)
         config = meta["model"]["open_clip_config"]
+        name, registered = open_clip_name(config, meta["model"]["label"], out)
+        config_name = name if registered and out.suffix in WEIGHTS_SUFFIXES else None
+        for path in exported_files(out, safetensors, config_name)[:-1]:  # and the config beside a weights file
+            check_destination(path, overwrite=force)
         written = export_checkpoint(source, model_from_config(config, device="meta"), out, config,
-                                    safetensors=safetensors)
+                                    safetensors=safetensors, config_name=config_name)
     except CheckpointError as exc:
         stop(str(exc))
     except OSError as exc:
         stop(f"cannot write {out}: {exc.strerror or exc}")
-    done = f"{source} (step {meta['step']}) → {written}"
+    done = f"{source} (step {meta['step']}) → {written}" + (f", its model config {name}.json beside it"
+                                                           if config_name else "")
     console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
+    if out.suffix not in WEIGHTS_SUFFIXES:
+        steps = [f"create_model_and_transforms({repr(f'local-dir:{out.resolve()}')})"]
+    else:
+        register = [f"add_model_config({str(written.with_name(f'{name}.json').resolve())!r})"] if config_name else []
+        steps = [*register, f"create_model_and_transforms({name!r}, pretrained={str(written.resolve())!r})"]
+    *first, create = (f"open_clip.{step}" for step in steps)
+    load = "; ".join(["import open_clip", *first, f"model, _, preprocess = {create}"])
+    console.print(f"in Python: {escape(load)}", highlight=False, soft_wrap=True)
 
 
 def import_command(

@@ -100,7 +100,7 @@ def launch_command(
     except LaunchError as exc:
         stop(str(exc))
     if ended is not None:
-        _ending(ended["code"], ended["message"], job.run_dir)
+        _ending(ended["code"], ended["message"], job)
 
 
 def backend_options() -> list[inspect.Parameter]:
@@ -143,28 +143,39 @@ def _end_if_finished(job: Job, flags: LaunchFlags) -> None:
 
     finished = already_finished(job) if (flags.node_rank or 0) == 0 else None
     if finished:
-        _ending(EXIT_OK, finished, job.run_dir)
+        _ending(EXIT_OK, finished, job)
 
 
-def _ending(code: int, message: str, run_dir: Path) -> None:
-    """How a launch ended, its run directory and the commands that come next; exits with `code`."""
-    from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, LOG_DIR
+def _ending(code: int, message: str, job: Job) -> None:
+    """How a launch ended, its run directory and the commands that come next, each of which runs as printed; exits
+    with `code`."""
+    from fsdpclip.checkpoint.layout import latest_checkpoint
+    from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, EXIT_STOPPED_AT_ONCE, LOG_DIR
 
-    mark = {EXIT_OK: "[green]✓[/green]", EXIT_PREEMPTED: "[yellow]‖[/yellow]"}.get(code, "[red]✗[/red]")
-    relaunch = shlex.join(["fsdpclip", *sys.argv[1:]])
+    stopped = code in (EXIT_PREEMPTED, EXIT_STOPPED_AT_ONCE)
+    mark = "[green]✓[/green]" if code == EXIT_OK else "[yellow]‖[/yellow]" if stopped else "[red]✗[/red]"
+    run_dir, relaunch = job.run_dir, shlex.join(["fsdpclip", *sys.argv[1:]])
     report = f"fsdpclip report {shlex.quote(str(run_dir))}"
     if code == EXIT_OK:
-        follow = [f"next: {report}", f"      fsdpclip eval {shlex.quote(str(run_dir))} --zeroshot folder --data DIR",
-                  f"      fsdpclip export {shlex.quote(str(run_dir))} OUT.safetensors --safetensors"]
-    elif code == EXIT_PREEMPTED:
+        follow = [f"next: {report}", *(f"      {command}" for command in _next_commands(job))]
+    elif stopped and latest_checkpoint(run_dir) is not None:
         follow = [f"resume: {relaunch}", f"progress: {report}"]
     else:
-        follow = [f"logs: {run_dir / LOG_DIR}", f"run again (it resumes from the last checkpoint, if any): {relaunch}",
-                  f"progress: {report}"]
+        logs = [f"logs: {run_dir / LOG_DIR}"] if (run_dir / LOG_DIR).is_dir() else []
+        follow = [*logs, f"run again (it resumes from the last checkpoint, if any): {relaunch}", f"progress: {report}"]
     out = console if code == EXIT_OK else err_console
     for line in [f"{mark} {escape(message)}", f"run directory: {escape(str(run_dir))}", *map(escape, follow)]:
         out.print(line, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _next_commands(job: Job) -> list[str]:
+    """After a finished run: its first evaluation set evaluated again (where it has one) and its export."""
+    from fsdpclip.eval.tasks import task_of
+
+    run_dir = str(job.run_dir)
+    evaluate = [shlex.join(["fsdpclip", "eval", run_dir, *task_of(spec).flags(spec)]) for spec in job.eval.sets[:1]]
+    return [*evaluate, shlex.join(["fsdpclip", "export", run_dir, f"{job.run.name}.safetensors"])]
 
 
 def _fetch_published(model: ModelSpec) -> None:

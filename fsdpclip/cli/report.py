@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from fsdpclip.eval.tasks import eval_tasks
-from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, LAUNCHES
+from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCHES
 from fsdpclip.problems import SpecError
 from fsdpclip.run.lock import lock_holder
 from fsdpclip.run.reports import DATA_BOUND, data_wait_notice
@@ -46,9 +47,10 @@ def read_run(run_dir: Path) -> Run:
     """Everything the report needs from a run directory."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+    if not metrics.is_file() and not (run_dir / JOB_FILE).is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl: not a run directory, or a run that has not logged yet")
-    rows = [row for row in map(_json, _text(metrics).splitlines()) if isinstance(row, dict)]
+    lines = _text(metrics).splitlines() if metrics.is_file() else []  # none: the run failed before it logged
+    rows = [row for row in map(_json, lines) if isinstance(row, dict)]
     launches = sorted((run_dir / LAUNCHES).glob("*.json"))
     restarts = []
     for launch in launches:
@@ -84,17 +86,25 @@ def _json(text: str):
 
 
 def summary(run: Run, now: Optional[float] = None) -> dict:
-    """Steps done of the total, the state (running, finished, stopped, failed), an ETA while running, the
-    last complete checkpoint, launches and restarts, and the last result of each evaluation set."""
+    """Steps done of the total, the state (running, finished, stopped and from which step it resumes, failed), an
+    ETA while running, the last complete checkpoint, the command that launches it again from its job.json (where
+    it has not finished and nothing runs it), launches and restarts, and the last result of each evaluation set."""
     last = run.records[-1] if run.records else {}
     done, total = last.get("step", 0), last.get("total_steps")
+    code = None if run.running or run.exit is None else run.exit["code"]
     if run.running:
         state = "running"
-    elif run.exit is None:
+    elif code is None:
         state = "ended without a report"
+    elif code in (EXIT_PREEMPTED, EXIT_STOPPED_AT_ONCE):
+        how = "stopped (preempted or asked to)" if code == EXIT_PREEMPTED else "stopped at once (a second interrupt)"
+        state = f"{how}, " + (f"resumable from step {int(run.last_checkpoint.removeprefix('step-'))}"
+                              if run.last_checkpoint else "before any checkpoint: launched again, it starts afresh")
     else:
-        state = {EXIT_OK: "finished", EXIT_PREEMPTED: "stopped (preempted or asked to), resumable"}.get(
-            run.exit["code"], f"failed (exit {run.exit['code']})")
+        state = "finished" if code == EXIT_OK else f"failed (exit {code})"
+    job_file = run.path / JOB_FILE
+    relaunch = shlex.join(["fsdpclip", "launch", str(job_file)]) if job_file.is_file() and not run.running and \
+        code != EXIT_OK else None
     eta = None
     timed = [r for r in run.records if "time" in r][-RATE_WINDOW:]
     if run.running and total and len(timed) >= 2 and timed[-1]["step"] > timed[0]["step"]:
@@ -104,7 +114,7 @@ def summary(run: Run, now: Optional[float] = None) -> dict:
     results = {kind: {k.removeprefix(f"{kind}/"): v for k, v in latest.items() if k.startswith(f"{kind}/")}
                for kind in eval_tasks()}
     return {"run_dir": str(run.path), "state": state, "holder": run.running, "step": done, "total_steps": total,
-            "eta_s": eta, "last_checkpoint": run.last_checkpoint, "launches": run.launches,
+            "eta_s": eta, "last_checkpoint": run.last_checkpoint, "relaunch": relaunch, "launches": run.launches,
             "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), **data_wait(run), **results}
 
 
@@ -143,7 +153,7 @@ def plot(run: Run, png: Path) -> list[str]:
     evaluated = [(title, curves) for title, curves in _evaluation_curves(run) if curves]
     count = len(panels) + len(evaluated)
     if not count:
-        raise ReportError(f"{run.path}: no training step logged yet")
+        raise ReportError(f"{run.path}: no training step logged yet, no curves to draw")
     columns = min(3, count)
     rows = -(-count // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.3 * rows), squeeze=False)

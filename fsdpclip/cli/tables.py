@@ -183,6 +183,8 @@ def report_lines(info: dict) -> list[str]:
         lines.append(f"[yellow]{escape(info['data_bound'])}[/yellow]")
     if info["exit"] and not info["holder"]:
         lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
+    if info["relaunch"]:
+        lines.append(f"{'resume' if info['last_checkpoint'] else 'launch again'}: {escape(info['relaunch'])}")
     from fsdpclip.eval.tasks import eval_tasks
 
     lines += [escape(task.line(name, values)) for kind, task in eval_tasks().items()

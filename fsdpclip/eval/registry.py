@@ -45,6 +45,10 @@ class EvalTask:
         this task does not take, or one it misses; pydantic's ValidationError: a value the spec refuses)."""
         raise NotImplementedError
 
+    def flags(self, spec) -> list[str]:
+        """The options of `fsdpclip eval` that evaluate `spec` (what `spec_from_flags` reads)."""
+        raise NotImplementedError
+
     def check(self, spec, where: str, report: Report) -> None:
         """`validate`'s checks of one set that need no file (`where`: its JSON location, `eval.KIND[i]`)."""
 

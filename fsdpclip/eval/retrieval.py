@@ -42,6 +42,10 @@ class RetrievalTask(EvalTask):
                              "dataset's folder itself")
         return RetrievalSpec(path=str(Path(value)), max_samples=max_samples)
 
+    def flags(self, spec: RetrievalSpec) -> list[str]:
+        limit = [] if spec.max_samples is None else ["--max-samples", str(spec.max_samples)]
+        return ["--retrieval", spec.path, *limit]
+
     def check_paths(self, spec: RetrievalSpec, where: str, report: Report) -> None:
         try:
             load_retrieval_set(spec, transform=None)  # its layout and captions, not its images

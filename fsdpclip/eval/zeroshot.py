@@ -41,9 +41,10 @@ class ZeroShotTask(EvalTask):
         return ZeroShotSpec(dataset=value, path=data, templates=templates, max_samples=max_samples,
                             classnames=classnames)
 
-    def check(self, spec: ZeroShotSpec, where: str, report: Report) -> None:
-        if spec.dataset == "folder" and spec.classnames is None:
-            report.error(f"{where}.classnames", "a 'folder' dataset needs a class-name file")
+    def flags(self, spec: ZeroShotSpec) -> list[str]:
+        given = {"--classnames": spec.classnames, "--templates": spec.templates, "--max-samples": spec.max_samples}
+        return ["--zeroshot", spec.dataset, "--data", spec.path,
+                *(part for flag, value in given.items() if value is not None for part in (flag, str(value)))]
 
     def check_paths(self, spec: ZeroShotSpec, where: str, report: Report) -> None:
         if not Path(spec.path).is_dir():
@@ -145,6 +146,9 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
     shards = clip_benchmark_shards(root)
     if shards is not None:
         classnames, templates = _names_and_templates(spec, root)
+        if classnames is None:
+            raise DatasetError(f"{spec.path}: CLIP_benchmark shards without classnames.txt: give --classnames (one "
+                               "name per line, in label order)")
         return ZeroShotSet(spec.label, classnames, templates, shards=shards, transform=transform,
                            max_samples=spec.max_samples)
     from torch.utils.data import Subset
@@ -156,13 +160,15 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
                            f"({'n01440764/, n01443537/, ...' if spec.dataset == 'imagenet' else '0/, 1/, ...'}) "
                            "or CLIP_benchmark shards (test/nshards.txt)")
     classnames, templates = _names_and_templates(spec, None)
+    classnames = folders if classnames is None else classnames
     if len(folders) != len(classnames):
         source = spec.classnames or f"the {spec.dataset} class list"
         raise DatasetError(f"{root} has {len(folders)} class folders but {source} names {len(classnames)} classes")
-    # torchvision labels the folders in sorted order: names that are the folders' are matched by name,
-    # others are paired with the sorted folders and the pairing is reported.
+    # torchvision labels the folders in sorted order: names that are the folders' are matched by name, others
+    # are paired with the sorted folders (as the built-in class lists are made to be); a class-name file's pairing
+    # is reported.
     by_name = sorted(classnames) == folders
-    folder_classes = None if by_name else dict(zip(folders, classnames))
+    folder_classes = None if by_name or spec.classnames is None else dict(zip(folders, classnames))
     classnames = folders if by_name else classnames
     try:
         images = ImageFolder(str(root), transform=transform)
@@ -173,9 +179,11 @@ def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
     return ZeroShotSet(spec.label, classnames, templates, images=images, folder_classes=folder_classes)
 
 
-def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[list[str], list[Callable]]:
+def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[Optional[list[str]],
+                                                                               list[Callable]]:
     """Class names and templates: ImageNet's (as OpenCLIP and CLIP_benchmark have them), the digits',
-    the given files, or a CLIP_benchmark dataset's own classnames.txt / templates file."""
+    the given files, or a CLIP_benchmark dataset's own classnames.txt / templates file; no class names (None)
+    for a 'folder' set that gives none."""
     from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 
     from fsdpclip.data.digits import CLASSNAMES, TEMPLATES
@@ -198,7 +206,7 @@ def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[
         return read_lines(Path(spec.classnames)), templates
     if wds_root is not None and (wds_root / "classnames.txt").is_file():
         return read_lines(wds_root / "classnames.txt"), templates
-    raise DatasetError(f"{spec.path}: a 'folder' dataset needs --classnames (one name per line, in label order)")
+    return None, templates
 
 
 @without_grad

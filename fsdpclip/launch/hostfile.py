@@ -37,12 +37,14 @@ from typing import TYPE_CHECKING, Optional
 
 from fsdpclip.launch.launcher import LaunchError, LauncherBackend, LaunchFlags, register_backend, render
 from fsdpclip.launch.local import (
-    LAUNCHER_LOG, STOPPED_AT_ONCE, cuda_forbids_forked_ranks, kill_tree, last_checkpoint, node_torchrun,
+    LAUNCHER_LOG, cuda_forbids_forked_ranks, kill_tree, last_checkpoint, node_torchrun,
     prepare_forked_ranks, supervise, torchrun_environment,
 )
 from fsdpclip.launch.torchrun import DELIBERATE
 from fsdpclip.problems import MAX_WORLD_SIZE
-from fsdpclip.run.directory import EXIT_CRASH, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
+from fsdpclip.run.directory import (
+    EXIT_CRASH, EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR,
+)
 from fsdpclip.run.files import keep_output, read_text_file
 from fsdpclip.run.lock import HeldLock, RunLocked
 from fsdpclip.run.reports import exit_report, finish_exit_report, write_exit_report
@@ -229,8 +231,8 @@ class SshNodes:
         self.processes: list[subprocess.Popen] = []
 
     def run(self, commands: list[list[str]]) -> int:
-        """Start every node and wait for all; the launch's exit status: STOPPED_AT_ONCE after a second signal,
-        else the failed node's, else the first non-zero one, else 0."""
+        """Start every node and wait for all; the launch's exit status: EXIT_STOPPED_AT_ONCE after a second
+        signal, else the failed node's, else the first non-zero one, else 0."""
         previous = {signum: signal.signal(signum, self._signalled)
                     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         self.logs[0].touch()
@@ -264,7 +266,7 @@ class SshNodes:
         if console.is_alive():
             console.join()
         if len(self.received) > 1:
-            return STOPPED_AT_ONCE
+            return EXIT_STOPPED_AT_ONCE
         if self.failed is not None:
             return self.processes[self.failed].returncode
         return next((process.returncode for process in self.processes if process.returncode), 0)
@@ -291,7 +293,7 @@ class SshNodes:
         """How the launch ended (written to exit.json): a host ssh could not reach or lost, by name and ssh's
         own line; else the trainer's report or the crash reports (`finish_exit_report`), a node that ended
         without either named."""
-        if self.failed is None or status == STOPPED_AT_ONCE:
+        if self.failed is None or status == EXIT_STOPPED_AT_ONCE:
             return finish_exit_report(run_dir, since, status, checkpoint=last_checkpoint(run_dir))
         node = f"{self.hosts[self.failed]} (node {self.failed})"
         if status != SSH_FAILED:
@@ -341,7 +343,7 @@ def run_node(job_file: Path, node_rank: int, master_addr: str) -> int:
     lines.starting()
     status = supervise(command, env, job.run_dir, started=lines.started)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the run is over: the connection's end changes nothing
-    return STOPPED_AT_ONCE if lines.killed else status
+    return EXIT_STOPPED_AT_ONCE if lines.killed else status
 
 
 class LauncherLines:
@@ -384,7 +386,7 @@ class LauncherLines:
             elif line == TERM or self.forking:
                 self.pending.append(line)
             elif line in (KILL, ""):
-                os._exit(STOPPED_AT_ONCE)
+                os._exit(EXIT_STOPPED_AT_ONCE)
 
     def _act(self, line: str) -> None:
         if line == TERM:

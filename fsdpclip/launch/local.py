@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 from fsdpclip.launch.launcher import (
     TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, LaunchFlags, register_backend, render,
 )
-from fsdpclip.run.directory import JOB_FILE, LAUNCHER_ENV, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR
+from fsdpclip.run.directory import (
+    EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCHER_ENV, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR,
+)
 from fsdpclip.run.files import keep_output
 from fsdpclip.run.lock import HeldLock, RunLocked, process_identity
 from fsdpclip.run.reports import finish_exit_report, request_stop
@@ -32,7 +34,6 @@ from fsdpclip.spec.job import Job
 if TYPE_CHECKING:
     from rich.console import Console
 
-STOPPED_AT_ONCE = 130  # the exit status of a launch stopped by a second Ctrl-C or SIGTERM
 LAUNCHER_LOG = "launch.out"  # RUN_DIR/logs/: the launcher's and torchrun's output once their terminal is gone
 
 
@@ -267,7 +268,7 @@ def supervise(command: list[str], env: dict[str, str], run_dir: Path, lock: Opti
         started(process.pid)
     try:
         status = process.wait()
-        return STOPPED_AT_ONCE if len(received) > 1 else status
+        return EXIT_STOPPED_AT_ONCE if len(received) > 1 else status
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

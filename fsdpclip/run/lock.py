@@ -238,6 +238,12 @@ class HeldLock:
         release_lock(self.run_dir, self.token)
 
 
+def launcher_reports() -> bool:
+    """Whether the `fsdpclip launch` that started this rank still runs, to end with the exit report's message
+    (which the rank then need not print too); under Slurm, or started by hand, no launcher does."""
+    return bool(os.environ.get(LAUNCHER_ENV)) and not launcher_gone()
+
+
 def launcher_gone() -> bool:
     """Whether the `fsdpclip launch` that started this rank has ended (killed, SIGKILL included) while the
     rank runs (LAUNCHER_ENV; without it, as under Slurm, never)."""

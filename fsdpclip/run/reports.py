@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.run.directory import EXIT_FILE, LAUNCHES, LOG_DIR, STOP_FILE
+from fsdpclip.run.directory import EXIT_FILE, EXIT_STOPPED_AT_ONCE, LAUNCHES, LOG_DIR, STOP_FILE
 from fsdpclip.run.files import disk_free, no_space_message, write_atomically
 
 FULL_DISK = 2 ** 20  # bytes free under which a job that ended without a report is said to have filled its disk
@@ -105,8 +105,10 @@ def finish_exit_report(run_dir: Path, since: float, status: int, ended: str = "t
     elif crashes:
         first = min(crashes, key=lambda c: c["time"])
         message = f"rank {first['rank']} failed: {first['error']}"
-    elif status == 130:
-        message = "stopped at once (a second interrupt): the steps since the last checkpoint are lost"
+    elif status == EXIT_STOPPED_AT_ONCE:
+        message = "stopped at once (a second interrupt), " + (
+            f"resumable from its last checkpoint, {Path(checkpoint).name}; the steps after it are lost" if checkpoint
+            else "before any checkpoint: launched again, it starts afresh")
     elif status < 0 or status > 128:
         message = f"{ended} was killed (exit status {status}) before the trainer could report"
     else:

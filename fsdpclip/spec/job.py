@@ -526,7 +526,9 @@ class ZeroShotSpec(Section):
     path: str = Field(description="Dataset directory.")
     name: Optional[str] = Field(
         None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
-    classnames: Optional[str] = Field(None, description="File with one class name per line (needed for 'folder').")
+    classnames: Optional[str] = Field(
+        None, description="File with one class name per line, in label order ('folder'; default: the class folders' "
+                          "names, or CLIP_benchmark shards' classnames.txt).")
     templates: Optional[str] = Field(
         None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
                           "default: 'openai', and the digits prompts for 'digits'.")

@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, Discriminator, Tag, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from fsdpclip.problems import Problem, SpecError, closest
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import Job
+from fsdpclip.spec.job import LOSS_KINDS, Job
+from fsdpclip.spec.registry import DATA_SOURCES
 
 
 def read_job_dict(path: Path) -> tuple[dict, list[Problem]]:
@@ -180,6 +183,46 @@ def block_of(model: type[BaseModel], key: str, value: Any) -> Optional[type[Base
         tag = next((meta.discriminator(value) for meta in field.metadata if isinstance(meta, Discriminator)), None)
         found = _member(found, tag)
     return found if isinstance(found, type) and issubclass(found, BaseModel) else None
+
+
+def union_members() -> dict[str, dict[str, type[BaseModel]]]:
+    """The members of the spec's tagged unions by field of `Job`: the registered data sources, the losses."""
+    return {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
+
+
+def spec_fields(model: type[BaseModel] = Job, prefix: str = "") -> dict[str, FieldInfo]:
+    """Every leaf field of the spec by its dotted path (`[]` marks the members of a list of blocks); a field that
+    several members of a union have (`data.samples`) is its default member's (the first)."""
+    fields: dict[str, FieldInfo] = {}
+    for name, field in model.model_fields.items():
+        path = prefix + (field.alias or name)
+        inner = model_in(field.annotation)
+        if model is Job and name in union_members():
+            for member in union_members()[name].values():
+                fields = spec_fields(member, path + ".") | fields
+        elif inner is None:
+            fields[path] = field
+        else:
+            fields |= spec_fields(inner, path + ("[]." if "list" in str(field.annotation) else "."))
+    return fields
+
+
+def spelled_default(field: FieldInfo) -> str:
+    """A field's default as a spec would spell it (JSON), or 'required'."""
+    if field.is_required():
+        return "required"
+    return json.dumps(to_jsonable_python(field.get_default(call_default_factory=True)))
+
+
+def model_in(annotation: Any) -> Optional[type[BaseModel]]:
+    """The pydantic model class inside an annotation such as Optional[X] or list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _inner(annotation: Any) -> Any:

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Column
+from rich.text import Text
 
 from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE
 from fsdpclip.run.files import LineLog, write_atomically
@@ -73,6 +76,23 @@ def time_left(record: dict, total_steps: int) -> Optional[str]:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+class LogLine(ProgressColumn):
+    """The last log record's line, on one line: as much of it as the terminal leaves, cut with an ellipsis."""
+
+    def render(self, task) -> Text:
+        return Text(task.description, no_wrap=True, overflow="ellipsis")
+
+
+def progress_bar(console) -> Progress:
+    """The live bar: 'train', the bar, step of total, samples/s and time left, then the last log line. The
+    step, rate and time left keep their width on any terminal (rich would shorten every column alike); the bar
+    and the log line take what is left."""
+    kept = {"table_column": Column(no_wrap=True)}
+    return Progress(TextColumn("[bold]train", **kept), BarColumn(), MofNCompleteColumn(**kept),
+                    TextColumn("{task.fields[rate]}", **kept), TimeRemainingColumn(**kept), LogLine(),
+                    console=console)
+
+
 class MetricsLog:
     """metrics.jsonl (and TensorBoard, and a W&B run with `config` as its config) in the run directory, and
     a progress display; rank 0 only."""
@@ -95,11 +115,7 @@ class MetricsLog:
 
         self.console = Console(file=sys.stdout)
         if live_progress(self.console, os.environ):
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
-                                     TextColumn("{task.description}"), console=self.console)
+            self.progress = progress_bar(self.console)
             self.task = self.progress.add_task("", total=total_steps, rate="")
             self.progress.start()
 

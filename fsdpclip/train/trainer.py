@@ -26,7 +26,7 @@ from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
 from fsdpclip.parallel.distributed import Dist, all_mean, all_sum
 from fsdpclip.parallel.parallelize import average_replicated_gradients, replicated_parameters
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_SPEC
-from fsdpclip.run.lock import StartupClock, launch_time
+from fsdpclip.run.lock import StartupClock, launch_time, launcher_reports
 from fsdpclip.run.reports import record_launch
 from fsdpclip.spec.job import Job
 from fsdpclip.train.loss import backward_micro_batches, build_loss
@@ -218,7 +218,8 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
             code = EXIT_OK
         except Stop as stop:
             message = stop.message + self.finish_saving(wait=True)
-            metrics.announce(message, style="bold red")
+            if not launcher_reports():
+                metrics.announce(message, style="bold red")
             self._report_exit(stop.code, message)
             code = stop.code
         finally:
