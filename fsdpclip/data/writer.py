@@ -22,6 +22,7 @@ import re
 import signal
 import warnings
 from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -374,7 +375,6 @@ def _processes(workers: int) -> Iterator[Callable]:
     ignore Ctrl-C, and on any exception this process kills them (one may wait on an image for ever: a FIFO, a
     hung network file system), then ends the pool (multiprocessing.Pool's terminate would wait for ever on a
     queue lock that a worker killed by the same SIGTERM held). A worker that dies is a WriteError."""
-    from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     previous = signal.signal(signal.SIGTERM, _interrupted)
