@@ -199,7 +199,7 @@ def test_two_hosts_over_ssh_stop_on_sigterm_and_resume_with_the_local_losses(ssh
     _none_left(processes)
     node_logs = [(run_dir / "logs" / f"node-{rank}.log").read_text() for rank in (0, 1)]
     assert "--nnodes=2 --node-rank=1 --master-addr=localhost" in node_logs[1]
-    assert "a stop was requested" in node_logs[0] and "Traceback" not in node_logs[0]
+    assert "Traceback" not in node_logs[0]  # the stop is said once, by the launch (above)
     code, output = _finish(_launch(path, hostfile, tmp_path / "again.log"), tmp_path / "again.log")
     assert code == 0 and f"step-{report['step']:08d}" in output, output[-4000:]
     assert_same_losses(run_dir, straight_losses)
