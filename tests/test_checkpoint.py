@@ -382,6 +382,15 @@ def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export, mo
     result = cli("export", run_dir, exported)
     assert result.exit_code == 0, result.output
     [line] = [line.removeprefix("in Python: ") for line in result.output.splitlines() if line.startswith("in Python: ")]
+    if target == "model.pt":
+        again = cli("export", run_dir, tmp_path / "again.pt")  # the same model's config beside it: kept
+        assert again.exit_code == 0, again.output
+        kept = (tmp_path / "tiny-clip.json").read_text()
+        (tmp_path / "tiny-clip.json").write_text("{}")  # another model's: refused, unless --force
+        refused = cli("export", run_dir, tmp_path / "third.pt")
+        assert refused.exit_code == 2 and "tiny-clip.json exists" in refused.output, refused.output
+        assert not (tmp_path / "third.pt").exists()
+        (tmp_path / "tiny-clip.json").write_text(kept)
     monkeypatch.setattr(factory, "_MODEL_CONFIG_PATHS",
                         [path for path in factory._MODEL_CONFIG_PATHS if Path(path) != TINY_CONFIG])
     monkeypatch.setattr(factory, "_MODEL_CONFIGS",

@@ -95,6 +95,15 @@ def exported_files(out: Path, safetensors: bool = False, config_name: Optional[s
             out / ("open_clip_model.safetensors" if safetensors else "open_clip_pytorch_model.bin")]
 
 
+def holds_model_config(path: Path, config: dict) -> bool:
+    """Whether `path` is the model config an export of `config` writes beside a weights file (an export of
+    another checkpoint of the same model into the same folder: writing it again changes nothing)."""
+    try:
+        return json.loads(Path(path).read_text()) == {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS}
+    except (OSError, ValueError):
+        return False
+
+
 def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False,
                       config_name: Optional[str] = None) -> Path:
     """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.

@@ -130,7 +130,8 @@ def export(
     """Write a sharded checkpoint as one OpenCLIP checkpoint (a weights file, with the model config OpenCLIP
     registers beside it where OpenCLIP does not know the model, or a local-dir), and the Python that loads it."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
-    from fsdpclip.checkpoint.whole import WEIGHTS_SUFFIXES, export_checkpoint, exported_files, open_clip_name
+    from fsdpclip.checkpoint.whole import (WEIGHTS_SUFFIXES, export_checkpoint, exported_files, holds_model_config,
+                                          open_clip_name)
     from fsdpclip.model.build import model_from_config
 
     try:
@@ -142,7 +143,8 @@ def export(
         name, registered = open_clip_name(config, meta["model"]["label"], out)
         config_name = name if registered and out.suffix in WEIGHTS_SUFFIXES else None
         for path in exported_files(out, safetensors, config_name)[:-1]:  # and the config beside a weights file
-            check_destination(path, overwrite=force)
+            if not holds_model_config(path, config):
+                check_destination(path, overwrite=force)
         written = export_checkpoint(source, model_from_config(config, device="meta"), out, config,
                                     safetensors=safetensors, config_name=config_name)
     except CheckpointError as exc:
