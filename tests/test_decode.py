@@ -207,13 +207,13 @@ def test_the_jpeg_engines_take_their_share_with_the_cpu_paths_crops(tmp_path, mo
     pytest.importorskip("nvidia.nvimgcodec")
     from fsdpclip.data import engines
 
-    monkeypatch.setattr(engines, "_REFUSED", [])
+    monkeypatch.setattr(engines, "_refused", [])
     data, cpu_images, _ = _both_paths(tmp_path, copies=3)
     images = [("jpg", d) for d in data] + [("png", encoded(picture(np.random.default_rng(4), 50, 70), "PNG"))]
     transform = train_transform()
     (cpu_images, cpu_texts), _ = batches(tmp_path, images, "cpu", transform, len(images))
     (batch, texts), stream = batches(tmp_path, images, "mixed", transform, len(images), workers=1, engine_share=0.5)
-    assert stream._context().get_start_method() == "forkserver"
+    assert engines.worker_context(True).get_start_method() == "forkserver"
     assert torch.equal(texts, cpu_texts)
     assert isinstance(batch, CroppedBatch) and batch.jpegs is not None and batch.jpegs.engines
     assert 0 < len(batch.jpegs.lengths) < len(data) and len(batch.boxes) + len(batch.jpegs.lengths) == len(images)
@@ -221,7 +221,7 @@ def test_the_jpeg_engines_take_their_share_with_the_cpu_paths_crops(tmp_path, mo
     error = levels(TrainImages(transform, "mixed", device)(batch), TrainImages(transform, "cpu", device)(cpu_images),
                    transform)
     assert error.max() <= 2 + 1e-3 and error.mean() <= 0.1, (error.max(), error.mean())
-    assert engines._REFUSED == [] and engines._DECODERS  # decoded by nvImageCodec, not the fallback
+    assert engines._refused == [] and engines._failed_in_a_row == 0  # decoded by nvImageCodec, not the fallback
 
 
 def test_where_the_engines_decode_nothing_the_jpegs_are_decoded_otherwise_and_none_are_sent(tmp_path, monkeypatch):
@@ -240,16 +240,78 @@ def test_where_the_engines_decode_nothing_the_jpegs_are_decoded_otherwise_and_no
 
     monkeypatch.setattr(engines, "_Decoder", Refusing)
     monkeypatch.setattr(engines, "_DECODERS", {})
-    monkeypatch.setattr(engines, "_REFUSED", [])
+    monkeypatch.setattr(engines, "_refused", [])
     device = torch.device("cpu")
     error = levels(TrainImages(transform, "mixed", device)(batch), TrainImages(transform, "cpu", device)(cpu_images),
                    transform)
     assert error.max() <= 2 + 1e-3, error.max()
-    stream.engines.observe(0.5, 0.1)
-    assert stream.engines.share == 0.0
-    for _ in range(4 * stream.engines.window):
-        stream.engines.observe(0.5, 0.1)
-    assert stream.engines.share == 0.0
+    for _ in range(4):
+        stream.supply_waited(0.5, 1.0, stream.engines.window)  # the step waits: it would be raised, but
+    assert stream.jpeg_engine_share == 0.0
+
+
+def test_a_decoder_that_decodes_nothing_for_a_while_is_given_up(monkeypatch):
+    """One batch the engines cannot decode is decoded otherwise and changes nothing; REFUSED_IN_A_ROW in a row
+    and the share falls to 0."""
+    from fsdpclip.data import engines
+
+    class Blind:
+        def __init__(self, device):
+            pass
+
+        def decode(self, jpegs):
+            return [None] * len(jpegs)
+
+    monkeypatch.setattr(engines, "_Decoder", Blind)
+    monkeypatch.setattr(engines, "_DECODERS", {})
+    monkeypatch.setattr(engines, "_refused", [])
+    monkeypatch.setattr(engines, "_failed_in_a_row", 0)
+    share = engines.EngineShare(window=1)
+    jpegs = [torch.zeros(4, dtype=torch.uint8)] * 2
+    for _ in range(engines.REFUSED_IN_A_ROW - 1):
+        engines.decode(jpegs, torch.device("cpu"))
+        share.observe(0.0, 1.0, 1)
+    assert share.level == engines.EngineShare.START
+    engines.decode(jpegs, torch.device("cpu"))
+    share.observe(0.0, 1.0, 1)
+    assert share.share == 0.0
+
+
+def test_two_pinning_threads_decode_on_the_engines_each_their_own_batch(monkeypatch):
+    """The next epoch's loader pins batches while this epoch's still does: two threads decoding on one device's
+    engines at once each get their own JPEGs' pixels (the decoder's reused images are copied out under its lock)."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fsdpclip.data import engines
+
+    monkeypatch.setattr(engines, "_refused", [])
+    rng = np.random.default_rng(8)
+    batches = [[encoded(picture(rng, int(h), int(w))) for h, w in rng.integers(20, 90, (6, 2))] for _ in range(8)]
+    want = [[torch.from_numpy(np.array(Image.open(io.BytesIO(d)).convert("RGB"))).permute(2, 0, 1) for d in batch]
+            for batch in batches]
+
+    def decoded(batch):
+        return engines.decode([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in batch], torch.device("cpu"))
+
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            for got, expected in zip(pool.map(decoded, batches), want):
+                assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_process_holding_a_decoder_starts_its_workers_from_a_fork_server(monkeypatch):
+    """Any DataLoader of a rank whose pinning thread holds the engines' decoder (evaluation's too) starts its
+    workers from the fork server; a process without one forks them."""
+    from fsdpclip.data import engines
+    from fsdpclip.eval.datasets import loader
+
+    monkeypatch.setattr(engines, "_DECODERS", {})
+    assert engines.worker_context() is None
+    monkeypatch.setattr(engines, "_DECODERS", {torch.device("cpu"): object()})
+    assert engines.worker_context().get_start_method() == "forkserver"
+    batches = list(loader(list(range(10)), 5, workers=1))  # through the fork server
+    assert [b.tolist() for b in batches] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
 
 
 def test_the_engines_share_rises_while_the_step_waits_and_falls_when_they_are_the_bottleneck(monkeypatch):
@@ -258,25 +320,29 @@ def test_the_engines_share_rises_while_the_step_waits_and_falls_when_they_are_th
     from fsdpclip.data import engines
     from fsdpclip.data.engines import EngineShare
 
-    monkeypatch.setattr(engines, "_REFUSED", [])
+    monkeypatch.setattr(engines, "_refused", [])
     share = EngineShare(window=4)
 
-    def window(waited: float, spent: float = 1.0) -> float:
-        for _ in range(4):
-            share.observe(waited, spent)
-        return round(share.share, 6)
+    def window(waited: float) -> int:  # two log windows of 2 micro batches: one judged window
+        share.observe(waited / 2, 0.5, 2)
+        share.observe(waited / 2, 0.5, 2)
+        assert share.value[0].item() == pytest.approx(share.share)
+        return share.level
 
-    start, step = EngineShare.START, EngineShare.STEP
+    start = EngineShare.START
     assert window(0.0) == start  # no wait: held
-    assert window(0.3) == round(start + step, 6)  # the step waits: raised
-    assert window(0.2) == round(start + 2 * step, 6)  # still waits, less: raised again
-    assert window(0.5) == round(start + step, 6)  # the last raise made it wait longer: lowered
-    assert window(0.0) == round(start + step, 6)  # held
-    assert window(0.3) == round(start + step, 6)  # waits, but the engines could not take more: held
+    assert window(0.3) == start + 1  # the step waits: raised
+    assert window(0.2) == start + 2  # still waits, less: raised again
+    assert window(0.5) == start + 1  # the last raise made it wait longer: lowered
+    assert window(0.0) == start + 1  # held
+    for _ in range(EngineShare.EXPIRES - 2):  # the windows after the lowering one, this held one among them
+        assert window(0.3) == start + 1  # waits, but the engines could not take more: held for a while
+    assert window(0.3) == start + 2  # then tried again
     rising = EngineShare(window=1)
     for _ in range(40):
-        rising.observe(0.3, 1.0)
-    assert rising.share == pytest.approx(EngineShare.MOST)
+        rising.observe(0.3, 1.0, 1)
+        assert rising.level <= EngineShare.MOST
+    assert rising.level == EngineShare.MOST
 
 
 def test_a_share_sends_the_same_samples_to_the_engines_on_every_run():
@@ -288,6 +354,10 @@ def test_a_share_sends_the_same_samples_to_the_engines_on_every_run():
     assert 0.27 <= sum(drawn) / len(drawn) <= 0.33
     assert not any(to_engines(seed, 0.0) for seed in seeds)
     assert all(to_engines(seed, 0.6) for seed, sent in zip(seeds, drawn) if sent)  # a larger share keeps these
+    import random  # not the augmentation's own first draw (the colour jitter's coin)
+
+    first = [random.Random(seed).random() < 0.3 for seed in seeds]
+    assert 0.05 <= sum(a and b for a, b in zip(first, drawn)) / len(seeds) <= 0.13
 
 
 def test_jpeg_engines_true_is_refused_where_they_have_nothing_to_take(cli, tiny_job, tmp_path, monkeypatch):

@@ -7,20 +7,39 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
-from fsdpclip.data.engines import EngineShare, engines_on, missing
+from fsdpclip.data.engines import EngineShare, engines_on, missing, worker_context
 from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
 from fsdpclip.data.transform import TrainImages, decode_mode
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.node import local_ranks, usable_cores
 
 log = logging.getLogger("fsdpclip.data.batches")
+
+
+class WorkerStart:
+    """What each DataLoader worker does first: `ignore_stop_signals`, and log as the rank logs (its level and
+    format, which a worker started from a fork server does not inherit)."""
+
+    def __init__(self):
+        root = logging.getLogger()
+        formatter = root.handlers[0].formatter if root.handlers else None
+        self.level = root.level
+        self.formatter = formatter if type(formatter) is logging.Formatter else None  # the rank's, as configured
+
+    def __call__(self, worker_id: int) -> None:
+        ignore_stop_signals(worker_id)
+        root = logging.getLogger()
+        if self.formatter is not None and not root.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(self.formatter)
+            root.addHandler(handler)
+            root.setLevel(self.level)
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -61,7 +80,6 @@ class WebDatasetBatches:
         # longer than the batches the workers hold ahead
         self.engines = EngineShare(window=2 * max(1, workers) * PREFETCH) if engines else None
         stream.engine_share = None if self.engines is None else self.engines.value
-        self._yielded: Optional[float] = None  # when the last batch was handed over
 
     def start(self) -> None:
         """Set the data workers going now: they fill their prefetch queues while the rest of the run
@@ -81,6 +99,12 @@ class WebDatasetBatches:
     def broken(self) -> int:
         """Broken samples skipped so far."""
         return self.position.broken
+
+    def supply_waited(self, waited: float, elapsed: float, batches: int) -> None:
+        """The step waited `waited` of `elapsed` seconds for its last `batches` micro batches (the trainer's
+        measure): the JPEG engines' share follows it."""
+        if self.engines is not None:
+            self.engines.observe(waited, elapsed, batches)
 
     @property
     def jpeg_engine_share(self) -> Optional[float]:
@@ -132,10 +156,7 @@ class WebDatasetBatches:
                 batches = self.started if self.started is not None else self._loader(position)
                 self.started = None
                 try:
-                    asked = time.perf_counter()
                     for batch in batches:
-                        if self.engines is not None and self._yielded is not None:  # the step's wait, its work
-                            self.engines.observe(time.perf_counter() - asked, asked - self._yielded)
                         if "error" in batch:
                             raise RuntimeError(batch["error"])
                         if batch["worker"] != position.batches % workers:
@@ -149,9 +170,7 @@ class WebDatasetBatches:
                         if self.workers and self.started is None and \
                                 per_epoch - position.batches <= self.workers * PREFETCH:
                             self.started = self._loader(StreamPosition(epoch=position.epoch + 1))
-                        self._yielded = time.perf_counter()
                         yield batch["images"], batch["texts"]
-                        asked = time.perf_counter()
                     if position.batches != per_epoch:
                         raise RuntimeError(f"internal: rank {self.stream.rank} got {position.batches} batches in "
                                            f"epoch {position.epoch}, not {per_epoch}")
@@ -167,22 +186,11 @@ class WebDatasetBatches:
         self.stream.epoch = position.epoch
         self.stream.worker_offset = position.batches % max(1, self.workers)
         self.stream.resume = dict(position.workers)
+        context = worker_context(self.engines is not None) if self.workers else None
         loader = DataLoader(self.stream, batch_size=None, num_workers=self.workers, pin_memory=self.pin_memory,
-                            prefetch_factor=PREFETCH if self.workers else None, worker_init_fn=ignore_stop_signals,
-                            multiprocessing_context=self._context())
+                            prefetch_factor=PREFETCH if self.workers else None, worker_init_fn=WorkerStart(),
+                            multiprocessing_context=context)
         return iter(loader)
-
-    def _context(self):
-        """How the workers start: forked from the rank, but from a fork server (started before any decoder)
-        where the rank holds the hardware JPEG engines' decoder, whose threads a fork from the rank would
-        copy mid-work (the next epoch's workers died so)."""
-        if self.engines is None or not self.workers:
-            return None
-        import multiprocessing
-
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["fsdpclip.data.forkserver"])
-        return context
 
 
 def with_worker_count(position: dict, saved_job: dict) -> dict:

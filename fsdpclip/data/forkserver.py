@@ -1,9 +1,10 @@
-"""What the data workers' fork server loads once (`data.jpeg_engines`: workers forked from it, not from the
-rank): the stream the workers run, and the stop signals left to the rank, as each worker leaves them
-(`batches.ignore_stop_signals`), so that a signal to the job's process group does not end the server and
-with it the next epoch's workers."""
+"""What the data workers' fork server loads once (`engines.worker_context`), so that no worker imports it at
+each epoch's start: the stream the workers run, and OpenCLIP, whose tokenizers and transforms each worker
+unpickles, without transformers, as the ranks import it where no Hugging Face tower is used (the workers of a
+Hugging Face tokenizer import transformers themselves)."""
 
-from fsdpclip.data import stream  # noqa: F401  (loaded once, in the server)
-from fsdpclip.data.batches import ignore_stop_signals
+from fsdpclip.data import stream  # noqa: F401
+from fsdpclip.model.build import without_modules
 
-ignore_stop_signals(0)
+with without_modules(("transformers",)):
+    import open_clip  # noqa: F401

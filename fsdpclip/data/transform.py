@@ -230,14 +230,11 @@ class CroppedBatch:
     def resized(self, device: torch.device) -> torch.Tensor:
         """The crops resized on `device`, their colours augmented, with the JPEGs decoded there, if any: uint8
         (batch, 3, *size) in sample order."""
-        parts = []
-        if len(self.boxes):
-            crops = unpacked(self.pixels.to(device, non_blocking=True), self.boxes)
-            parts.append(coloured(resized_crops(crops.permute(0, 3, 1, 2), self.boxes, self.size), self.colours))
+        crops = unpacked(self.pixels.to(device, non_blocking=True), self.boxes)
+        pixels = coloured(resized_crops(crops.permute(0, 3, 1, 2), self.boxes, self.size), self.colours)
         if self.jpegs is None:
-            return parts[0]
-        parts.append(decoded_pixels(self.jpegs, device))
-        return torch.cat(parts)[self.order.to(device, non_blocking=True)]
+            return pixels
+        return torch.cat([pixels, decoded_pixels(self.jpegs, device)])[self.order.to(device, non_blocking=True)]
 
 
 @dataclass

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from fsdpclip.data.batches import ignore_stop_signals, shutdown_workers
+from fsdpclip.data.batches import WorkerStart, shutdown_workers
+from fsdpclip.data.engines import worker_context
 from fsdpclip.eval.registry import DatasetError
 from fsdpclip.run.files import read_text_file
 
@@ -26,11 +27,12 @@ WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")
 
 def loader(data: Dataset, batch_size: Optional[int], workers: int, collate: Optional[Callable] = None) -> Iterator:
     """Batches of a map-style dataset, or of a `Shards` stream (`batch_size` None: it batches itself).
-    Closing it stops its data workers at once (they ignore the stop signals, so none may outlive it)."""
+    Closing it stops its data workers at once (they ignore the stop signals, so none may outlive it). Its workers
+    start from a fork server where this process holds the JPEG engines' decoder (during training)."""
     if isinstance(data, Shards):
         workers = min(workers, len(data.shards))
     batches = iter(DataLoader(data, batch_size=batch_size, num_workers=workers, collate_fn=collate,
-                              worker_init_fn=ignore_stop_signals))
+                              worker_init_fn=WorkerStart(), multiprocessing_context=worker_context() if workers else None))
     try:
         for batch in batches:
             if isinstance(batch, DatasetError):  # passed on by a data worker (see Shards)

@@ -51,7 +51,9 @@ class DataSource:
     The batches it returns are iterated by the trainer for (images, texts) micro batches and also give
     `state_dict`/`load_state_dict` (the position a checkpoint keeps), `restart(micro_batches, epoch)` (where a
     stream without a usable saved position starts), `start()`, `close()` and `broken` (samples skipped so far),
-    and may give `source_samples` (samples given out so far by source name, for metrics.jsonl)."""
+    and may give `source_samples` (samples given out so far by source name, for metrics.jsonl),
+    `jpeg_engine_share` (logged) and `supply_waited(waited, elapsed, micro_batches)` (the step's wait for them,
+    after each log window)."""
 
     name: str  # the `data.source` value that selects it
     spec: type[Section]  # its block under `data`, with `source: Literal[name]`

@@ -79,6 +79,13 @@ class DataFeed:
             window.data_wait += start.elapsed_time(end) / 1e3
         return batch
 
+    def _judge_supply(self, window: Window) -> None:
+        """Tell batches that adapt to it (`supply_waited`: the JPEG engines' share) how long the step waited for
+        the window's micro batches."""
+        judge = getattr(self.batches, "supply_waited", None)
+        if judge is not None:
+            judge(window.data_wait, time.perf_counter() - window.start, window.steps * self.job.batch.grad_accum)
+
     def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         images, texts = next(self.batch_iter)
         self.startup.mark("first_batch")

@@ -198,6 +198,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
                         if self.batch_search is not None:
                             record["auto_batch"] = self.batch_search
                     metrics.write(record)
+                    self._judge_supply(window)
                     window.reset()
                     window_loss.zero_()
                 self.finish_saving(wait=False)
