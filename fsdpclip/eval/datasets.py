@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from fsdpclip.data.batches import ignore_stop_signals, shutdown_workers
-from fsdpclip.eval.registry import DatasetError
+from fsdpclip.eval.task import DatasetError
 from fsdpclip.run.files import read_text_file
 
 WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")
