@@ -79,13 +79,27 @@ def test_subpackages_load_nothing_when_imported():
 
 
 def test_the_launcher_and_the_spec_load_without_torch():
-    """What the architecture page says: the spec, the run directory, the launcher backends, the URLs and the eval
-    tasks' modules import no torch."""
+    """What the architecture page says: the spec, the run directory, the launcher backends, the URLs, the eval
+    tasks' modules and every other module the registries load import no torch."""
     light = [name for layer, names in layer_table() if layer == "foundations" for name in names
-             if name != "parallel/distributed"] + ["launch/backends", "launch/launcher", "launch/local", "launch/slurm",
-                                                   "launch/torchrun", "eval/registry", "eval/tasks", "eval/zeroshot",
-                                                   "eval/retrieval"]
+             if name != "parallel/distributed"] + ["launch/launcher", "launch/local", "launch/slurm", "launch/hostfile",
+                                                   "launch/torchrun", "eval/zeroshot", "eval/retrieval",
+                                                   "data/sources/webdataset", "data/sources/synthetic",
+                                                   "model/families/timm", "model/families/hf", "train/contrastive"]
     code = "import sys; " + "; ".join(f"import fsdpclip.{name.replace('/', '.')}" for name in light) + \
         "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", f"importing {', '.join(light)} loads torch: {loaded.strip()[:300]}"
+
+
+def test_the_modules_the_registries_load_do_not_load_the_job_spec():
+    """The job spec is declared from the registries when it loads, which loads their built-in modules: one of them
+    (or a module it imports) that imported the job spec as it loads would meet it half declared."""
+    registries = {"data.source": "DATA_SOURCES", "model.family": "TOWER_FAMILIES", "eval.task": "EVAL_TASKS",
+                  "launch.backend": "LAUNCHER_BACKENDS", "train.losses": "LOSSES"}
+    code = "import importlib, sys; " + "; ".join(
+        f"from fsdpclip.{module} import {name}; [importlib.import_module(m) for m in {name}.built_in]"
+        for module, name in registries.items()) + "; print('fsdpclip.spec.job' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (result.returncode, result.stdout.strip()) == (0, "False"), \
+        f"a built-in module of a registry imports fsdpclip.spec.job when it loads: {result.stderr[-2000:]}"

@@ -208,8 +208,9 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
 
 def test_each_tasks_flags_are_read_back_as_its_set():
     """The options a finished launch prints to evaluate a set again (`EvalTask.flags`) give that set back."""
-    from fsdpclip.eval.tasks import task_of
-    from fsdpclip.spec.job import RetrievalSpec, ZeroShotSpec
+    from fsdpclip.eval.retrieval import RetrievalSpec
+    from fsdpclip.eval.task import task_of
+    from fsdpclip.eval.zeroshot import ZeroShotSpec
 
     for spec in (ZeroShotSpec(dataset="folder", path="/d", classnames="/n.txt", templates="simple", max_samples=5),
                  ZeroShotSpec(dataset="digits", path="/digits"), RetrievalSpec(path="/r", max_samples=3)):
@@ -411,9 +412,11 @@ def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
     exit (multiprocessing waits for them at exit)."""
     import multiprocessing
 
-    from fsdpclip.eval.tasks import evaluate_set, load_eval_set
+    from fsdpclip.eval.retrieval import RetrievalSpec
+    from fsdpclip.eval.task import evaluate_set, load_eval_set
+    from fsdpclip.eval.zeroshot import ZeroShotSpec
     from fsdpclip.model.build import build_model, build_tokenizer, image_transform, model_config
-    from fsdpclip.spec.job import ModelSpec, RetrievalSpec, ZeroShotSpec
+    from fsdpclip.spec.job import ModelSpec
 
     spec = ModelSpec(config=str(TINY_CONFIG))
     model = build_model(spec, device="cpu")

@@ -116,7 +116,7 @@ def test_sbatch_content():
 def test_the_batch_script_refuses_what_would_break_its_lines():
     """The rendering itself (not only the spec) refuses control characters in every value it writes: a job
     built in code, never validated, cannot add lines to the script either."""
-    from fsdpclip.launch.launcher import LaunchError
+    from fsdpclip.launch.backend import LaunchError
 
     job = resolve_paths(load_job(REPO / CASES["tiny-cpu-two-nodes"][0], CASES["tiny-cpu-two-nodes"][1]),
                         Path("/project"))

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from conftest import REPO, write_job
 from fsdpclip.node import usable_cores
+from fsdpclip.data.source import DATA_SOURCES
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
-from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.train.metrics import MetricsLog, live_progress
 
 

@@ -1,5 +1,6 @@
-"""The seams of spec.registry: a data source and a tower family written and registered in this one module
-(as a plugin would be) are validated by `fsdpclip validate`, shown in the JSON schema, trained on and built."""
+"""The seams of the spec and of training: a data source, a tower family and a loss written in this one module and
+registered by its `register`, the entry point of a plugin (`plugins.install`), are validated by `fsdpclip
+validate`, shown in the JSON schema, built and trained on, in the processes where the plugin is installed."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import pytest
 from pydantic import Field
 
 from conftest import REPO, write_job
+from fsdpclip.data.source import DATA_SOURCES, DataSource, RankData
+from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
 from fsdpclip.problems import Report
-from fsdpclip.spec.registry import DATA_SOURCES, TOWER_FAMILIES, DataSource, RankData, TowerFamily
 from fsdpclip.spec.section import Section
+from fsdpclip.train.losses import LOSSES, Loss
+from plugins import PluginProcess, install
 
 
 # --------------------------------------------------------------------- a data source
@@ -67,7 +71,6 @@ class ConstantSource(DataSource):
             report.error("data.level", "a black image teaches nothing", 0.0)
 
 
-
 # -------------------------------------------------------------------- a tower family
 class SmallVitSpec(Section):
     layers: int = Field(1, gt=0, description="Transformer blocks.")
@@ -85,20 +88,53 @@ class SmallVit(TowerFamily):
         return f"small-vit-{spec.layers}x{spec.width}"
 
 
+# ----------------------------------------------------------------------------- a loss
+class CosineLossSpec(Section):
+    kind: Literal["cosine"] = Field(description="1 - the cosine of each image's and its caption's features.")
+    weight: float = Field(1.0, gt=0, description="What the mean is multiplied by.")
+
+
+class CosineLoss(Loss):
+    name, spec = "cosine", CosineLossSpec
+
+    def build(self, spec: CosineLossSpec, rank: int, world_size: int):
+        import torch
+
+        class Cosine(torch.nn.Module):
+            def forward(self, images, texts, *scale_and_bias):
+                return spec.weight * (1 - torch.nn.functional.cosine_similarity(images, texts)).mean()
+
+        return Cosine()
+
+    def check(self, spec: CosineLossSpec, model, report: Report) -> None:
+        if spec.weight > 1000:
+            report.error("loss.weight", f"more than 1000 would swamp {type(model).__name__}'s gradients", spec.weight)
+
+
 def register() -> None:
-    """What a plugin's module does when it is imported: register its source and family."""
+    """The plugin's entry point (`plugins.install`): its source, family and loss registered."""
     DATA_SOURCES.register(ConstantSource())
     TOWER_FAMILIES.register(SmallVit())
+    LOSSES.register(CosineLoss())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def registered():
-    """The source and family registered for this module's tests only (the spec and schema are as shipped
-    for every other test)."""
-    register()
-    yield
-    DATA_SOURCES.unregister(ConstantSource.name)
-    TOWER_FAMILIES.unregister(SmallVit.name)
+def built_small_vit(layers: int) -> tuple[int, int, str]:
+    """(blocks of the image tower, its width, the model's label) of the tiny model with a `small_vit` image tower
+    of `layers` blocks, built where the plugin is installed."""
+    from fsdpclip.model.build import build_model, find_towers
+    from fsdpclip.spec.job import ModelSpec
+
+    spec = ModelSpec(config=str(REPO / "examples/models/tiny-clip.json"), image={"small_vit": {"layers": layers}})
+    model = build_model(spec)
+    return len(find_towers(model, spec.block_classes)["image"].blocks), model.visual.transformer.width, spec.label
+
+
+@pytest.fixture(scope="module")
+def plugged(tmp_path_factory):
+    """A process where this module is installed as a plugin, for this module's tests."""
+    process = PluginProcess(install(tmp_path_factory.mktemp("plugin"), f"{__name__}:register"))
+    yield process
+    process.close()
 
 
 # ------------------------------------------------------------------------------ tests
@@ -107,50 +143,83 @@ def _job(tiny_job: dict, **data) -> dict:
             "launch": {"gpus_per_node": 1, "device": "cpu"}}
 
 
-def test_validate_reads_a_registered_source_fields_and_its_checks(cli, tiny_job, tmp_path):
-    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=0.25)))
+def test_validate_reads_a_registered_source_fields_and_its_checks(plugged, tiny_job, tmp_path):
+    code, out = plugged.validate_json(write_job(tmp_path, _job(tiny_job, level=0.25)))
     assert code == 0, out["errors"]
-    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=2.0)))
+    code, out = plugged.validate_json(write_job(tmp_path, _job(tiny_job, level=2.0)))
     assert code != 0 and [e["location"] for e in out["errors"]] == ["data.level"]
-    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=0.0)))
+    code, out = plugged.validate_json(write_job(tmp_path, _job(tiny_job, level=0.0)))
     assert [(e["location"], e["message"]) for e in out["errors"]] == [("data.level", "a black image teaches nothing")]
-    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, levels=0.5)))
+    code, out = plugged.validate_json(write_job(tmp_path, _job(tiny_job, levels=0.5)))
     assert [e["location"] for e in out["errors"]] == ["data.levels"]
 
 
-def test_the_schema_holds_the_registered_blocks():
-    from fsdpclip.spec.job import json_schema
+def test_the_schema_holds_the_registered_blocks(plugged):
+    schema = json.loads(plugged("schema").stdout)
+    defs = schema["$defs"]
+    assert defs["ConstantSpec"]["properties"]["level"]["maximum"] == 1.0
+    assert defs["ImageTowerSpec"]["properties"]["small_vit"]["description"] == SmallVit.description
+    assert "small_vit" not in defs["TextTowerSpec"]["properties"]
+    assert {"$ref": "#/$defs/CosineLossSpec"} in schema["properties"]["loss"]["oneOf"]
+    assert defs["CosineLossSpec"]["properties"]["weight"]["exclusiveMinimum"] == 0
 
-    schema = json_schema()["$defs"]
-    assert schema["ConstantSpec"]["properties"]["level"]["maximum"] == 1.0
-    assert schema["ImageTowerSpec"]["properties"]["small_vit"]["description"] == SmallVit.description
-    assert "small_vit" not in schema["TextTowerSpec"]["properties"]
 
-
-def test_a_registered_tower_family_builds_and_is_validated(cli, tiny_job, tmp_path):
-    from fsdpclip.model.build import build_model, find_towers
-    from fsdpclip.spec.job import ModelSpec
-
-    spec = ModelSpec(config=str(REPO / "examples/models/tiny-clip.json"), image={"small_vit": {"layers": 3}})
-    model = build_model(spec)
-    assert len(find_towers(model, spec.block_classes)["image"].blocks) == 3
-    assert model.visual.transformer.width == 32 and spec.label == "tiny-clip+small-vit-3x32"
+def test_a_registered_tower_family_builds_and_is_validated(plugged, tiny_job, tmp_path):
+    assert plugged.call(f"{__name__}:built_small_vit", 3) == [3, 32, "tiny-clip+small-vit-3x32"]
     job = {**tiny_job, "model": {**tiny_job["model"], "image": {"small_vit": {"width": 0}}}}
-    code, out = cli.validate_json(write_job(tmp_path, job))
+    code, out = plugged.validate_json(write_job(tmp_path, job))
     assert [e["location"] for e in out["errors"]] == ["model.image.small_vit.width"]
 
 
+def test_a_registered_loss_is_validated_with_its_checks(plugged, tiny_job, tmp_path):
+    code, out = plugged.validate_json(write_job(tmp_path, {**tiny_job, "loss": {"kind": "cosine", "weight": 0.5}}))
+    assert code == 0, out["errors"]
+    code, out = plugged.validate_json(write_job(tmp_path, {**tiny_job, "loss": {"kind": "cosine", "weight": 0}}))
+    assert [e["location"] for e in out["errors"]] == ["loss.weight"]
+    code, out = plugged.validate_json(write_job(tmp_path, {**tiny_job, "loss": {"kind": "cosine", "weight": 5000}}))
+    assert [(e["location"], e["message"]) for e in out["errors"]] == [
+        ("loss.weight", "more than 1000 would swamp CLIP's gradients")]
+    code, out = plugged.validate_json(write_job(tmp_path, {**tiny_job, "loss": {"kind": "cosin"}}))
+    assert [(e["location"], e["hint"]) for e in out["errors"]] == [("loss", "one of 'clip', 'siglip', 'cosine'")]
+
+
+def test_the_package_spec_holds_none_of_them(cli, tiny_job, tmp_path):
+    """This process did not install the plugin: its spec is the package's, and no registration changes it now."""
+    from fsdpclip.spec.job import json_schema
+    from fsdpclip.spec.registry import RegistryError
+
+    code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=0.25)))
+    assert [(e["location"], e["message"]) for e in out["errors"]] == [("data", "unknown data source 'constant'")]
+    assert "ConstantSpec" not in json_schema()["$defs"]
+    with pytest.raises(RegistryError, match="'constant' is registered after fsdpclip assembled its job spec"):
+        DATA_SOURCES.register(ConstantSource())
+
+
+def test_a_registry_refuses_a_name_twice_and_names_what_it_lacks():
+    from fsdpclip.spec.registry import Registry, RegistryError
+
+    sources = Registry("data source", ())
+    sources.register(ConstantSource())
+    with pytest.raises(RegistryError, match="a data source named 'constant' is registered already"):
+        sources.register(ConstantSource())
+    with pytest.raises(RegistryError, match="no data source is named 'constnt': did you mean 'constant'?"):
+        sources["constnt"]
+    with pytest.raises(RegistryError, match="no data source is named 'webdataset': known: constant"):
+        sources["webdataset"]
+
+
 @pytest.mark.slow
-def test_a_rank_trains_on_a_registered_source(tiny_job, tmp_path):
-    """A short CPU run of the rank entry in a process that imported this module (as a plugin's is)."""
+def test_a_rank_trains_on_a_registered_source_with_a_registered_loss(tiny_job, tmp_path):
+    """A short CPU run of the rank entry in a process where this module is installed as a plugin: the constant
+    images and the cosine loss (CLIP's over identical rows would be log 16)."""
     from ranks import run_group
 
-    job = {**_job(tiny_job, level=0.75), "logging": {"every_steps": 1},
-           "checkpoint": {"at_end": False}}
+    job = {**_job(tiny_job, level=0.75), "loss": {"kind": "cosine", "weight": 1000.0},
+           "logging": {"every_steps": 1}, "checkpoint": {"at_end": False}}
     path = write_job(tmp_path, job)
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_seams; test_seams.register(); "
-            f"from fsdpclip.train.entry import main; sys.exit(main([{str(path)!r}]))")
-    result = run_group([sys.executable, "-c", code], timeout=180)
+    env = install(tmp_path / "plugin", f"{__name__}:register")
+    result = run_group([sys.executable, "-m", "fsdpclip", "train", str(path)], timeout=180, env=env)
     assert result.returncode == 0, result.stdout[-3000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert all(r["loss"] > 10 for r in records if "loss" in r), records

@@ -1,5 +1,5 @@
 """`fsdpclip eval`, `export` and `import`: a checkpoint evaluated by an eval task (each registered task is a
-flag: `fsdpclip.eval.tasks.eval_tasks`), written as one OpenCLIP checkpoint, or continued from open_clip_train's."""
+flag: `fsdpclip.eval.task.EVAL_TASKS`), written as one OpenCLIP checkpoint, or continued from open_clip_train's."""
 
 from __future__ import annotations
 
@@ -46,11 +46,10 @@ def eval_command(
 
     from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.eval.evaluate import evaluate_checkpoint
-    from fsdpclip.eval.registry import DatasetError
-    from fsdpclip.eval.tasks import eval_tasks
+    from fsdpclip.eval.task import EVAL_TASKS, DatasetError
     from fsdpclip.problems import ModelError
 
-    tasks = eval_tasks()
+    tasks = EVAL_TASKS.members()
     picked = [(tasks[kind], value) for kind, value in task_flags.items() if value is not None]
     if len(picked) != 1:
         usages = [task.usage for task in tasks.values()]
@@ -108,10 +107,10 @@ def _validation_line(exc) -> str:
 
 def task_options() -> list[inspect.Parameter]:
     """A flag per eval task: `--KIND VALUE`, VALUE one of its choices where it has them."""
-    from fsdpclip.eval.tasks import eval_tasks
+    from fsdpclip.eval.task import EVAL_TASKS
 
     options = []
-    for kind, task in eval_tasks().items():
+    for kind, task in EVAL_TASKS.members().items():
         value_type = Enum(kind, {choice: choice for choice in task.choices}, type=str) if task.choices else str
         options.append(option(kind, Optional[value_type], typer.Option(None, f"--{kind}", help=task.flag_help,
                                                                        metavar=None if task.choices else task.metavar)))

@@ -1,5 +1,5 @@
 """`fsdpclip launch` and `fsdpclip fetch`: a job validated, checked on this node and started by the launcher
-backend its flag picks (`fsdpclip.launch.backends`), and published weights fetched before it."""
+backend its flag picks (`fsdpclip.launch.backend.LAUNCHER_BACKENDS`), and published weights fetched before it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fsdpclip.cli.console import (
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, SpecError
 
 if TYPE_CHECKING:
-    from fsdpclip.launch.launcher import LaunchFlags
+    from fsdpclip.launch.backend import LaunchFlags
     from fsdpclip.spec.job import Job, ModelSpec
 
 ACCEPT_CHANGES_HELP = ("Resume even where the relaunch changes the run's global batch, length or LR at the resume "
@@ -56,8 +56,8 @@ def launch_command(
 ) -> None:
     """Validate a job and run it with torchrun on this node, submit it to Slurm (--slurm), or run it on every host
     of a hostfile over ssh (--hostfile)."""
-    from fsdpclip.launch.backends import chosen_backend
-    from fsdpclip.launch.launcher import DEFAULT_BACKEND, LaunchError, LaunchFlags, resolve_paths
+    from fsdpclip.launch.backend import DEFAULT_BACKEND, LAUNCHER_BACKENDS, LaunchError, LaunchFlags
+    from fsdpclip.launch.launcher import resolve_paths
     from fsdpclip.spec.jobfile import load_job
 
     picked = {name: value for name, value in backend_flags.items() if value not in (None, False)}
@@ -66,7 +66,7 @@ def launch_command(
     name, value = next(iter(picked.items()), (DEFAULT_BACKEND, None))
     flags = LaunchFlags(nodes, gpus_per_node, name, partition, time_limit, node_rank, master_addr, master_port, dry_run,
                         None if isinstance(value, bool) else value, include, exclude)
-    backend = chosen_backend(flags)
+    backend = LAUNCHER_BACKENDS[flags.backend](flags)
     here = backend.runs_here and not dry_run
     try:
         flags.check()
@@ -105,14 +105,13 @@ def launch_command(
 
 def backend_options() -> list[inspect.Parameter]:
     """A flag per launcher backend but the default: `--NAME`, or `--NAME VALUE` for one with a metavar."""
-    from fsdpclip.launch.backends import backends
-    from fsdpclip.launch.launcher import DEFAULT_BACKEND
+    from fsdpclip.launch.backend import DEFAULT_BACKEND, LAUNCHER_BACKENDS
 
     return [option(name.replace("-", "_"), bool, typer.Option(False, f"--{name}", help=backend.help))
             if backend.metavar is None else
             option(name.replace("-", "_"), Optional[str],
                    typer.Option(None, f"--{name}", metavar=backend.metavar, help=backend.help))
-            for name, backend in backends().items() if name != DEFAULT_BACKEND]
+            for name, backend in LAUNCHER_BACKENDS.members().items() if name != DEFAULT_BACKEND]
 
 
 launch = WithRegisteredOptions(launch_command, backend_options, after="nodes")
@@ -171,7 +170,7 @@ def _ending(code: int, message: str, job: Job) -> None:
 
 def _next_commands(job: Job) -> list[str]:
     """After a finished run: its first evaluation set evaluated again (where it has one) and its export."""
-    from fsdpclip.eval.tasks import task_of
+    from fsdpclip.eval.task import task_of
 
     run_dir = str(job.run_dir)
     evaluate = [shlex.join(["fsdpclip", "eval", run_dir, *task_of(spec).flags(spec)]) for spec in job.eval.sets[:1]]

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.eval.tasks import eval_tasks
+from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.eval.task import EVAL_TASKS
 from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCHES
 from fsdpclip.problems import SpecError
 from fsdpclip.run.lock import lock_holder
 from fsdpclip.run.reports import DATA_BOUND, data_wait_notice
 from fsdpclip.spec.jobfile import parse_job
-from fsdpclip.spec.registry import DATA_SOURCES
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),
@@ -64,7 +64,7 @@ def read_run(run_dir: Path) -> Run:
     from fsdpclip.checkpoint.layout import complete_checkpoints
 
     checkpoints = complete_checkpoints(run_dir)
-    evaluated = tuple(f"{kind}/" for kind in eval_tasks())  # the prefixes of evaluation results
+    evaluated = tuple(f"{kind}/" for kind in EVAL_TASKS.members())  # the prefixes of evaluation results
     return Run(run_dir, [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith(evaluated) for k in r)],
                restarts, len(launches), ended if isinstance(ended, dict) and "code" in ended else None,
                f"pid {holder.pid} on {holder.host}" if holder else None,
@@ -112,7 +112,7 @@ def summary(run: Run, now: Optional[float] = None) -> dict:
         eta = max(0.0, (total - done) * per_step - ((now or time.time()) - timed[-1]["time"]))
     latest = run.evaluations[-1] if run.evaluations else {}
     results = {kind: {k.removeprefix(f"{kind}/"): v for k, v in latest.items() if k.startswith(f"{kind}/")}
-               for kind in eval_tasks()}
+               for kind in EVAL_TASKS.members()}
     return {"run_dir": str(run.path), "state": state, "holder": run.running, "step": done, "total_steps": total,
             "eta_s": eta, "last_checkpoint": run.last_checkpoint, "relaunch": relaunch, "launches": run.launches,
             "restarts_at": run.restarts, "exit": run.exit, "loss": last.get("loss"), **data_wait(run), **results}
@@ -184,7 +184,7 @@ def plot(run: Run, png: Path) -> list[str]:
 def _evaluation_curves(run: Run) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
     """(panel title, {label: [(step, value)]}) per eval task, its curves as the task draws them (zero-shot acc1
     per set, retrieval recall@1 per set and direction)."""
-    tasks = eval_tasks()
+    tasks = EVAL_TASKS.members()
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {kind: {} for kind in tasks}
     for record in run.evaluations:
         for key, values in record.items():

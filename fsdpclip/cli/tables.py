@@ -185,9 +185,9 @@ def report_lines(info: dict) -> list[str]:
         lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
     if info["relaunch"]:
         lines.append(f"{'resume' if info['last_checkpoint'] else 'launch again'}: {escape(info['relaunch'])}")
-    from fsdpclip.eval.tasks import eval_tasks
+    from fsdpclip.eval.task import EVAL_TASKS
 
-    lines += [escape(task.line(name, values)) for kind, task in eval_tasks().items()
+    lines += [escape(task.line(name, values)) for kind, task in EVAL_TASKS.members().items()
               for name, values in info.get(kind, {}).items()]
     if info["png"] is not None:
         lines.append(f"curves ({', '.join(info['panels'])}): {escape(info['png'])}")

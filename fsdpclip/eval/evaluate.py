@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpclip.eval.tasks import task_of
+from fsdpclip.eval.task import task_of
 
 if TYPE_CHECKING:
     from fsdpclip.spec.job import Job

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional
 
-from fsdpclip.eval.registry import DatasetError, EvalTask, register_task, without_grad
-from fsdpclip.spec.job import RetrievalSpec
+from pydantic import Field
+
+from fsdpclip.eval.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
+from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
     import torch
@@ -24,12 +26,25 @@ if TYPE_CHECKING:
 RECALL_K = (1, 5, 10)
 
 
-@register_task
+class RetrievalSpec(Section):
+    path: str = Field(
+        description="A folder of image/caption pairs (x.jpg with x.txt, one caption per line; subfolders too) or "
+                    "CLIP_benchmark retrieval shards (dataset_type.txt 'retrieval', test/nshards.txt, .txt captions).")
+    name: Optional[str] = Field(None, description="Name in logs and results; default: the folder's name.")
+    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images (with all "
+                                                              "their captions).")
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).name
+
+
 class RetrievalTask(EvalTask):
     kind = "retrieval"
     task = "zeroshot_retrieval"
     title = "retrieval"
     spec = RetrievalSpec
+    description = "Image-text retrieval sets (recall@1/5/10 both ways, as CLIP_benchmark)."
     flag_help = ("Instead of --zeroshot: a retrieval set, a folder of image/caption pairs (x.jpg, x.txt) or "
                  "CLIP_benchmark retrieval shards.")
     metavar = "PATH"
@@ -51,6 +66,9 @@ class RetrievalTask(EvalTask):
             load_retrieval_set(spec, transform=None)  # its layout and captions, not its images
         except DatasetError as exc:
             report.missing(f"{where}.path", str(exc), spec.path)
+
+    def paths(self, spec: RetrievalSpec) -> tuple[str, ...]:
+        return ("path",)
 
     def load(self, spec: RetrievalSpec, transform: Optional[Callable]) -> RetrievalSet:
         return load_retrieval_set(spec, transform)
@@ -204,3 +222,6 @@ def recalls_by_direction(metrics: dict) -> dict[str, list[float]]:
     """A retrieval result's recall@RECALL_K, per direction ('text→image', 'image→text')."""
     names = {"text→image": "image_retrieval", "image→text": "text_retrieval"}  # CLIP_benchmark's names
     return {direction: [metrics[f"{name}_recall@{k}"] for k in RECALL_K] for direction, name in names.items()}
+
+
+EVAL_TASKS.register(RetrievalTask())

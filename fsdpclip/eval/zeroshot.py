@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Literal, Optional
 
-from fsdpclip.eval.registry import DatasetError, EvalTask, register_task, without_grad
+from pydantic import Field
+
+from fsdpclip.eval.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import ZeroShotSpec
+from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
     import torch
@@ -24,12 +26,32 @@ if TYPE_CHECKING:
     from fsdpclip.problems import Report
 
 
-@register_task
+class ZeroShotSpec(Section):
+    dataset: Literal["digits", "imagenet", "folder"] = Field(
+        description="'digits' (the demo split), 'imagenet' (a val folder of synset folders, or CLIP_benchmark "
+                    "webdataset) or 'folder' (one folder per class).")
+    path: str = Field(description="Dataset directory.")
+    name: Optional[str] = Field(
+        None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
+    classnames: Optional[str] = Field(
+        None, description="File with one class name per line, in label order ('folder'; default: the class folders' "
+                          "names, or CLIP_benchmark shards' classnames.txt).")
+    templates: Optional[str] = Field(
+        None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
+                          "default: 'openai', and the digits prompts for 'digits'.")
+    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images.")
+
+    @property
+    def label(self) -> str:
+        return self.name or (Path(self.path).name if self.dataset == "folder" else self.dataset)
+
+
 class ZeroShotTask(EvalTask):
     kind = "zeroshot"
     task = "zeroshot_classification"
     title = "zero-shot"
     spec = ZeroShotSpec
+    description = "Zero-shot classification sets."
     flag_help = "Which kind of zero-shot set."
     choices = ("imagenet", "digits", "folder")
     usage = "--zeroshot KIND --data DIR (classification)"
@@ -53,6 +75,9 @@ class ZeroShotTask(EvalTask):
             report.missing(f"{where}.classnames", f"cannot read it: {why}", spec.classnames)
         if spec.templates not in (None, "openai", "simple") and (why := _unreadable(spec.templates)):
             report.missing(f"{where}.templates", f"not 'openai', 'simple' or a readable file: {why}", spec.templates)
+
+    def paths(self, spec: ZeroShotSpec) -> tuple[str, ...]:
+        return ("path", "classnames") + (() if spec.templates in (None, "openai", "simple") else ("templates",))
 
     def load(self, spec: ZeroShotSpec, transform: Optional[Callable]) -> ZeroShotSet:
         return load_zeroshot_set(spec, transform)
@@ -260,3 +285,6 @@ def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, dev
     return {"acc1": (confusion.diag().sum() / total).item(),
             "acc5": (top5 / total).item() if classes >= 5 else float("nan"),
             "mean_per_class_recall": per_class[present].mean().item(), "samples": int(total.item())}
+
+
+EVAL_TASKS.register(ZeroShotTask())

@@ -35,7 +35,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from fsdpclip.launch.launcher import LaunchError, LauncherBackend, LaunchFlags, register_backend, render
+from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
+from fsdpclip.launch.launcher import render
 from fsdpclip.launch.local import (
     LAUNCHER_LOG, cuda_forbids_forked_ranks, kill_tree, last_checkpoint, node_torchrun,
     prepare_forked_ranks, supervise, torchrun_environment,
@@ -48,11 +49,11 @@ from fsdpclip.run.directory import (
 from fsdpclip.run.files import keep_output, read_text_file
 from fsdpclip.run.lock import HeldLock, RunLocked
 from fsdpclip.run.reports import exit_report, finish_exit_report, write_exit_report
-from fsdpclip.spec.job import Job
-from fsdpclip.spec.jobfile import load_job
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from fsdpclip.spec.job import Job
 
 NODE_MODULE = "fsdpclip.launch.hostfile"
 # A host as the hostfile may name it: what ssh takes as a host and the rendezvous as an address; never an option.
@@ -125,7 +126,6 @@ def pick_hosts(hosts: dict[str, list[int]], include: Optional[str], exclude: Opt
     return left
 
 
-@register_backend
 class HostfileBackend(LauncherBackend):
     """torchrun on every host of a hostfile, each started over ssh; the first host is the rendezvous."""
 
@@ -331,6 +331,8 @@ def run_node(job_file: Path, node_rank: int, master_addr: str) -> int:
     """One node of a launch over ssh (what ssh runs on each host): torchrun for this node under
     `local.supervise`, as `fsdpclip launch --node-rank` would run it, with the launch's lock token and start time
     (from the environment), following the launcher's lines on stdin (`LauncherLines`)."""
+    from fsdpclip.spec.jobfile import load_job
+
     lines = LauncherLines()
     job = load_job(job_file)
     keep_output(job.run_dir / LOG_DIR / f"node-{node_rank}.log")  # once the ssh connection is gone
@@ -400,3 +402,6 @@ class LauncherLines:
 
 if __name__ == "__main__":
     sys.exit(run_node(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+
+
+LAUNCHER_BACKENDS.register(HostfileBackend)

@@ -20,24 +20,23 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from fsdpclip.launch.launcher import (
-    TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, LaunchFlags, register_backend, render,
-)
+from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
+from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE, render
 from fsdpclip.run.directory import (
     EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCHER_ENV, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR,
 )
 from fsdpclip.run.files import keep_output
 from fsdpclip.run.lock import HeldLock, RunLocked, process_identity
 from fsdpclip.run.reports import finish_exit_report, request_stop
-from fsdpclip.spec.job import Job
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from fsdpclip.spec.job import Job
+
 LAUNCHER_LOG = "launch.out"  # RUN_DIR/logs/: the launcher's and torchrun's output once their terminal is gone
 
 
-@register_backend
 class LocalBackend(LauncherBackend):
     """torchrun on this node; a job of several nodes is one launch per node (--node-rank, --master-addr)."""
 
@@ -359,3 +358,6 @@ def _tree(pid: int) -> list[int]:
 def _signal(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
+
+
+LAUNCHER_BACKENDS.register(LocalBackend)

@@ -11,29 +11,70 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
-from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE, LaunchError, LauncherBackend, register_backend
+from pydantic import AfterValidator, Field, field_validator
+
+from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend
+from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE
 from fsdpclip.run.directory import EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOG_DIR
 from fsdpclip.run.lock import lock_holder
-from fsdpclip.spec.job import Job, one_line
+from fsdpclip.spec.section import OneLine, Section, environment_names, one_line
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from fsdpclip.spec.job import Job
+
 BATCH_SCRIPT = "launch.sbatch"
+SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", re.DOTALL)
+
+
+def sbatch_option(value: str) -> str:
+    """One `--option[=value]` token (several options are several items; the batch script quotes each)."""
+    one_line(value)
+    if not SBATCH_OPTION.fullmatch(value):
+        raise ValueError("one sbatch option per item, written '--option' or '--option=value' (e.g. '--mem=0')")
+    return value
+
+
+SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
+
+
+class SlurmSpec(Section):
+    partition: Optional[OneLine] = Field(None, description="sbatch --partition.")
+    account: Optional[OneLine] = Field(None, description="sbatch --account.")
+    qos: Optional[OneLine] = Field(None, description="sbatch --qos.")
+    time: Optional[str] = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
+                                description="sbatch --time, e.g. '2-00:00:00' or '04:00:00'.")
+    cpus_per_task: Optional[int] = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node).")
+    requeue: bool = Field(True, description="Requeue the job after preemption or a time-limit signal.")
+    signal_seconds: int = Field(120, gt=0, description="Send USR1 this many seconds before the time limit.")
+    extra_sbatch: list[SbatchOption] = Field(
+        default_factory=list, description="More '#SBATCH' options, one '--option' or '--option=value' per item, e.g. "
+                                          "'--exclusive'.")
+    setup: list[OneLine] = Field(default_factory=list,
+                                 description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
+    env: dict[str, OneLine] = Field(default_factory=dict,
+                                    description="Environment variables exported in the batch script.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return environment_names(value)
 
 
 class SubmitError(LaunchError):
     """sbatch refused a batch script (its message)."""
 
 
-@register_backend
 class SlurmBackend(LauncherBackend):
     """A batch script for sbatch: Slurm starts every node, and requeues the job after a preemption."""
 
     name = "slurm"
     help = "Submit a batch script with sbatch instead of running here."
+    spec = SlurmSpec
+    description = "Slurm batch options for `launch --slurm`."
 
     def check_flags(self) -> None:
         flags = self.flags
@@ -201,3 +242,6 @@ def submit(script: Path) -> str:
     if process.returncode != 0:
         raise SubmitError(process.stderr.strip() or f"sbatch exited with code {process.returncode}")
     return process.stdout.strip().split(";")[0]
+
+
+LAUNCHER_BACKENDS.register(SlurmBackend)

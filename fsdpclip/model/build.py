@@ -26,7 +26,7 @@ from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
 from fsdpclip.problems import ModelError, relative_path_hint
 from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, Job, ModelSpec
-from fsdpclip.spec.registry import TOWER_FAMILIES
+from fsdpclip.model.family import TOWER_FAMILIES
 
 # Repeated blocks of OpenCLIP's own towers; the tower families add theirs (`known_block_classes`).
 OPENCLIP_BLOCK_CLASSES = ("ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck", "BasicBlock")

@@ -1,8 +1,10 @@
 """The job spec: one JSON document that describes a whole training job.
 
-Pure data: pydantic models with `extra="forbid"` everywhere, no torch. `fsdpclip.spec.jobfile`
-reads a file into a `Job` (structural problems as `Problem`s with JSON locations); meaning
-(does the model exist, do the regexes match) is checked by `fsdpclip.validate.checks`.
+Pure data: pydantic models with `extra="forbid"` everywhere, no torch. The blocks of registered implementations
+(data sources, tower families, eval tasks, launcher backends, losses: `fsdpclip.spec.registry`) are declared once,
+when this module loads, from what the registries hold then. `fsdpclip.spec.jobfile` reads a file into a `Job`
+(structural problems as `Problem`s with JSON locations); meaning (does the model exist, do the regexes match) is
+checked by `fsdpclip.validate.checks`.
 """
 
 from __future__ import annotations
@@ -11,24 +13,27 @@ import math
 import re
 import unicodedata
 from pathlib import Path
-from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Optional, Union
 
 from pydantic import (
-    AfterValidator,
     BeforeValidator,
     Field,
     ValidationError,
     ValidationInfo,
     WrapValidator,
+    create_model,
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 
+from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.eval.task import EVAL_TASKS
+from fsdpclip.launch.backend import LAUNCHER_BACKENDS
+from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
 from fsdpclip.problems import MAX_WORLD_SIZE
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.registry import DATA_SOURCES, TOWER_FAMILIES, TowerFamily
-from fsdpclip.spec.section import Section, tagged_union
+from fsdpclip.spec.section import OneLine, Section, environment_names, tagged_union
+from fsdpclip.train.losses import LOSSES
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")
@@ -99,32 +104,6 @@ def object_storage_url(value: str) -> str:
     return value
 
 
-def one_line(value: str) -> str:
-    """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
-    #SBATCH options at the first command, and a shell runs what follows), and no other control character is
-    meant in a name, a path or a Slurm option."""
-    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
-    if found is not None:
-        raise ValueError(f"contains the control character {found!r}: a value written into the batch script must be "
-                         "one line of printable text")
-    return value
-
-
-OneLine = Annotated[str, AfterValidator(one_line)]
-SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", re.DOTALL)
-
-
-def sbatch_option(value: str) -> str:
-    """One `--option[=value]` token (several options are several items; the batch script quotes each)."""
-    one_line(value)
-    if not SBATCH_OPTION.fullmatch(value):
-        raise ValueError("one sbatch option per item, written '--option' or '--option=value' (e.g. '--mem=0')")
-    return value
-
-
-SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
-
-
 # --------------------------------------------------------------------------- run
 class RunSpec(Section):
     name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128,
@@ -137,7 +116,7 @@ class RunSpec(Section):
 # ------------------------------------------------------------------------- model
 class TowerSpec(Section):
     """A tower's options; each registered tower family of the tower adds its block as one optional field
-    (`declare_registered`), which replaces the model config's tower when given."""
+    (`tower_families`), which replaces the model config's tower when given."""
 
     tower: ClassVar[str]
 
@@ -158,7 +137,14 @@ class TowerSpec(Section):
         return self
 
 
-class ImageTowerSpec(TowerSpec):
+def tower_families(tower: str) -> type[TowerSpec]:
+    """The base of a tower's spec: an optional field per registered tower family of `tower` (its block)."""
+    return create_model(f"{tower.title()}TowerFamilies", __base__=TowerSpec, __module__=__name__,
+                        **{family.name: (Optional[family.spec], Field(None, description=family.description))
+                           for family in TOWER_FAMILIES if family.tower == tower})
+
+
+class ImageTowerSpec(tower_families("image")):
     tower: ClassVar[str] = "image"
     image_size: Optional[int] = Field(None, gt=0, description="Override the image size of the model config.")
     patch_dropout: Optional[float] = Field(
@@ -170,7 +156,7 @@ class ImageTowerSpec(TowerSpec):
                           "default: the known block classes found in the tower.")
 
 
-class TextTowerSpec(TowerSpec):
+class TextTowerSpec(tower_families("text")):
     tower: ClassVar[str] = "text"
     context_length: Optional[int] = Field(None, gt=0, description="Override the text context length.")
     pretrained: Optional[str] = Field(
@@ -471,12 +457,8 @@ def largest_divisor(number: int, bound: int) -> int:
     return max(d for d in range(1, max(1, min(bound, number)) + 1) if number % d == 0)
 
 
-def data_spec() -> Any:
-    """The `data` block: one of the registered data sources' blocks, chosen by `source` (default 'webdataset')."""
-    return tagged_union("source", "webdataset", DATA_SOURCES.specs())
-
-
-DataSpec = data_spec()
+DEFAULT_SOURCE = "webdataset"  # `data.source` when not given
+DataSpec = tagged_union("source", DEFAULT_SOURCE, DATA_SOURCES.specs())  # one of the registered sources' blocks
 
 
 # ------------------------------------------------------------------------- batch
@@ -501,70 +483,27 @@ class BatchSpec(Section):
 
 
 # -------------------------------------------------------------------------- loss
-class ClipLossSpec(Section):
-    kind: Literal["clip"] = Field("clip", description="Contrastive softmax loss (CLIP).")
-    local_loss: bool = Field(True, description="Each rank computes the loss of its own rows against the global batch.")
-    gather_with_grad: bool = Field(
-        True, description="Gather features with gradient (needed for the exact global-batch gradient).")
-
-
-class SigLipLossSpec(Section):
-    kind: Literal["siglip"] = Field(description="Sigmoid loss (SigLIP); the model needs a learned logit bias.")
-    exchange: Literal["bidir", "shift", "reduce", "gather"] = Field(
-        "bidir", description="How text features travel between ranks.")
-
-
-LOSS_KINDS = {"clip": ClipLossSpec, "siglip": SigLipLossSpec}
-LossSpec = tagged_union("kind", "clip", LOSS_KINDS)
+DEFAULT_LOSS = "clip"  # `loss.kind` when not given
+LossSpec = tagged_union("kind", DEFAULT_LOSS, LOSSES.specs())  # one of the registered losses' blocks
 
 
 # -------------------------------------------------------------------------- eval
-class ZeroShotSpec(Section):
-    dataset: Literal["digits", "imagenet", "folder"] = Field(
-        description="'digits' (the demo split), 'imagenet' (a val folder of synset folders, or CLIP_benchmark "
-                    "webdataset) or 'folder' (one folder per class).")
-    path: str = Field(description="Dataset directory.")
-    name: Optional[str] = Field(
-        None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
-    classnames: Optional[str] = Field(
-        None, description="File with one class name per line, in label order ('folder'; default: the class folders' "
-                          "names, or CLIP_benchmark shards' classnames.txt).")
-    templates: Optional[str] = Field(
-        None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
-                          "default: 'openai', and the digits prompts for 'digits'.")
-    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images.")
+def eval_task_lists() -> type[Section]:
+    """The base of the eval section: a list per registered eval task, `eval.KIND`, of the sets it evaluates."""
+    return create_model("EvalTaskLists", __base__=Section, __module__=__name__,
+                        **{task.kind: (list[task.spec], Field(default_factory=list, description=task.description))
+                           for task in EVAL_TASKS})
 
 
-    @property
-    def label(self) -> str:
-        return self.name or (Path(self.path).name if self.dataset == "folder" else self.dataset)
-
-
-class RetrievalSpec(Section):
-    path: str = Field(
-        description="A folder of image/caption pairs (x.jpg with x.txt, one caption per line; subfolders too) or "
-                    "CLIP_benchmark retrieval shards (dataset_type.txt 'retrieval', test/nshards.txt, .txt captions).")
-    name: Optional[str] = Field(None, description="Name in logs and results; default: the folder's name.")
-    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images (with all "
-                                                              "their captions).")
-
-    @property
-    def label(self) -> str:
-        return self.name or Path(self.path).name
-
-
-class EvalSpec(Section):
-    zeroshot: list[ZeroShotSpec] = Field(default_factory=list, description="Zero-shot classification sets.")
-    retrieval: list[RetrievalSpec] = Field(
-        default_factory=list, description="Image-text retrieval sets (recall@1/5/10 both ways, as CLIP_benchmark).")
+class EvalSpec(eval_task_lists()):
     every_steps: Optional[int] = Field(None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
     at_end: bool = Field(True, description="Evaluate after the last step.")
     batch_per_gpu: int = Field(64, gt=0, description="Images per GPU and forward during evaluation.")
 
     @property
-    def sets(self) -> list[Union[ZeroShotSpec, RetrievalSpec]]:
-        """Every set to evaluate, zero-shot first."""
-        return [*self.zeroshot, *self.retrieval]
+    def sets(self) -> list[Section]:
+        """Every set to evaluate, by task in the registry's order (zero-shot first)."""
+        return [spec for task in EVAL_TASKS for spec in getattr(self, task.kind)]
 
 
 # -------------------------------------------------------------------- checkpoint
@@ -653,49 +592,9 @@ class LoggingSpec(Section):
 
 
 # ------------------------------------------------------------------------ launch
-ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+class LaunchOptions(Section):
+    """The launch section's own fields; `LaunchSpec` adds a block per launcher backend with settings."""
 
-
-OWN_ENVIRONMENT = "FSDPCLIP_"  # the launcher's own variables to its ranks (the lock token, the launcher's pid)
-
-
-def environment_names(value: dict[str, str]) -> dict[str, str]:
-    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first), none of
-    fsdpclip's own (a spec's lock token would let two jobs share a run directory)."""
-    for name in value:
-        if not ENVIRONMENT_NAME.fullmatch(name):
-            raise ValueError(f"{name!r} is not an environment variable name (letters, digits and '_', not a "
-                             "digit first)")
-        if name.startswith(OWN_ENVIRONMENT):
-            raise ValueError(f"{name!r}: {OWN_ENVIRONMENT}* variables are set by fsdpclip's launcher for its ranks, "
-                             "not by a spec")
-    return value
-
-
-class SlurmSpec(Section):
-    partition: Optional[OneLine] = Field(None, description="sbatch --partition.")
-    account: Optional[OneLine] = Field(None, description="sbatch --account.")
-    qos: Optional[OneLine] = Field(None, description="sbatch --qos.")
-    time: Optional[str] = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
-                                description="sbatch --time, e.g. '2-00:00:00' or '04:00:00'.")
-    cpus_per_task: Optional[int] = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node).")
-    requeue: bool = Field(True, description="Requeue the job after preemption or a time-limit signal.")
-    signal_seconds: int = Field(120, gt=0, description="Send USR1 this many seconds before the time limit.")
-    extra_sbatch: list[SbatchOption] = Field(
-        default_factory=list, description="More '#SBATCH' options, one '--option' or '--option=value' per item, e.g. "
-                                          "'--exclusive'.")
-    setup: list[OneLine] = Field(default_factory=list,
-                                 description="Shell lines run before srun, e.g. 'source .venv/bin/activate'.")
-    env: dict[str, OneLine] = Field(default_factory=dict,
-                                    description="Environment variables exported in the batch script.")
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        return environment_names(value)
-
-
-class LaunchSpec(Section):
     nodes: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Number of nodes (nodes × gpus_per_node at most 2^20).")
     gpus_per_node: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Processes per node: one per GPU (or CPU "
                                                                      "processes with device 'cpu').")
@@ -719,7 +618,6 @@ class LaunchSpec(Section):
     ssh_options: list[OneLine] = Field(
         default_factory=list, description="Options of the ssh that `launch --hostfile` starts each host with, before "
                                           "the host (~/.ssh/config applies too), e.g. ['-p', '2222'].")
-    slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm batch options for `launch --slurm`.")
 
     @field_validator("env")
     @classmethod
@@ -737,6 +635,12 @@ class LaunchSpec(Section):
         return self.nodes * self.gpus_per_node
 
 
+LaunchSpec = create_model("LaunchSpec", __base__=LaunchOptions, __module__=__name__,
+                          **{backend.name: (backend.spec, Field(default_factory=backend.spec,
+                                                                description=backend.description))
+                             for backend in LAUNCHER_BACKENDS if backend.spec is not None})
+
+
 def world_size_problem(world_size: int) -> str:
     return f"nodes × GPUs per node = {world_size:,} ranks, more than a job may have ({MAX_WORLD_SIZE:,})"
 
@@ -752,7 +656,7 @@ class Job(Section):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Training length and LR schedule.")
     data: DataSpec = Field(description="Training data: webdataset shards or a synthetic source.")
     batch: BatchSpec = Field(description="Batch sizes and gradient accumulation.")
-    loss: LossSpec = Field(default_factory=ClipLossSpec, description="Contrastive loss: CLIP or SigLIP.")
+    loss: LossSpec = Field(default_factory=LOSSES[DEFAULT_LOSS].spec, description="Contrastive loss: CLIP or SigLIP.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Zero-shot and retrieval evaluation during and after "
                                                                  "training.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Sharded checkpoints and resume.")
@@ -799,6 +703,17 @@ class Job(Section):
         """The learning rate of step `step` (0-based) of a run of `total_steps` (`ScheduleSpec.lr_factor`)."""
         return self.optimizer.lr * self.schedule.lr_factor(self.optimizer.lr, total_steps)(step)
 
+    def registered_blocks(self) -> Iterator[tuple[Any, Section]]:
+        """Each block of this job that a registered implementation declares, with that implementation: the data
+        source's, the tower families' given, every eval set, the loss's and the launcher backends' settings."""
+        yield DATA_SOURCES[self.data.source], self.data
+        yield from filter(None, (self.model.image.family, self.model.text.family))
+        for task in EVAL_TASKS:
+            yield from ((task, spec) for spec in getattr(self.eval, task.kind))
+        yield LOSSES[self.loss.kind], self.loss
+        yield from ((backend, getattr(self.launch, backend.name)) for backend in LAUNCHER_BACKENDS
+                    if backend.spec is not None)
+
     def to_json(self) -> str:
         """The resolved spec as indented JSON (every default spelled out)."""
         return self.model_dump_json(indent=2, by_alias=True, exclude={"schema_ref"}) + "\n"
@@ -809,25 +724,9 @@ class Job(Section):
         write_atomically(Path(path), self.to_json())
 
 
-def declare_registered() -> None:
-    """Declare the registered tower families (a field each, before a tower's own options) and data sources
-    (the `data` union) in the spec, and rebuild the models that hold them: done once here, again after each
-    registration."""
-    for model in (ImageTowerSpec, TextTowerSpec):
-        families = {family.name: FieldInfo.from_annotated_attribute(
-            Optional[family.spec], Field(None, description=family.description))
-            for family in TOWER_FAMILIES if family.tower == model.tower}
-        own = {name: field for name, field in model.__pydantic_fields__.items() if name in model.__annotations__}
-        model.__pydantic_fields__ = {**families, **own}
-    Job.__pydantic_fields__["data"] = FieldInfo.from_annotated_attribute(
-        data_spec(), Field(description=Job.model_fields["data"].description))
-    for model in (ImageTowerSpec, TextTowerSpec, ModelSpec, Job):
-        model.model_rebuild(force=True)
-
-
-declare_registered()
-DATA_SOURCES.on_register(declare_registered)
-TOWER_FAMILIES.on_register(declare_registered)
+# Every registered block is declared: the registries take no more registrations.
+for registry in (DATA_SOURCES, TOWER_FAMILIES, EVAL_TASKS, LAUNCHER_BACKENDS, LOSSES):
+    registry.close()
 
 
 def json_schema() -> dict:

@@ -15,8 +15,9 @@ from pydantic_core import to_jsonable_python
 
 from fsdpclip.problems import Problem, SpecError, closest
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import LOSS_KINDS, Job
-from fsdpclip.spec.registry import DATA_SOURCES
+from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.spec.job import Job
+from fsdpclip.train.losses import LOSSES
 
 
 def read_job_dict(path: Path) -> tuple[dict, list[Problem]]:
@@ -186,8 +187,8 @@ def block_of(model: type[BaseModel], key: str, value: Any) -> Optional[type[Base
 
 
 def union_members() -> dict[str, dict[str, type[BaseModel]]]:
-    """The members of the spec's tagged unions by field of `Job`: the registered data sources, the losses."""
-    return {"data": DATA_SOURCES.specs(), "loss": LOSS_KINDS}
+    """The members of the spec's tagged unions by field of `Job`: the registered data sources and losses."""
+    return {"data": DATA_SOURCES.specs(), "loss": LOSSES.specs()}
 
 
 def spec_fields(model: type[BaseModel] = Job, prefix: str = "") -> dict[str, FieldInfo]:

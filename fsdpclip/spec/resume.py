@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
 from fsdpclip.spec.job import Job, largest_divisor
-from fsdpclip.spec.registry import DATA_SOURCES
+from fsdpclip.data.source import DATA_SOURCES
 
 # Fields (dotted, prefixes end with '.') that a checkpoint fixes.
 FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules", "optimizer.layer_decay.")

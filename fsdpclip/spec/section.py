@@ -1,11 +1,15 @@
-"""The base of every spec block and the tagged union of blocks: what the spec's declarations and the
-registered data sources and tower families (`fsdpclip.spec.registry`) declare their fields with. No torch."""
+"""The base of every spec block, the tagged union of blocks and the values written into launches: what the spec's
+declarations and the registered implementations (`fsdpclip.spec.registry`) declare their fields with. No torch."""
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidatorFunctionWrapHandler, field_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Tag, ValidatorFunctionWrapHandler, field_validator,
+)
 
 
 def json_kind_problem(raw: Any, parsed: Any) -> Optional[str]:
@@ -49,3 +53,34 @@ def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) ->
         return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
 
     return Annotated[Union[tuple(Annotated[m, Tag(t)] for t, m in members.items())], Discriminator(tag)]
+
+
+def one_line(value: str) -> str:
+    """Text written into the batch script as one line: a newline would start a new line (Slurm stops reading
+    #SBATCH options at the first command, and a shell runs what follows), and no other control character is
+    meant in a name, a path or a Slurm option."""
+    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if found is not None:
+        raise ValueError(f"contains the control character {found!r}: a value written into the batch script must be "
+                         "one line of printable text")
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(one_line)]
+
+
+ENVIRONMENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+OWN_ENVIRONMENT = "FSDPCLIP_"  # the launcher's own variables to its ranks (the lock token, the launcher's pid)
+
+
+def environment_names(value: dict[str, str]) -> dict[str, str]:
+    """Environment variables with names a shell can export (letters, digits, '_'; not a digit first), none of
+    fsdpclip's own (a spec's lock token would let two jobs share a run directory)."""
+    for name in value:
+        if not ENVIRONMENT_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits and '_', not a "
+                             "digit first)")
+        if name.startswith(OWN_ENVIRONMENT):
+            raise ValueError(f"{name!r}: {OWN_ENVIRONMENT}* variables are set by fsdpclip's launcher for its ranks, "
+                             "not by a spec")
+    return value

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from fsdpclip.eval.tasks import evaluate_set, load_eval_set, result_line
+from fsdpclip.eval.task import evaluate_set, load_eval_set, result_line
 from fsdpclip.model.build import image_transform
 from fsdpclip.train.metrics import MetricsLog
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from fsdpclip.node import local_ranks, usable_cores
-from fsdpclip.spec.registry import DATA_SOURCES, RankData
+from fsdpclip.data.source import DATA_SOURCES, RankData
 from fsdpclip.train.metrics import Window
 
 
@@ -42,7 +42,7 @@ class DataFeed:
             self.batches.close()
 
     def _batches(self, model: torch.nn.Module, stream: int):
-        """The batches of data rank `stream` from the spec's data source (`spec.registry.DataSource`) for `model`
+        """The batches of data rank `stream` from the spec's data source (`data.source.DataSource`) for `model`
         (its shapes and preprocessing; the meta-device model will do); also sets `images` (what turns a micro
         batch's images into the model's input on the device, e.g. transform.TrainImages; None where they are that
         already) and `waiting_hints` (what would feed a step that waits for them)."""

@@ -1,4 +1,5 @@
-"""The contrastive losses, and how the micro batches of one optimizer step meet them."""
+"""The job's loss (the registered one `loss.kind` names: `fsdpclip.train.losses`), and how the micro batches of
+one optimizer step meet it."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.spec.job import LossSpec
+from fsdpclip.spec.section import Section
+from fsdpclip.train.losses import LOSSES
 
 
-def build_loss(spec: LossSpec, rank: int, world_size: int) -> nn.Module:
-    """OpenCLIP's CLIP or SigLIP loss over the global batch."""
-    from open_clip.loss import ClipLoss, SigLipLoss
-
-    if spec.kind == "siglip":
-        return SigLipLoss(rank=rank, world_size=world_size, dist_impl=spec.exchange)
-    return ClipLoss(local_loss=spec.local_loss, gather_with_grad=spec.gather_with_grad, cache_labels=True,
-                    rank=rank, world_size=world_size)
+def build_loss(spec: Section, rank: int, world_size: int) -> nn.Module:
+    """The loss a job's `loss` block names, over the global batch."""
+    return LOSSES[spec.kind].build(spec, rank, world_size)
 
 
 def backward_micro_batches(model: nn.Module, loss_fn: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],

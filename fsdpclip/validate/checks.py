@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from fsdpclip.eval.registry import EvalTask
-from fsdpclip.eval.tasks import eval_tasks
+from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.eval.task import EVAL_TASKS, EvalTask
 from fsdpclip.model.build import model_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.model.weights import check_weights_file
@@ -20,7 +20,6 @@ from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, Report, SpecError, closest
 from fsdpclip.run.files import special_file
 from fsdpclip.spec.job import Job, is_url, largest_divisor, world_size_problem
-from fsdpclip.spec.registry import DATA_SOURCES
 from fsdpclip.validate.model_checks import check_model, if_parsed
 
 
@@ -256,8 +255,8 @@ def _check_eval(job: Job, report: Report) -> None:
         if named_before:
             report.error(where, f"a second set named '{spec.label}'", hint="give each set a `name`")
     if job.eval.every_steps is not None and not job.eval.sets:
-        report.error("eval.every_steps", "set, but eval.zeroshot and eval.retrieval list no dataset",
-                     job.eval.every_steps)
+        lists = " and ".join(f"eval.{kind}" for kind in EVAL_TASKS.members())
+        report.error("eval.every_steps", f"set, but {lists} list no dataset", job.eval.every_steps)
 
 
 def _check_eval_paths(job: Job, report: Report) -> None:
@@ -267,8 +266,8 @@ def _check_eval_paths(job: Job, report: Report) -> None:
 
 def _eval_sets(job: Job) -> Iterator[tuple[str, EvalTask, Any, bool]]:
     """(JSON location, task, spec, whether an earlier set of its task has its name) of each set in eval's lists."""
-    for kind, task in eval_tasks().items():
-        specs = getattr(job.eval, kind, [])
+    for kind, task in EVAL_TASKS.members().items():
+        specs = getattr(job.eval, kind)
         for i, spec in enumerate(specs):
             yield f"eval.{kind}[{i}]", task, spec, spec.label in {s.label for s in specs[:i]}
 

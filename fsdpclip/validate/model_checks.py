@@ -18,6 +18,7 @@ from fsdpclip.parallel.units import wrap_classes
 from fsdpclip.problems import ModelError, Report, closest
 from fsdpclip.spec.job import TOWERS, Job
 from fsdpclip.spec.section import Section
+from fsdpclip.train.losses import LOSSES
 from fsdpclip.validate.summary import summarise
 
 T = TypeVar("T")
@@ -67,9 +68,7 @@ def _check_uncapturable(job: Job, model, report: Report) -> None:
 
 
 def _check_loss_fits(job: Job, model, report: Report) -> None:
-    if job.loss.kind == "siglip" and getattr(model, "logit_bias", None) is None:
-        report.error("loss.kind", "SigLIP needs a model with a learned logit bias (init_logit_bias in its config)",
-                     value="siglip", hint="use a *-SigLIP model config, or kind 'clip'")
+    LOSSES[job.loss.kind].check(job.loss, model, report)
 
 
 def _model_problem(job: Job, exc: ModelError, report: Report) -> None:

@@ -16,7 +16,7 @@ from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree,
     strategy, sustained_tflops, traffic, valid_shard_degrees
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import TOWERS, Job
-from fsdpclip.spec.registry import DATA_SOURCES
+from fsdpclip.data.source import DATA_SOURCES
 
 
 def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],

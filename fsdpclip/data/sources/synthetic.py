@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from fsdpclip.spec.registry import DATA_SOURCES, DataSource, RankData
+from fsdpclip.data.source import DATA_SOURCES, DataSource, RankData
 from fsdpclip.spec.section import Section
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem, shard_urls
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
 from fsdpclip.node import usable_cores
-from fsdpclip.spec.registry import DATA_SOURCES, DataSource, RankData
+from fsdpclip.data.source import DATA_SOURCES, DataSource, RankData
 
 if TYPE_CHECKING:
     from fsdpclip.problems import Report

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from fsdpclip.problems import ModelError
-from fsdpclip.spec.registry import TOWER_FAMILIES, TowerFamily
+from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
 from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:

@@ -1,16 +1,19 @@
-"""The eval task protocol and its registry: what `fsdpclip eval`, evaluation during training, `validate` and the
-report need of a kind of evaluation (zero-shot classification, image-text retrieval, ...), and what every task
-shares (`DatasetError`, `without_grad`).
+"""The eval task protocol and its registry (`fsdpclip.spec.registry`): what `fsdpclip eval`, evaluation during
+training, `validate` and the report need of a kind of evaluation (zero-shot classification, image-text retrieval,
+...), what every task shares (`DatasetError`, `without_grad`), and a set loaded, measured and logged by its task.
 
-A task is a subclass of `EvalTask` registered with `register_task` (a class decorator);
-`fsdpclip.eval.tasks.eval_tasks()` lists the built-in ones and any registered since. Task modules import no
-torch when they load (their measuring does), so that the command line can offer each task's flag without it.
+A task is one module (`eval/KIND.py`, or a plugin's) that subclasses `EvalTask`, declares the spec of one set (a
+`Section` with a `label`) and ends with `EVAL_TASKS.register(Task())`; the spec's `eval` section lists its sets
+under `eval.KIND`. Task modules import no torch when they load (their measuring does), so that the command line
+can offer each task's flag without it.
 """
 
 from __future__ import annotations
 
 import functools
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+
+from fsdpclip.spec.registry import Registry
 
 if TYPE_CHECKING:
     from fsdpclip.problems import Report
@@ -24,15 +27,16 @@ class EvalTask:
     """One kind of evaluation.
 
     `kind` prefixes its results in metrics.jsonl ('zeroshot/NAME') and names its list in the spec's eval section
-    (if it has one) and its option of `fsdpclip eval` (`--KIND VALUE`, VALUE a `metavar` or one of `choices`;
-    `flag_help` that option's help, `usage` how the command's errors name it); `task` is CLIP_benchmark's
-    name for its results; `title` how logs and tables name it; `spec` its spec class (one set to evaluate,
-    with a `label`); `panel` the title of its curves in the report."""
+    (`eval.KIND`, described by `description`) and its option of `fsdpclip eval` (`--KIND VALUE`, VALUE a `metavar`
+    or one of `choices`; `flag_help` that option's help, `usage` how the command's errors name it); `task` is
+    CLIP_benchmark's name for its results; `title` how logs and tables name it; `spec` its spec class (one set to
+    evaluate, with a `label`); `panel` the title of its curves in the report."""
 
     kind: ClassVar[str]
     task: ClassVar[str]
     title: ClassVar[str]
     spec: ClassVar[type]
+    description: ClassVar[str]
     flag_help: ClassVar[str]
     metavar: ClassVar[str] = "VALUE"
     choices: ClassVar[Optional[tuple[str, ...]]] = None
@@ -54,6 +58,10 @@ class EvalTask:
 
     def check_paths(self, spec, where: str, report: Report) -> None:
         """`validate`'s checks of one set's files."""
+
+    def paths(self, spec) -> tuple[str, ...]:
+        """The fields of one set that hold local paths (see `data.source.DataSource.paths`)."""
+        return ()
 
     def load(self, spec, transform: Optional[Callable]):
         """The set a spec describes (`transform` None: its layout only, as `validate` reads it). The set has
@@ -83,17 +91,6 @@ class EvalTask:
         return []
 
 
-TASKS: dict[str, EvalTask] = {}
-
-
-def register_task(task: type[EvalTask]) -> type[EvalTask]:
-    """Make a task known to `fsdpclip eval`, training, `validate` and the report (a class decorator)."""
-    if task.kind in TASKS and type(TASKS[task.kind]) is not task:
-        raise ValueError(f"an eval task of kind {task.kind!r} is registered already")
-    TASKS[task.kind] = task()
-    return task
-
-
 def without_grad(measure: Callable) -> Callable:
     """`measure` run under torch.no_grad() (torch imported when it runs, not when its module loads)."""
 
@@ -105,3 +102,29 @@ def without_grad(measure: Callable) -> Callable:
             return measure(*args, **kwargs)
 
     return run
+
+
+EVAL_TASKS: Registry[EvalTask] = Registry("eval task", ("fsdpclip.eval.zeroshot", "fsdpclip.eval.retrieval"),
+                                          key="kind")
+
+
+def task_of(spec) -> EvalTask:
+    """The task whose spec class `spec` is."""
+    return next(task for task in EVAL_TASKS if isinstance(spec, task.spec))
+
+
+def load_eval_set(spec, transform: Optional[Callable]):
+    """The set a spec describes, loaded by its task."""
+    return task_of(spec).load(spec, transform)
+
+
+def evaluate_set(model, tokenizer: Callable, dataset, device, batch_size: int, workers: int = 2,
+                 progress: Optional[Callable[[int], None]] = None) -> dict:
+    """The metrics of a set, measured by its task (every rank calls it; every rank gets them)."""
+    return EVAL_TASKS[dataset.kind].measure(model, tokenizer, dataset, device, batch_size, workers, progress)
+
+
+def result_line(key: str, values: dict) -> str:
+    """One evaluation result for the log: 'zero-shot digits: acc1 ...' or 'retrieval digits: ...' (key: KIND/NAME)."""
+    kind, name = key.split("/", 1)
+    return EVAL_TASKS[kind].line(name, values)
