@@ -74,11 +74,13 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 def open_clip_name(config: dict, label: str, out: Path) -> tuple[str, bool]:
     """The name OpenCLIP loads a weights file exported to `out` by, and whether its model config must be
-    registered under it (`open_clip.add_model_config`): the label where OpenCLIP's own config of that name is the
-    model's; else the label where it is a name OpenCLIP has not taken, else the file's stem."""
+    registered under it (`open_clip.add_model_config`): the label where OpenCLIP's own config of that name (one it
+    ships, not one this process registered) is the model's; else the label where it is a name OpenCLIP has not
+    taken, else the file's stem."""
     import open_clip
 
-    own = open_clip.get_model_config(label)
+    shipped = Path(open_clip.__file__).parent / "model_configs" / f"{label}.json"
+    own = json.loads(shipped.read_text()) if NAME.fullmatch(label) and shipped.is_file() else None
     if own is not None and own == {k: v for k, v in config.items() if k not in PREPROCESSING_KEYS}:
         return label, False
     return (label if own is None and NAME.fullmatch(label) else Path(out).stem), True
