@@ -208,6 +208,7 @@ def test_the_jpeg_engines_take_their_share_with_the_cpu_paths_crops(tmp_path, mo
     from fsdpclip.data import engines
 
     monkeypatch.setattr(engines, "_refused", [])
+    monkeypatch.setattr(engines, "_DECODERS", {})  # this test's decoder leaves with it (later loaders fork)
     data, cpu_images, _ = _both_paths(tmp_path, copies=3)
     images = [("jpg", d) for d in data] + [("png", encoded(picture(np.random.default_rng(4), 50, 70), "PNG"))]
     transform = train_transform()
@@ -286,6 +287,7 @@ def test_two_pinning_threads_decode_on_the_engines_each_their_own_batch(monkeypa
     from fsdpclip.data import engines
 
     monkeypatch.setattr(engines, "_refused", [])
+    monkeypatch.setattr(engines, "_DECODERS", {})
     rng = np.random.default_rng(8)
     batches = [[encoded(picture(rng, int(h), int(w))) for h, w in rng.integers(20, 90, (6, 2))] for _ in range(8)]
     want = [[torch.from_numpy(np.array(Image.open(io.BytesIO(d)).convert("RGB"))).permute(2, 0, 1) for d in batch]
