@@ -36,51 +36,31 @@ class WebDatasetSpec(Section):
         None, description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at "
                           "most 2^20 (1,048,576) shards in all. Give `urls` or `sources`.")
     sources: Optional[list[MixedSource]] = Field(
-        None, min_length=1, description="Several sets of shards mixed by weight (instead of `urls`; open_clip_train's "
-                                        "`--train-data 'a::b' --train-data-upsampling-factors`): each data worker "
-                                        "reads every source as it would read `urls` and draws each sample's source "
-                                        "at random by the weights; a source read to its end is read again, so a "
-                                        "source never ends the run or the epoch (`samples` does).")
+        None, min_length=1, description="Several sets of shards mixed by weight, instead of `urls`: each sample's "
+                                        "source is drawn at random by the weights, and a source read to its end is "
+                                        "read again (`samples` ends the epoch).")
     samples: Optional[int] = Field(
-        None, gt=0, description="Samples in one epoch (the sum over all shards; with `sources`, default the sum of "
-                                "theirs). An epoch is samples ÷ (world size × "
-                                "batch.per_gpu) micro batches on every rank, rounded down, split evenly over the rank's "
-                                "workers; a worker whose shards hold fewer reads them again in another order (as "
-                                "OpenCLIP's with_epoch).")
+        None, gt=0, description="Samples in one epoch (with `sources`, default the sum of theirs); each rank draws "
+                                "samples ÷ (world size × batch.per_gpu) micro batches of it, rounded down.")
     resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
     shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
     workers: Union[int, Literal["auto"]] = Field(
-        "auto", description="DataLoader workers per rank; each reads its own shards, so without `resampled` there "
-                            "must be ≥ world size × workers shards. 'auto' (the default): the rank's share of the "
-                            "node's cores less one for the rank itself (at least 1), and no more than its shards "
-                            "allow; a resumed run keeps the count its checkpoint was saved with, so that its data "
-                            "position carries on exactly (`settled_workers`).")
+        "auto", description="DataLoader workers per rank; without `resampled` there must be at least world size × "
+                            "workers shards. 'auto': the rank's share of the node's cores less one, at most what its "
+                            "shards allow (a resumed run keeps its checkpoint's count).")
     image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
     text_key: str = Field("txt", description="Sample key of the caption.")
     decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
-        "auto", description="Where images are decoded and augmented. 'cpu': on the data workers (the batch crosses "
-                            "to the device as uint8 and is normalised there). 'gpu': JPEGs decoded with nvJPEG, "
-                            "cropped and resized on the device ahead of the step; the workers read their headers "
-                            "and draw the same crops (progressive and CMYK JPEGs and other formats are decoded on "
-                            "the workers). 'mixed': the workers decode every image and cut its crop; the pinning "
-                            "thread copies the crops to the device and resizes them there, ahead of the step "
-                            "(nvJPEG's decode does not overlap a step that keeps the GPU busy; the crops cross "
-                            "unresized and end to end, so their shared memory grows with the images: for images "
-                            "near the model's size). "
-                            "'auto' (the default): the path measured fastest where the run trains, 'mixed' on CUDA "
-                            "(ViT-B-32 on 256-px JPEG shards, 1×H200: 0.96× the synthetic rate, against 0.73× for "
-                            "'gpu' and 0.39× for 'cpu': benchmarks/results/2026-12-03-jpeg-default-1xh200.jsonl), "
-                            "'cpu' on the CPU.")
+        "auto", description="Where images are decoded and augmented: 'cpu' on the data workers, 'gpu' with nvJPEG on "
+                            "the device, 'mixed' decoded and cropped on the workers and resized on the device. "
+                            "'auto': 'mixed' on CUDA, 'cpu' on the CPU (docs/performance.md).")
     jpeg_engines: Union[bool, Literal["auto"]] = Field(
-        "auto", description="With decode 'mixed': the GPU's hardware JPEG engines (nvImageCodec, "
-                            "`pip install 'fsdpclip[nvimgcodec]'`) decode a share of the JPEGs in the rank, ahead "
-                            "of the step, the data workers the rest; the share rises while the step waits for its "
-                            "batches. 'auto' (the default): on CUDA where nvImageCodec is installed. true: wherever "
-                            "it is installed (on the CPU its CPU decoder stands in).")
+        "auto", description="With decode 'mixed', the GPU's hardware JPEG engines (nvImageCodec, the `nvimgcodec` "
+                            "extra) decode a share of the JPEGs, the data workers the rest. 'auto': on CUDA where "
+                            "nvImageCodec is installed.")
     preprocess: PreprocessSpec = Field(
-        default_factory=PreprocessSpec, description="Normalisation, evaluation resize and training augmentation "
-                                                    "(crop scale, colour jitter, grayscale), each field over the "
-                                                    "model's own; applied alike on every decode path.")
+        default_factory=PreprocessSpec, description="Normalisation, evaluation resize and training augmentation, each "
+                                                    "field over the model's own.")
 
     @field_validator("sources")
     @classmethod

@@ -59,10 +59,10 @@ def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
 
 # A compiled block saves device time but costs host time per call (guards, the autograd wrapper), so it
 # pays only where a block's forward keeps the GPU busy for longer. Measured on H200 (docs/performance.md,
-# change 11; single runs): TFLOP per block forward over a micro batch -> compiled vs eager: ViT-B-32 at 256/GPU
+# single runs): TFLOP per block forward over a micro batch -> compiled vs eager: ViT-B-32 at 256/GPU
 # 0.16 -> 0.90x, ViT-H-14 at 64/GPU 0.44 -> 0.77x, ViT-L-14 at 128/GPU 0.62 -> 1.10x (1.18x in an earlier run);
 # ViT-bigG-14 at 32/GPU 0.43 -> 0.80x on 2 GPUs (1.06x on 1 GPU, where gathers are copies; 2026-12-01).
-# Whole towers compiled as one graph beat both where a tower is small enough (change 16).
+# Whole towers compiled as one graph beat both where a tower is small enough.
 COMPILE_MIN_BLOCK_TFLOP = 0.5
 # The blocks that rule was measured on: OpenCLIP's own. Other towers' blocks (timm, Hugging Face) stay eager
 # under 'auto' until measured beside eager: the one compiled run of such towers (the 10B example, EVA02-E-14

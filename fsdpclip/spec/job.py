@@ -177,21 +177,17 @@ class ModelSpec(Section):
         None, description="Path to a local OpenCLIP model-config JSON (embed_dim, vision_cfg, text_cfg); "
                           "instead of `name`.")
     embed_dim: Optional[int] = Field(
-        None, gt=0, description="Width of the joint embedding; overrides the config's (needed when `image.timm` "
-                                "and `text.hf` replace both towers and neither `name` nor `config` is given).")
+        None, gt=0, description="Width of the joint embedding, over the config's; needed where `image.timm` and "
+                                "`text.hf` replace both towers without `name` or `config`.")
     pretrained: Optional[str] = Field(
-        None, description="Whole-model weights: a local OpenCLIP checkpoint (a path with a directory or a .pt, .pth, "
-                          ".bin or .safetensors suffix), or a tag OpenCLIP publishes for `name` (e.g. "
-                          "'laion2b_s34b_b79k'; `fsdpclip models --pretrained`), fetched into the Hugging Face cache "
-                          "by `fsdpclip launch` (or `fsdpclip fetch NAME TAG`) before training; HF_HUB_OFFLINE "
-                          "is respected.")
+        None, description="Whole-model weights: a local OpenCLIP checkpoint (a directory or a .pt, .pth, .bin or "
+                          ".safetensors file), or a tag OpenCLIP publishes for `name` (e.g. 'laion2b_s34b_b79k'), "
+                          "fetched into the Hugging Face cache before training.")
     quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
     init: Literal["auto", "openclip", "parallel"] = Field(
-        "auto", description="Initial weights for the run's seed (before any pretrained weights load). 'openclip': "
-                            "OpenCLIP's own, from one random stream drawn on one core (~30M values/s: minutes for "
-                            "billions of parameters); 'parallel': the same distributions, each draw from its own "
-                            "stream in chunks spread over every core (the same numbers on any machine and core "
-                            "count, not OpenCLIP's); 'auto': 'openclip' up to 1B parameters, 'parallel' above.")
+        "auto", description="How the run's seed draws the initial weights: 'openclip' as OpenCLIP does, on one core; "
+                            "'parallel' the same distributions in chunks over every core (the same numbers on any "
+                            "machine). 'auto': 'openclip' up to 1B parameters, 'parallel' above.")
     image: ImageTowerSpec = Field(default_factory=ImageTowerSpec, description="Image tower options.")
     text: TextTowerSpec = Field(default_factory=TextTowerSpec, description="Text tower options.")
 
@@ -257,52 +253,41 @@ class GradScalerSpec(Section):
 class FsdpSpec(Section):
     wrap: WrapSpec = Field(default_factory=WrapSpec, description="Which modules become FSDP units, per tower.")
     unit_size: AutoOrCount = Field(
-        "auto", description="Consecutive blocks (outermost wrap-class modules) of a tower sharded together as one "
-                            "FSDP unit: fewer, larger units cost less per-unit overhead and a little more memory. "
-                            "'auto': about 400M parameters per unit (measured fastest, docs/performance.md).")
+        "auto", description="Consecutive blocks of a tower sharded together as one FSDP unit. 'auto': about 400M "
+                            "parameters per unit (docs/performance.md).")
     shard_degree: AutoOrCount = Field(
         "auto", description="Ranks per shard group (HSDP): parameters are sharded inside a group and replicated "
-                            "across world size ÷ shard_degree groups; 1 replicates everywhere, the world size is full "
-                            "sharding. A group lies inside a node or spans whole nodes. 'auto': shard inside a node and "
-                            "replicate across nodes; a group of several nodes only when the estimated memory does not "
-                            "fit a GPU (launch.gpu_memory_gib, else the GPU's own memory, at start) with a 10% margin; "
-                            "full sharding when neither is known (CPU).")
+                            "across groups; 1 replicates everywhere, the world size shards fully. 'auto': shard "
+                            "inside a node, over several nodes only where the model would not fit a GPU (full "
+                            "sharding on the CPU).")
     reshard_after_forward: Union[bool, Literal["auto"]] = Field(
         "auto", description="Free unsharded parameters after forward (less memory, one more all-gather in backward). "
-                            "'auto': true, except where compile 'auto' compiles whole towers (towers up to 1B parameters): those "
-                            "stay gathered.")
+                            "'auto': true, except in towers that compile 'auto' compiles whole.")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
     reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")
     cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
     activation_checkpointing: ActivationCheckpointSpec = Field(
-        default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in backward.")
+        default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in "
+                                                              "backward.")
     compile: Union[bool, Literal["auto"]] = Field(
-        "auto", description="torch.compile each module of the FSDP units (static shapes) before sharding; evaluation "
-                            "stays eager. 'auto' (CUDA, OpenCLIP's own blocks; off on CPU and for timm/Hugging Face "
-                            "towers): where each tower's blocks hold at most 1B parameters (default wrap and unit size, no "
-                            "activation checkpointing or offload), the tower's block container as one unit and one "
-                            "graph; in larger towers each block where one block's forward over a micro batch is at "
-                            "least 0.5 TFLOP; otherwise off (docs/performance.md).")
+        "auto", description="torch.compile the modules of the FSDP units before sharding; evaluation stays eager. "
+                            "'auto': on CUDA for OpenCLIP's blocks, whole towers up to 1B parameters, larger ones "
+                            "block by block where a block's work is worth it (docs/performance.md).")
     compile_options: InductorOptions = Field(
         default_factory=dict,
-        description="Inductor options (torch._inductor.config; nested ones dotted, e.g. 'triton.cudagraphs', or as "
-                    "nested objects; '-' or '_') for the compiled modules, as torch.compile's `options`, e.g. "
-                    "{\"coordinate_descent_tuning\": true}; scalar values, checked against the installed torch (its "
-                    "options, their declared types). Some change numerics (e.g. 'emulate_precision_casts').")
+        description="Inductor options of the compiled modules (torch.compile's `options`, nested ones dotted), e.g. "
+                    "{\"coordinate_descent_tuning\": true}; checked against the installed torch.")
     cuda_graph: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Capture each step's forward and backward as one CUDA graph after a warm-up step and replay "
-                            "it: no host work per kernel or per FSDP unit (gradient clipping and the optimizer stay "
-                            "outside); the graph's memory stays held between steps. Needs CUDA, fixed batch shapes, no "
-                            "fp16 loss scaling, CPU offload or patch dropout. 'auto': on for one GPU with OpenCLIP's "
-                            "blocks and no activation checkpointing; off on several GPUs until a run there shows "
-                            "captured collectives (docs/performance.md).")
+        "auto", description="Capture each step's forward and backward as one CUDA graph and replay it, with no host "
+                            "work per kernel; needs CUDA, no fp16 loss scaling, CPU offload or patch dropout. 'auto': "
+                            "on for one GPU with OpenCLIP's blocks and no activation checkpointing "
+                            "(docs/performance.md).")
     direct_attention: bool = Field(
-        True, description="Run nn.MultiheadAttention's common case (OpenCLIP's blocks) straight through "
-                          "scaled_dot_product_attention: the same function, parameters and names, less Python.")
+        True, description="Run nn.MultiheadAttention's common case straight through scaled_dot_product_attention: the "
+                          "same function, parameters and names.")
     direct_patch_embedding: bool = Field(
-        True, description="Run a patch embedding (a Conv2d over the image whose stride is its kernel: a ViT's conv1) as "
-                          "one matmul over the image's patches: the same function, parameters and names; cuDNN's "
-                          "convolution kernels for these shapes are slow on the GPU (docs/performance.md).")
+        True, description="Run a ViT's patch embedding (a Conv2d whose stride is its kernel) as one matmul: the same "
+                          "function, parameters and names, faster on the GPU (docs/performance.md).")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
     @property
@@ -321,7 +306,8 @@ class FsdpSpec(Section):
 class TowerFreezeSpec(Section):
     blocks: Optional[str] = Field(
         None, description="Python slice of the tower's blocks to freeze, e.g. '0:-1' (all but the last), ':' (all).")
-    embeddings: bool = Field(False, description="Freeze the parts before the blocks (patch/token and position embeddings).")
+    embeddings: bool = Field(False, description="Freeze the parts before the blocks (patch/token and position "
+                                                "embeddings).")
     head: bool = Field(False, description="Freeze the parts after the blocks (final norms, pooling, projection).")
 
     @field_validator("blocks")
@@ -344,7 +330,8 @@ class FreezeSpec(Section):
 class DecayRule(Section):
     pattern: Optional[str] = Field(
         None, description="Regex searched in the original (unwrapped) parameter name, e.g. 'visual\\.proj$'.")
-    max_ndim: Optional[int] = Field(None, ge=0, description="Only tensors with at most this many dims (1: biases, norms).")
+    max_ndim: Optional[int] = Field(None, ge=0, description="Only tensors with at most this many dims (1: biases, "
+                                                            "norms).")
     weight_decay: float = Field(description="Weight decay for the parameters this rule matches first.", ge=0.0)
 
     @model_validator(mode="after")
@@ -375,8 +362,9 @@ DEFAULT_DECAY_RULES = [
 
 class LayerDecaySpec(Section):
     image: Optional[float] = Field(
-        None, gt=0, le=1, description="Layer-wise LR decay of the image tower (open_clip_train's --image-layer-decay): "
-                                      "each layer's LR is the schedule's × decay^(its depth below the head).")
+        None, gt=0, le=1, description="Layer-wise LR decay of the image tower (open_clip_train's "
+                                      "--image-layer-decay): each layer's LR is the schedule's × decay^(its depth "
+                                      "below the head).")
     text: Optional[float] = Field(
         None, gt=0, le=1, description="Layer-wise LR decay of the text tower (open_clip_train's --text-layer-decay).")
 
@@ -389,21 +377,17 @@ class OptimizerSpec(Section):
     grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the global gradient norm to this value.")
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip", description="A step whose gradient norm is not finite: 'skip' it (weights untouched, counted in "
-                            "metrics) or 'stop' the run, keeping the last good checkpoint (fp16: the grad scaler "
-                            "handles overflow instead).")
+                            "metrics) or 'stop' the run at its last good checkpoint (fp16: the grad scaler handles "
+                            "it).")
     decay_rules: list[DecayRule] = Field(
         default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
-        description="Ordered weight-decay rules over the original parameter names; the first match wins, "
-                    "unmatched parameters get `weight_decay`. Default: open_clip_train's, no decay for tensors of "
-                    "fewer than 2 dims and names containing 'bn', 'ln', 'bias' or 'logit_scale'.")
+        description="Ordered weight-decay rules over the original parameter names; the first match wins, unmatched "
+                    "parameters get `weight_decay`. Default: open_clip_train's (no decay for tensors under 2 dims and "
+                    "names with 'bn', 'ln', 'bias' or 'logit_scale').")
     layer_decay: LayerDecaySpec = Field(
         default_factory=LayerDecaySpec,
         description="Layer-wise LR decay per tower by OpenCLIP main's layer_groups, the top group at the schedule's "
-                    "LR: a ViT's or text transformer's embeddings, each block (the final norm with the last), the "
-                    "projection; a ModifiedResNet's stem, 4 stages, attention pool; a timm trunk's groups by timm's "
-                    "group_matcher, then OpenCLIP's head; a Hugging Face encoder's embeddings, each layer, the pooler "
-                    "with the projection. Parameters in no group, the temperature and an undecayed tower keep the "
-                    "schedule's LR; a tower main has no groups for is refused.")
+                    "LR (docs/options.md lists each tower's groups).")
 
     @field_validator("betas")
     @classmethod
@@ -464,17 +448,13 @@ DataSpec = tagged_union("source", DEFAULT_SOURCE, DATA_SOURCES.specs())  # one o
 # ------------------------------------------------------------------------- batch
 class BatchSpec(Section):
     per_gpu: AutoOrCount = Field(
-        description="Micro batch per GPU (per process) and forward. 'auto' (CUDA only): at start the trainer probes "
-                    "real steps from the memory estimate `validate` shows, keeps 90% of the largest batch that fits "
-                    "on every rank (a multiple of 8; where torch's FSDP cannot recover from running out of memory, "
-                    "of the largest its measured peaks predict under 90% of the GPU's memory) and records it in the "
-                    "run directory (auto_batch.json) for relaunches.")
+        description="Micro batch per GPU (per process) and forward. 'auto' (CUDA only): probed with real steps at "
+                    "start, 90% of the largest batch that fits, recorded in the run directory for relaunches.")
     grad_accum: int = Field(1, gt=0, le=MAX_COUNT, description="Micro batches accumulated per optimizer step (with "
-                                                              "per_gpu 'auto' and global_batch: set by the search).")
+                                                               "per_gpu 'auto' and global_batch: set by the search).")
     global_batch: Optional[int] = Field(
-        None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
-                                "per_gpu × grad_accum × world size (per_gpu 'auto': a divisor of global_batch ÷ world "
-                                "size, the rest accumulated).")
+        None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal per_gpu × grad_accum "
+                                "× world size (with per_gpu 'auto', what the batch leaves is accumulated).")
 
     @property
     def searched(self) -> bool:
@@ -510,34 +490,28 @@ class EvalSpec(eval_task_lists()):
 class CheckpointSpec(Section):
     every_steps: Optional[int] = Field(None, gt=0, description="Save a sharded checkpoint every N optimizer steps.")
     every_minutes: Optional[float] = Field(
-        None, gt=0, description="Save a sharded checkpoint once N minutes of training (fractions allowed) have passed "
-                                "since the last save or the start, on rank 0's clock, at the next stop check (about "
-                                "10 s or 10 steps apart); with every_steps, whichever comes first.")
+        None, gt=0, description="Save a sharded checkpoint once N minutes of training have passed since the last save "
+                                "or the start (checked about every 10 s); with every_steps, whichever comes first.")
     at_end: bool = Field(True, description="Save after the last step.")
     keep: int = Field(2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
     resume: Optional[str] = Field(
-        "latest", description="'latest': resume from the newest complete checkpoint of the run, if any (with "
-                              "`remote`, the remote copy's newest where no local one is as new); a path or a URL "
-                              "(s3://, gs://: a checkpoint, or a folder of them for its latest): resume from that "
-                              "checkpoint; null: always start fresh.")
+        "latest", description="'latest': resume from the run's newest complete checkpoint, if any (local or "
+                              "`remote`); a path or a URL: resume from that checkpoint, or the latest in that folder; "
+                              "null: always start fresh.")
     accept_changes: bool = Field(
-        False, description="Resume even where this spec changes the run the checkpoint's spec would go on with: its "
-                           "global batch, its length in steps or the LR of the step it resumes at (`validate` and "
-                           "`launch` print each; `--accept-changes` sets it). A relaunch on another world size keeps "
-                           "the global batch without it where the ranks divide it.")
+        False, description="Resume even where this spec changes the checkpoint's run: its global batch, its length in "
+                           "steps or the LR where it resumes (`--accept-changes` sets it).")
     async_save: Union[bool, Literal["auto"]] = Field(
         "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
-                            "when the host copies of a node's ranks take at most a quarter of its memory.")
+                            "where the host copies of a node's ranks fit in a quarter of its memory.")
     remote: Optional[str] = Field(
-        None, description="A folder URL in object storage (s3://bucket/path, gs://bucket/path; any fsspec URL but "
-                          "memory://) that mirrors the run's checkpoints: each complete one uploaded in the background "
-                          "by rank 0, `latest` last, `keep` applied there too; a launch whose run directory holds no "
-                          "checkpoint as new resumes from it. Needs `pip install 'fsdpclip[remote]'` (gcsfs for gs://).")
+        None, description="A folder URL in object storage (s3://, gs://; any fsspec URL but memory://) that mirrors "
+                          "the run's checkpoints, and that a launch resumes from where it holds a newer one. Needs "
+                          "the `remote` extra (gcsfs for gs://).")
     remote_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the fsspec filesystem of `remote` and of a URL in "
-                                          "`resume`, e.g. {\"endpoint_url\": \"http://minio:9000\"} for s3fs; "
-                                          "credentials come from the environment (AWS_*, Google's default "
-                                          "credentials), not the spec.")
+                                          "`resume`, e.g. {\"endpoint_url\": \"http://minio:9000\"}; credentials come "
+                                          "from the environment, not the spec.")
 
     @field_validator("remote")
     @classmethod
@@ -564,7 +538,8 @@ WANDB_PROJECT_REFUSES = "/\\#?%:"
 
 class WandbSpec(Section):
     project: Optional[str] = Field(None, max_length=128, description="W&B project (default: W&B's own, or "
-                                   "WANDB_PROJECT): at most 128 characters, none of / \\ # ? % :, as W&B requires.")
+                                                                     "WANDB_PROJECT): at most 128 characters, none of "
+                                                                     "/ \\ # ? % :, as W&B requires.")
     entity: Optional[str] = Field(None, description="W&B team or user (default: the logged-in user's).")
     name: Optional[str] = Field(None, description="Display name of the W&B run; default: run.name.")
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
@@ -597,27 +572,26 @@ class LaunchOptions(Section):
 
     nodes: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Number of nodes (nodes × gpus_per_node at most 2^20).")
     gpus_per_node: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Processes per node: one per GPU (or CPU "
-                                                                     "processes with device 'cpu').")
+                                                                       "processes with device 'cpu').")
     device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
     gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
-                                            "and to choose fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
+                                                                    "and to settle fsdp.shard_degree 'auto' by "
+                                                                    "(default: the GPU's own, at start).")
     host_memory_gib: Optional[float] = Field(
-        None, gt=0, description="Host memory of one node, to check the host estimate against (rank processes, "
-                                "offloaded state, initial weights); default: the memory of the machine validating, "
-                                "when it checks paths (it is then taken to be a node).")
+        None, gt=0, description="Host memory of one node, to check the host estimate against; default: the memory of "
+                                "the machine validating, when it checks paths.")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
     collective_timeout_s: int = Field(
         1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
     env: dict[str, OneLine] = Field(default_factory=dict,
                                     description="Environment variables for every rank (e.g. NCCL_*).")
     fork_ranks: bool = Field(
-        True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and OpenCLIP "
-                          "to validate the spec: they start without importing them again (~10 s sooner on the GPU "
-                          "hosts). New interpreters (as under Slurm) when false, and where env sets a variable read "
-                          "when a process loads (PYTHON*, LD_*, GLIBC_TUNABLES, MALLOC_*) or NVML sees no GPU.")
+        True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and "
+                          "OpenCLIP already, so that they start sooner. false, or env setting a variable read when a "
+                          "process loads (PYTHON*, LD_*, MALLOC_*), starts new interpreters.")
     ssh_options: list[OneLine] = Field(
         default_factory=list, description="Options of the ssh that `launch --hostfile` starts each host with, before "
-                                          "the host (~/.ssh/config applies too), e.g. ['-p', '2222'].")
+                                          "the host, e.g. ['-p', '2222'].")
 
     @field_validator("env")
     @classmethod

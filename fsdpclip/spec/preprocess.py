@@ -40,7 +40,7 @@ class PreprocessSpec(Section):
                           "the aspect ratio); default: the model's ('shortest').")
     crop_scale: Optional[tuple[float, float]] = Field(
         None, description="Training's random resized crop: the range of the crop's area as a share of the image "
-                          "(OpenCLIP's default (0.9, 1.0); fine-tuning recipes often use (0.08, 1.0)).")
+                          "(OpenCLIP's default (0.9, 1.0)).")
     color_jitter: Optional[ColorJitterSpec] = Field(None, description="Random colour jitter in training "
                                                                       "(torchvision's ColorJitter); default none.")
     grayscale_prob: Optional[float] = Field(None, ge=0, le=1, description="Chance that a training image is made "
