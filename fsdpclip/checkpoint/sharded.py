@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.utils._pytree import tree_flatten
 
 from fsdpclip.checkpoint.layout import (
-    CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, DiskFull, checkpoint_name, complete_checkpoints, first_failure, publish,
-    rank_file, read_meta, read_rank_state, resume_candidates,
+    CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, DiskFull, checkpoint_name, complete_checkpoints, first_failure,
+    publish, rank_file, read_meta, read_rank_state, resume_candidates,
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
 from fsdpclip.checkpoint.remote import RemoteFolder, Uploads, fetch_resume

@@ -82,7 +82,8 @@ def _aligned(nbytes: int) -> int:
 def host_copy_bytes(model: nn.Module, trained: list[torch.Tensor]) -> int:
     """The bytes a host copy of `get_state_dict(model, optimizer)` takes on this rank, counted before AdamW has
     state: the model's tensors, and two moments and a step per trained parameter (local shards, each aligned)."""
-    model_bytes = sum(_aligned(local_shard(t).nbytes) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    model_bytes = sum(_aligned(local_shard(t).nbytes) for t in model.state_dict().values()
+                      if isinstance(t, torch.Tensor))
     return model_bytes + sum(2 * _aligned(local_shard(p).nbytes) + ALIGN for p in trained) + 2 ** 20
 
 
@@ -152,7 +153,8 @@ class HostCopy:
             tensor = torch.frombuffer(raw, dtype=local.dtype, count=local.numel(), offset=offset).view(local.shape) \
                 if local.numel() else torch.empty(local.shape, dtype=local.dtype)
             offset += _aligned(local.nbytes)
-            # As torch.distributed's own state-dict copies do: DTensor.from_local would move a CPU shard to the mesh's device.
+            # As torch.distributed's own state-dict copies do: DTensor.from_local would move a CPU shard to the
+            # mesh's device.
             carved.append(DTensor(tensor, leaf._spec, requires_grad=False) if isinstance(leaf, DTensor) else tensor)
         return tree_unflatten(carved, layout)
 

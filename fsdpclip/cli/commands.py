@@ -28,8 +28,8 @@ def _print_version(value: bool) -> None:
 
         from fsdpclip import __version__
 
-        console.print(f"fsdpclip {__version__} (open_clip_torch {version('open_clip_torch')}, torch {version('torch')})",
-                      highlight=False)
+        console.print(f"fsdpclip {__version__} (open_clip_torch {version('open_clip_torch')}, "
+                      f"torch {version('torch')})", highlight=False)
         raise typer.Exit()
 
 
@@ -371,7 +371,7 @@ def _with_progress(total: int, unit: str, write) -> object:
     except KeyboardInterrupt:
         err_console.print("[red]✗[/red] interrupted: the shards written whole are kept; the same command goes on "
                           "from them", highlight=False)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
 
 
 SIZE_HELP = "Short side to shrink images to, in pixels (or --model / --job)."

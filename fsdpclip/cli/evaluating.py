@@ -24,12 +24,15 @@ class EvalPrecision(str, Enum):
 
 
 def eval_command(
-    checkpoint: Path = typer.Argument(..., help="A run or checkpoint directory, an exported OpenCLIP file or local-dir."),
+    checkpoint: Path = typer.Argument(
+        ..., help="A run or checkpoint directory, an exported OpenCLIP file or local-dir."),
     data: Optional[Path] = typer.Option(None, "--data", help="Its folder: class folders, or CLIP_benchmark shards."),
     model: Optional[str] = typer.Option(None, "--model", help="OpenCLIP name, for an exported file."),
-    model_config: Optional[Path] = typer.Option(None, "--model-config", help="Model-config JSON, for an exported file."),
+    model_config: Optional[Path] = typer.Option(
+        None, "--model-config", help="Model-config JSON, for an exported file."),
     classnames: Optional[Path] = typer.Option(None, "--classnames", help="One class name per line (folder sets)."),
-    templates: Optional[str] = typer.Option(None, "--templates", help="'openai', 'simple' or a file of '{c}' templates."),
+    templates: Optional[str] = typer.Option(
+        None, "--templates", help="'openai', 'simple' or a file of '{c}' templates."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Images per forward and process."),
     workers: Optional[int] = typer.Option(None, "--workers", min=0,
                                           help="Data loading workers per process (default: up to 4, one per core)."),
@@ -165,7 +168,8 @@ def export(
 
 def import_command(
     checkpoint: Path = typer.Argument(..., help="open_clip_train's epoch_N.pt or epoch_latest.pt."),
-    job_file: Path = typer.Argument(..., help="The job spec that continues it (its run directory holds no checkpoint)."),
+    job_file: Path = typer.Argument(
+        ..., help="The job spec that continues it (its run directory holds no checkpoint)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set batch.per_gpu=64."),
 ) -> None:
     """Continue an open_clip_train run: write its checkpoint (weights, AdamW moments, step) into the job's run

@@ -195,7 +195,8 @@ def _fetch_published(model: ModelSpec) -> None:
 
 def fetch(
     name: str = typer.Argument(..., help="OpenCLIP architecture, e.g. ViT-B-32."),
-    tag: str = typer.Argument(..., help="Its published weights, e.g. laion2b_s34b_b79k (fsdpclip models --pretrained)."),
+    tag: str = typer.Argument(
+        ..., help="Its published weights, e.g. laion2b_s34b_b79k (fsdpclip models --pretrained)."),
 ) -> None:
     """Download OpenCLIP's published weights into the Hugging Face cache (HF_HOME), for model.pretrained."""
     from fsdpclip.model.published import fetch as fetch_weights

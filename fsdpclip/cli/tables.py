@@ -128,7 +128,8 @@ def mesh_line(world: int, mesh: dict) -> str:
 def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
     """One row per strategy, marking the degree 'auto' takes, the spec's, the fastest that fits and
     what does not fit."""
-    table = Table(title=f"{escape(job.model.name or job.model.config)}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
+    model = job.model.name or job.model.config or job.model.label  # a composed model has neither name nor config
+    table = Table(title=f"{escape(model)}: {plan.nodes} node(s) × {plan.gpus_per_node} GPUs, "
                         f"{job.batch.per_gpu * job.batch.grad_accum} samples per GPU and step")
     offload = job.fsdp.cpu_offload  # the host's share then changes with the degree
     for column in ("strategy", "shard group", "replicas", "memory GiB/GPU", *(("host GiB/node",) if offload else ()),
@@ -137,7 +138,8 @@ def plan_table(job: "Job", plan: "Plan", capacity_gib: float) -> Table:
     fitting = [r.samples_per_s_per_gpu for r in plan.rows if r.memory_gib <= capacity_gib]
     best = max(fitting) if fitting else None
     for row in plan.rows:
-        marks = [m for m, on in (("auto", row.degree == plan.auto_degree), ("spec", row.degree == job.fsdp.shard_degree),
+        marks = [m for m, on in (("auto", row.degree == plan.auto_degree),
+                                 ("spec", row.degree == job.fsdp.shard_degree),
                                  ("fastest", row.samples_per_s_per_gpu == best),
                                  ("does not fit", row.memory_gib > capacity_gib)) if on]
         memory = f"{row.memory_gib:.1f}"
@@ -203,7 +205,8 @@ def environment_table(found: dict) -> Table:
     torch = found["torch"]
     rows = [("fsdpclip", found["fsdpclip"]), ("python", f"{found['python']} ({found['platform']})"),
             *found["packages"].items(), *found["extras"].items(),
-            ("CUDA (torch)", f"{torch['cuda'] or 'none'} ({'available' if torch['cuda_available'] else 'not available'})"),
+            ("CUDA (torch)",
+             f"{torch['cuda'] or 'none'} ({'available' if torch['cuda_available'] else 'not available'})"),
             ("NCCL (torch)", torch["nccl"] or "none")]
     gpus = found["gpus"]
     rows.append(("GPUs", f"{gpus['count']}: {gpus['source']}"))

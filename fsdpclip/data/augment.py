@@ -131,7 +131,7 @@ def crop_box(crop, height: int, width: int, seed: int) -> tuple[int, int, int, i
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_ratio(ratio: tuple[float, float]) -> list[float]:
     """The aspect ratio range's logarithms, as get_params takes them (float32)."""
     return torch.log(torch.tensor(ratio, dtype=torch.float32)).tolist()

@@ -32,7 +32,8 @@ def loader(data: Dataset, batch_size: Optional[int], workers: int, collate: Opti
     if isinstance(data, Shards):
         workers = min(workers, len(data.shards))
     batches = iter(DataLoader(data, batch_size=batch_size, num_workers=workers, collate_fn=collate,
-                              worker_init_fn=WorkerStart(), multiprocessing_context=worker_context() if workers else None))
+                              worker_init_fn=WorkerStart(),
+                              multiprocessing_context=worker_context() if workers else None))
     try:
         for batch in batches:
             if isinstance(batch, DatasetError):  # passed on by a data worker (see Shards)

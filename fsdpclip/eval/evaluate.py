@@ -105,8 +105,8 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
 def evaluate_checkpoint(path: Path, spec, model_name: Optional[str],
                         model_config: Optional[str], precision: str, batch_size: int, workers: Optional[int],
                         progress: Callable[[str, Optional[int]], Callable[[int], None]]) -> Optional[dict]:
-    """The metrics of a checkpoint on the set `spec` describes (its task's), as CLIP_benchmark records them (with the counts of
-    images and captions), on one process or sharded over the ranks torchrun started (every rank calls
+    """The metrics of a checkpoint on the set `spec` describes (its task's), as CLIP_benchmark records them (with the
+    counts of images and captions), on one process or sharded over the ranks torchrun started (every rank calls
     it; the record comes back on rank 0, None elsewhere).
 
     `progress(set name, images or None)` is called once and returns a callback taking images done."""

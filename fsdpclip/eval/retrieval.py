@@ -88,7 +88,8 @@ class RetrievalTask(EvalTask):
     def table(self, metrics: dict) -> tuple[list[str], list[list[str]]]:
         """recall@k a row per direction."""
         return (["", *(f"recall@{k}" for k in RECALL_K)],
-                [[direction, *(f"{v:.4f}" for v in values)] for direction, values in recalls_by_direction(metrics).items()])
+                [[direction, *(f"{v:.4f}" for v in values)]
+                 for direction, values in recalls_by_direction(metrics).items()])
 
 
 @dataclass

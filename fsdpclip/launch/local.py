@@ -199,7 +199,7 @@ def job_environment(job: Job) -> dict[str, str]:
 def torchrun_environment(job: Job, token: str, fork_ranks: bool) -> dict[str, str]:
     """What torchrun and the ranks of this node start with: the job's environment, the launch's lock token, this
     process as the launcher they outlive only to stop (LAUNCHER_ENV), and what forked ranks need."""
-    return {**job_environment(job), LOCK_TOKEN_ENV: token, LAUNCHER_ENV: "%d:%d" % process_identity(),
+    return {**job_environment(job), LOCK_TOKEN_ENV: token, LAUNCHER_ENV: "{}:{}".format(*process_identity()),
             **forking_environment(job, fork_ranks)}
 
 

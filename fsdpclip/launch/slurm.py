@@ -177,7 +177,7 @@ while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done  # a trapped
 code=$({{python}} -m fsdpclip.run.reports "$run_dir" "${{launch_time}}" "$status" 2>/dev/null)
 {{requeue}}
 exit "${code:-$status}"
-"""
+"""  # noqa: E501 (the script's echo line)
 
 SBATCH_TRAP = r"""
 # Preemption or the time limit: Slurm sends USR1 to this script only (--signal=B:USR1@S). It becomes

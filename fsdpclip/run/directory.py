@@ -23,7 +23,8 @@ files' handling in `run.files`. Names alone, no torch: the launcher imports it b
 
 from __future__ import annotations
 
-JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES, LOCK_FILE, STOP_FILE = "job.json", "exit.json", "logs", "launches", "lock", "stop"
+JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES = "job.json", "exit.json", "logs", "launches"
+LOCK_FILE, STOP_FILE = "lock", "stop"
 WANDB_ID_FILE, IMPORT_FILE, AUTO_BATCH_FILE = "wandb-id", "imported.json", "auto_batch.json"
 # How a run ends (the trainer's exit code, in exit.json): fsdpclip.train.entry says when each is used.
 EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED = 0, 1, 2, 65, 74, 75

@@ -265,7 +265,8 @@ class FsdpSpec(Section):
                             "'auto': true, except in towers that compile 'auto' compiles whole.")
     param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
     reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")
-    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    cpu_offload: bool = Field(
+        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
     activation_checkpointing: ActivationCheckpointSpec = Field(
         default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in "
                                                               "backward.")
@@ -624,9 +625,11 @@ class Job(Section):
     schema_ref: Optional[str] = Field(None, alias="$schema", description="JSON Schema reference for editors; ignored.")
     run: RunSpec = Field(default_factory=RunSpec, description="Run name, output directory and seed.")
     model: ModelSpec = Field(description="The OpenCLIP model and its towers.")
-    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Sharding, precision, offload, checkpointing, compile.")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec,
+                           description="Sharding, precision, offload, checkpointing, compile.")
     freeze: FreezeSpec = Field(default_factory=FreezeSpec, description="Frozen ranges of either tower.")
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW, clipping and weight-decay rules.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec,
+                                     description="AdamW, clipping and weight-decay rules.")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Training length and LR schedule.")
     data: DataSpec = Field(description="Training data: webdataset shards or a synthetic source.")
     batch: BatchSpec = Field(description="Batch sizes and gradient accumulation.")

@@ -159,7 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_NO_SPACE
         lost = lost_peer(exc)
         if lost:  # another rank's end, which the launcher names: one line here, no traceback
-            print(f"fsdpclip.train.entry: rank {env.rank} lost its connection to another rank ({lost})", file=sys.stderr)
+            print(f"fsdpclip.train.entry: rank {env.rank} lost its connection to another rank ({lost})",
+                  file=sys.stderr)
             signals.wait(PEER_GONE_GRACE_S)
             return EXIT_CRASH
         raise

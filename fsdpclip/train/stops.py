@@ -97,5 +97,6 @@ class StopChecks:
         """Rank 0 writes exit.json; every rank waits for it, so that none ends (and has torchrun stop the
         others) before the report is written."""
         if self.env.is_main:
-            write_exit_report(self.job.run_dir, code, message, self.step, str(latest_checkpoint(self.job.run_dir) or ""))
+            write_exit_report(self.job.run_dir, code, message, self.step,
+                              str(latest_checkpoint(self.job.run_dir) or ""))
         dist.barrier()

@@ -424,7 +424,8 @@ def _check_cuda_graph(job: Job, report: Report) -> None:
         report.error("fsdp.cuda_graph", "cannot capture a step with CPU offload (it waits for the host)", True,
                      hint="leave it 'auto' or turn fsdp.cpu_offload off")
     if fsdp.scales_loss:
-        report.error("fsdp.cuda_graph", "not supported with fp16 loss scaling", True, hint="leave it 'auto' or use bf16")
+        report.error("fsdp.cuda_graph", "not supported with fp16 loss scaling", True,
+                     hint="leave it 'auto' or use bf16")
 
 
 def _check_compile_options(job: Job, report: Report) -> None:

@@ -8,7 +8,9 @@ from typing import Callable, Optional, TypeVar
 
 from fsdpclip.model.build import Tower, build_tokenizer, find_towers, model_config, model_from_config, \
     original_shapes, text_shape, training_config
-from fsdpclip.model.published import FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem
+from fsdpclip.model.published import (
+    FETCH_HINT, cached_weights, hub_cache, hub_offline, quick_gelu_mismatch, tag_problem,
+)
 from fsdpclip.model.towers import hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
@@ -128,7 +130,8 @@ def _check_text_input(job: Job, cfg: dict, model, report: Report) -> bool:
         tokenizer = build_tokenizer(cfg).tokenizer
     except (OSError, ValueError, TypeError, KeyError) as exc:
         report.error(location, f"no usable tokenizer there: {str(exc).strip()[:200]}",
-                     cfg["text_cfg"]["hf_tokenizer_name"], hint="save the tokenizer (save_pretrained) beside config.json")
+                     cfg["text_cfg"]["hf_tokenizer_name"],
+                     hint="save the tokenizer (save_pretrained) beside config.json")
         return False
     if len(tokenizer) > vocab:
         report.error(location, f"its tokenizer has {len(tokenizer):,} tokens, more than the model's vocab_size "
@@ -154,7 +157,8 @@ def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
                     ok = False
                     near = closest(cls, existing)
                     report.error(f"{location}[{i}]", f"no module of class '{cls}' in the {name} tower", cls,
-                                 (f"did you mean '{near}'? " if near else "") + f"block classes: {', '.join(block_like)}")
+                                 (f"did you mean '{near}'? " if near else "")
+                                 + f"block classes: {', '.join(block_like)}")
         if not wrap_classes(job.fsdp, tower):
             report.warn(f"fsdp.wrap.{name}", f"the {name} tower has no known block class: it is sharded with the "
                         "root as one unit", hint=f"name its block class; classes: {', '.join(existing[:12])}")

@@ -104,7 +104,8 @@ def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
     chosen = job.fsdp.shard_degree
     try:
         degree = resolve_shard_degree(chosen, world, per_node,
-                                      lambda: auto_shard_degree(memory, world, per_node, limit * GIB if limit else None))
+                                      lambda: auto_shard_degree(memory, world, per_node,
+                                                                limit * GIB if limit else None))
     except ShardDegreeError:  # said by check_job, whether the model builds or not
         return world
     if chosen != "auto" and limit is not None and memory.estimate(world, chosen).total > limit * GIB:
@@ -113,7 +114,8 @@ def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
         if fitting:
             report.error("fsdp.shard_degree", f"estimated peak {memory.estimate(world, chosen).total / GIB:.1f} GiB "
                          f"per GPU with groups of {chosen} exceeds launch.gpu_memory_gib {limit:g}", chosen,
-                         hint=f"shard_degree {fitting[0]} fits ({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
+                         hint=f"shard_degree {fitting[0]} fits "
+                              f"({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
     return degree
 
 
@@ -152,7 +154,8 @@ def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_machin
                                                   if job.fsdp.cpu_offload else "")
     if severity == "warning":
         hint += "; where the nodes are other machines, set launch.host_memory_gib to their memory"
-    (report.error if severity == "error" else report.warn)(location, f"estimated host memory of the first node {gib['total']:.1f} GiB ({gib['ranks']} rank "
+    (report.error if severity == "error" else report.warn)(
+        location, f"estimated host memory of the first node {gib['total']:.1f} GiB ({gib['ranks']} rank "
                  f"processes {gib['processes']:.1f}, offloaded state {gib['offloaded_state']:.1f}, initial weights "
                  f"{gib['initial_weights']:.1f}) exceeds {where} {limit:.1f} GiB", job.launch.host_memory_gib,
                  hint=hint)
