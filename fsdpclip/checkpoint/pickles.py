@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -83,9 +83,9 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self) -> dcp_metadata.Metadata:
         metadata = read_dcp_metadata(Path(self.path) / ".metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -135,7 +135,7 @@ def unadmitted_global(source) -> Optional[str]:
         for opcode, argument, _ in pickletools.genops(file):
             if opcode.name == "GLOBAL":
                 pushed.append(None)
-                name = argument.replace(" ", ".", 1)
+                name = str(argument).replace(" ", ".", 1)
             elif opcode.name == "STACK_GLOBAL" and len(pushed) >= 2 and None not in pushed[-2:]:
                 name = f"{pushed[-2]}.{pushed[-1]}"
             elif opcode.name == "MEMOIZE" and pushed:

@@ -134,7 +134,7 @@ class Checkpointer:
         """The bytes checkpoint `final` will take (every rank's shards, and a margin for the rank and metadata
         files); DiskFull on every rank, before anything is written, when rank 0 finds less free on its disk."""
         local = sum(tensor.nbytes for tensor in local_tensors(state))
-        found = [None] * self.world_size
+        found: list = [None] * self.world_size
         dist.all_gather_object(found, (local, disk_free(self.root) if self.rank == 0 else 0))
         needed = int(sum(size for size, _ in found) * 1.01) + self.world_size * 2 ** 16 + 2 ** 20
         free = found[0][1]
@@ -161,6 +161,7 @@ class Checkpointer:
             state = self.host.copy(state)
             if device is not None:
                 torch.cuda.current_stream(device).synchronize()
+        assert self.writer is not None  # made with the group, above
         return self.writer.submit(write_staged, state, copied, self.host, checkpoint_id, self.async_group)
 
     def _staging_place(self, state: dict, device: Optional[torch.device]) -> str:
@@ -239,7 +240,8 @@ class Checkpointer:
         Rank 0 decides and every rank follows: ranks looking on their own could see different
         checkpoints on a shared filesystem whose caches lag. Rank 0 first downloads what object storage holds
         for the resume (`fetch_resume`); the other ranks wait for it within the collective timeout."""
-        chosen = [([], [], None)]  # (candidates, warnings, why none can be used)
+        # (candidates, warnings, why none can be used)
+        chosen: list[tuple[list, list, Optional[str]]] = [([], [], None)]
         if self.rank == 0:
             try:
                 chosen[0] = (*resume_candidates(self.root.parent, fetch_resume(self.root.parent, self.spec)), None)
@@ -266,7 +268,7 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         try:
-            dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner())  # pyright: ignore[reportPrivateImportUsage]  (torch re-exports it without __all__)
         except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
             raise CheckpointError(f"{checkpoint} cannot be read: {first_failure(exc)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -280,7 +282,7 @@ class Checkpointer:
             states = [read_rank_state(rank_file(checkpoint, rank)) for rank in ranks]
         except CheckpointError as exc:
             problem = str(exc)
-        problems = [None] * self.world_size
+        problems: list[Optional[str]] = [None] * self.world_size
         dist.all_gather_object(problems, problem)
         first = next((p for p in problems if p is not None), None)
         if first is not None:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
@@ -163,7 +163,7 @@ class HostCopy:
         slower."""
         cudart = torch.cuda.cudart()
         for start, end in ranges:
-            if end > start and int(cudart.cudaHostRegister(start, end - start, 0)) == 0:
+            if end > start and int(cudart.cudaHostRegister(start, end - start, 0)) == 0:  # pyright: ignore[reportOptionalMemberAccess]  (set once CUDA is initialised)
                 self.locked.append(start)
         if not self.locked:
             log.warning("asynchronous checkpoints: host memory could not be page-locked; copies to the host are "
@@ -175,7 +175,7 @@ class HostCopy:
             self.reserving.join()
         cudart = torch.cuda.cudart() if self.locked else None
         for address in self.locked:
-            cudart.cudaHostUnregister(address)
+            cudart.cudaHostUnregister(address)  # pyright: ignore[reportOptionalMemberAccess]  (set once CUDA is initialised)
         self.locked, self.state, self.buffer, self.reserving = [], None, None, None
 
 
@@ -229,7 +229,8 @@ class JoinedWriter(FileSystemWriter):
 
 def write_dcp(state: dict, checkpoint_id: str, group=None) -> None:
     """DCP's save of `state` into directory `checkpoint_id`, written by `write_threads()` threads."""
-    dcp.save(state, storage_writer=JoinedWriter(checkpoint_id, thread_count=write_threads()), process_group=group)
+    dcp.save(state, storage_writer=JoinedWriter(checkpoint_id, thread_count=write_threads()),  # pyright: ignore[reportPrivateImportUsage]
+             process_group=group)  # (torch re-exports dcp.save without __all__)
 
 
 def write_staged(state: dict, copied: Optional[torch.cuda.Event], host: HostCopy, checkpoint_id: str,

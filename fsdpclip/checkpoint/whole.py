@@ -25,6 +25,7 @@ from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
 from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
 from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import SHARED_PARAMETERS
+from fsdpclip.model.build import OpenClip
 
 
 def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
@@ -39,7 +40,8 @@ def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.opti
         model_state, optim_state = get_state_dict(model, optimizer)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), no_dist=True)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial),  # pyright: ignore[reportPrivateImportUsage]
+                     no_dist=True)  # (torch re-exports dcp.save without __all__)
         publish(partial, final, {**meta, "step": step, "world_size": 1, "saved_at": time.time()})
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -59,7 +61,8 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tens
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": state}, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
+            dcp.load({"model": state}, storage_reader=SafeReader(str(checkpoint)),  # pyright: ignore[reportPrivateImportUsage]
+                     planner=SafeLoadPlanner(),  # (torch re-exports dcp.load without __all__)
                      no_dist=True)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
         raise CheckpointError(f"{checkpoint} cannot be read: {first_failure(exc)}") from None
@@ -106,7 +109,7 @@ def holds_model_config(path: Path, config: dict) -> bool:
         return False
 
 
-def export_checkpoint(checkpoint: Path, model: nn.Module, out: Path, config: dict, safetensors: bool = False,
+def export_checkpoint(checkpoint: Path, model: OpenClip, out: Path, config: dict, safetensors: bool = False,
                       config_name: Optional[str] = None) -> Path:
     """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.
 

@@ -185,6 +185,7 @@ def _fetch_published(model: ModelSpec) -> None:
         return
     try:
         with console.status(f"fetching the '{model.published_tag}' weights of {model.name}"):
+            assert model.name is not None  # published weights are a named model's (validated)
             file, downloaded = fetch(model.name, model.published_tag)
     except ModelError as exc:
         stop(f"{exc.location}: {model_error_line(exc)}")

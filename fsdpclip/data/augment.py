@@ -51,7 +51,8 @@ class DeviceCrop:
 
     @property
     def size(self) -> tuple[int, int]:
-        return tuple(self.crop.size)
+        height, width = self.crop.size
+        return height, width
 
     def colours(self, height: int, width: int, seed: int) -> Optional[tuple[float, ...]]:
         """An image's colour draws for `coloured` (None without colour augmentations): the jitter's order of
@@ -66,7 +67,7 @@ class DeviceCrop:
             jitter = self.jitter.transf
             with torch.random.fork_rng(devices=[]):
                 torch.default_generator.manual_seed(seed)
-                self.crop.get_params(torch.empty(0, height, width), self.crop.scale, self.crop.ratio)
+                self.crop.get_params(torch.empty(0, height, width), list(self.crop.scale), list(self.crop.ratio))
                 drawn, *drawn_factors = jitter.get_params(jitter.brightness, jitter.contrast, jitter.saturation,
                                                           jitter.hue)
             order = drawn.tolist()
@@ -121,7 +122,7 @@ def crop_box(crop, height: int, width: int, seed: int) -> tuple[int, int, int, i
         w, h = int(round(math.sqrt(target_area * aspect))), int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
             _DRAWS.manual_seed(seed)  # 64-bit draws are two 32-bit ones, the first in the high half
-            pair = torch.empty(attempt + 2, dtype=torch.int64).random_(-2**63, None, generator=_DRAWS)[-1].item()
+            pair = int(torch.empty(attempt + 2, dtype=torch.int64).random_(-2**63, None, generator=_DRAWS)[-1].item())
             return ((pair >> 32) & 0xFFFFFFFF) % (height - h + 1), (pair & 0xFFFFFFFF) % (width - w + 1), h, w
     w, h = width, height
     if width / height < min(crop.ratio):

@@ -27,8 +27,8 @@ def load_sklearn_digits():
         from sklearn.datasets import load_digits
     except ImportError:
         raise RuntimeError("the digits demo needs scikit-learn: pip install 'fsdpclip[demo]'") from None
-    digits = load_digits()
-    return digits.images, digits.target
+    pixels, target = load_digits(return_X_y=True)
+    return pixels.reshape(-1, 8, 8), target  # the 8×8 images (as load_digits().images)
 
 
 def to_jpeg(image: np.ndarray) -> bytes:
@@ -36,7 +36,8 @@ def to_jpeg(image: np.ndarray) -> bytes:
     from PIL import Image
 
     pixels = (np.clip(image, 0, 16) * (255 / 16)).astype(np.uint8)
-    picture = Image.fromarray(pixels, mode="L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR).convert("RGB")
+    picture = Image.fromarray(pixels, mode="L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+    picture = picture.convert("RGB")
     buffer = io.BytesIO()
     picture.save(buffer, format="JPEG", quality=95)
     return buffer.getvalue()
@@ -44,7 +45,7 @@ def to_jpeg(image: np.ndarray) -> bytes:
 
 def write_digits(out_dir: Path, shards: int = 8, held_out: float = 0.2, seed: int = 0) -> dict:
     """Write `shards` training shards and a held-out zero-shot split under `out_dir`."""
-    import webdataset as wds
+    from webdataset.writer import TarWriter  # (webdataset's own stubs leave it out of the package)
 
     images, labels = load_sklearn_digits()
     order = np.random.default_rng(seed).permutation(len(labels))
@@ -56,7 +57,7 @@ def write_digits(out_dir: Path, shards: int = 8, held_out: float = 0.2, seed: in
     for shard, chunk in enumerate(np.array_split(train_idx, shards)):
         path = out_dir / f"train-{shard:06d}.tar"
         partial = path.with_suffix(".tar.partial")
-        with wds.TarWriter(str(partial)) as sink:
+        with TarWriter(str(partial)) as sink:
             for i in chunk:
                 caption = captions.choice(CAPTIONS).format(CLASSNAMES[labels[i]])
                 sink.write({"__key__": f"{i:06d}", "jpg": to_jpeg(images[i]), "txt": caption, "cls": int(labels[i])})

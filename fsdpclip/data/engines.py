@@ -18,7 +18,7 @@ import random
 import signal
 import tempfile
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -47,7 +47,7 @@ def engines_on(requested, device_type: str) -> bool:
     return bool(requested)
 
 
-def _nvimgcodec():
+def _nvimgcodec() -> Any:  # an extension module without type information
     """nvImageCodec, imported with what its extension loader prints about codecs fsdpclip does not use (JPEG
     2000, TIFF: 'Failed to load nvjpeg2k library!') kept off the console, in the log at debug level. Called on
     the main thread before any decoder is made (`missing`), so no other thread's output is caught with it."""
@@ -136,7 +136,7 @@ def decode(jpegs: list[torch.Tensor], device: torch.device) -> list[Optional[tor
             _refused[:] = _refused or [f"{type(exc).__name__}: {exc}"]
             return [None] * len(jpegs)
         try:
-            decoded = _DECODERS[device].decode(jpegs)
+            decoded: list[Optional[torch.Tensor]] = _DECODERS[device].decode(jpegs)
         except Exception as exc:  # one bad batch, or out of memory: these JPEGs go the other way
             log.warning("the JPEG engines could not decode a batch (%s: %s)", type(exc).__name__, exc)
             decoded = [None] * len(jpegs)

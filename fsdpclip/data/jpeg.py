@@ -57,7 +57,7 @@ def read_header(data: bytes) -> Header:
     header = _plain_jpeg_header(data)
     if header is None:
         image = Image.open(io.BytesIO(data))
-        header = Header(image.format, image.mode, image.height, image.width, bool(image.info.get("progressive")),
+        header = Header(image.format or "", image.mode, image.height, image.width, bool(image.info.get("progressive")),
                         image)
     refuse_huge(header.height, header.width)
     return header
@@ -148,8 +148,9 @@ def rgb_pixels(data: bytes, header: Header) -> np.ndarray:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:  # (3, h, w), a view of the decoder's (h, w, 3)
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                               mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
+            decoded = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            assert isinstance(decoded, torch.Tensor)  # one JPEG in, one image out
+            return decoded.permute(1, 2, 0).numpy()
         except RuntimeError:
             pass
     image = header.image(data)

@@ -19,7 +19,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Iterator, Optional
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -107,6 +107,7 @@ class _Reader:
         position = self.position
         if self.resampled:
             return self.stream._drawn_shard(self.logical, position.cursor, self.source)
+        assert self.shards is not None  # not resampled: this pass's shards
         if position.cursor >= len(self.shards):
             if self.pass_samples == 0:
                 raise DataError(f"rank {self.stream.rank}'s data worker {self.logical}: its {len(self.shards)} "
@@ -213,11 +214,12 @@ class ShardStream(IterableDataset):
             self.urls += shard_urls(source.urls)
             self.sources.append(range(start, len(self.urls)))
         self.starts = [shards.start for shards in self.sources]
-        self.names = [source.name for source in mixture]
+        self.names = [source.name or str(i) for i, source in enumerate(mixture)]  # mixture() names each
         self.cumulative_weights = list(itertools.accumulate(source.weight for source in mixture))
         self.image_keys = [k.strip().lower() for k in spec.image_key.split(";")]
         self.epoch, self.worker_offset = 0, 0
         self.resume: dict[int, WorkerPosition] = {}
+        assert spec.samples is not None  # given, or the sources' sum (validated)
         self.batches_per_epoch = batches_per_epoch(spec.samples, world_size, batch_size)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.samples {spec.samples} holds no micro batch of {batch_size} for each of "
@@ -256,7 +258,7 @@ class ShardStream(IterableDataset):
 
     def _restore(self, readers: list[_Reader], refs: list[Ref]) -> list[tuple[Ref, dict]]:
         """A saved shuffle buffer read again (each source's samples by its reader: _Reader.restore), in its order."""
-        wanted = [tuple(ref) for ref in refs]
+        wanted: list[Ref] = [(ref[0], ref[1]) for ref in refs]  # (lists, read back from JSON)
         found: dict[Ref, dict] = {}
         for reader in readers:
             found.update(reader.restore([ref for ref in wanted if self.source_of(ref[0]) == reader.source]))
@@ -267,7 +269,7 @@ class ShardStream(IterableDataset):
         return [(ref, dict(found[ref])) for ref in wanted if ref in found]
 
     def _shard_samples(self, index: int, handler: Callable[[Exception], bool],
-                       wanted: Optional[Callable[[int], bool]] = None) -> Iterator[dict]:
+                       wanted: Optional[Callable[[int], bool]] = None) -> Generator[dict, None, None]:
         """The samples of one shard, in order (broken members and shards go to `handler`; those not
         `wanted` with their keys only: tarshards.shard_samples)."""
         return shard_samples(self.urls[index], handler, wanted)

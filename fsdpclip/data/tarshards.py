@@ -18,7 +18,7 @@ import io
 import lzma
 import re
 import zlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Iterator, Optional
 
 from webdataset.tariterators import base_plus_ext
 
@@ -36,7 +36,7 @@ class TarError(ValueError):
 
 
 def shard_samples(url: str, handler: Callable[[Exception], bool],
-                  wanted: Optional[Callable[[int], bool]] = None) -> Iterator[dict]:
+                  wanted: Optional[Callable[[int], bool]] = None) -> Generator[dict, None, None]:
     """The samples of one shard in order: dicts of `__key__`, `__url__` and each file's lower-cased
     extensions → its bytes. A shard that cannot be opened or read further, and a file whose extension
     the sample already has, go to `handler`, once each, the URL added to the error's arguments; if the
@@ -114,7 +114,7 @@ def _sample_file(name: str) -> Optional[tuple[str, str]]:
     if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
         return None
     key, extension = base_plus_ext(name)
-    return None if key is None else (key, extension.lower())
+    return None if key is None or extension is None else (key, extension.lower())
 
 
 def tar_members(stream, read: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Optional[bytes]]]:

@@ -109,7 +109,7 @@ def cropped(data: bytes, header: Header, crop: DeviceCrop, seed: int) -> Cropped
         from PIL import Image
         from torchvision.transforms.functional import resize
 
-        pixels = np.asarray(resize(Image.fromarray(pixels), list(crop.size), crop.crop.interpolation))
+        pixels = np.asarray(resize(Image.fromarray(pixels), list(crop.size), crop.crop.interpolation))  # pyright: ignore[reportArgumentType]  (PIL images too)
     return CroppedImage(pixels, crop.size, crop.colours(header.height, header.width, seed))
 
 
@@ -234,6 +234,7 @@ class CroppedBatch:
         pixels = coloured(resized_crops(crops.permute(0, 3, 1, 2), self.boxes, self.size), self.colours)
         if self.jpegs is None:
             return pixels
+        assert self.order is not None  # with the JPEGs
         return torch.cat([pixels, decoded_pixels(self.jpegs, device)])[self.order.to(device, non_blocking=True)]
 
 
@@ -263,7 +264,7 @@ def _decode_jpegs(jpegs: list[torch.Tensor], boxes: torch.Tensor, device: torch.
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
-        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+        return list(decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device))  # a list in, a list out
     except RuntimeError:
         decoded = []
         for jpeg, box in zip(jpegs, boxes.tolist()):
@@ -284,7 +285,7 @@ def _on_engines(jpegs: list[torch.Tensor], boxes: torch.Tensor, device: torch.de
     if refused:
         for i, image in zip(refused, _decode_jpegs([jpegs[i] for i in refused], boxes[refused], device)):
             decoded[i] = image
-    return decoded
+    return [image for image in decoded if image is not None]  # (each one decoded now)
 
 
 def _decode_on_host(jpeg: torch.Tensor, box: list[int], refused: Exception) -> torch.Tensor:
@@ -421,7 +422,7 @@ def pooled_batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
             _POOL.append(entry)
     storage, release_flag = entry
     release_flag.zero_()
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape), release_flag
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape), release_flag  # pyright: ignore[reportCallIssue]  (untyped storage)
 
 
 def _to_rgb(step) -> bool:

@@ -50,7 +50,7 @@ class ShardPatterns:
 
         for pattern in self.patterns:
             if index < pattern.count:
-                return braceexpand.escape_re.sub(r"\1", pattern.item(index))
+                return braceexpand.escape_re.sub(r"\1", pattern.item(index))  # pyright: ignore[reportAttributeAccessIssue]  (its stub leaves them out)
             index -= pattern.count
         raise IndexError(index)
 
@@ -129,7 +129,7 @@ def _expression(expression: str) -> Optional[_Choices]:
     comma-separated sequence; None for anything else (kept with its braces)."""
     import braceexpand
 
-    if match := braceexpand.int_range_re.match(expression):
+    if match := braceexpand.int_range_re.match(expression):  # pyright: ignore[reportAttributeAccessIssue]  (its stub leaves them out)
         first, last, step = match.groups()
         padding = max(len(first), len(last)) if any(
             s.startswith(("0", "-0")) for s in (first, last) if s not in ("0", "-0")) else 0
@@ -137,8 +137,8 @@ def _expression(expression: str) -> Optional[_Choices]:
         first, last = int(first), int(last)
         numbers = range(first, last + 1, step) if first < last else range(first, last - 1, -step)
         return _Choices(len(numbers), lambda index: f"%0{padding}d" % numbers[index])
-    if match := braceexpand.char_range_re.match(expression):
-        letters = braceexpand.make_char_range(*match.groups())
+    if match := braceexpand.char_range_re.match(expression):  # pyright: ignore[reportAttributeAccessIssue]  (its stub leaves them out)
+        letters = braceexpand.make_char_range(*match.groups())  # pyright: ignore[reportAttributeAccessIssue]  (its stub leaves them out)
         return _Choices(len(letters), lambda index: letters[index])
     start = pos = depth = 0
     members = []

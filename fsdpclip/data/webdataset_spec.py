@@ -20,44 +20,48 @@ class MixedSource(Section):
     """One set of shards of a mixture (`data.sources`)."""
 
     urls: Urls = Field(description="Its shard URLs or paths, as `data.urls`.")
-    weight: float = Field(1.0, gt=0, description="Its share of the samples drawn, relative to the other sources' "
-                                                 "weights (0.7 and 0.3, or 7 and 3: 70% of the samples from it).")
-    samples: Optional[int] = Field(None, gt=0, description="Samples its shards hold: `data.samples` defaults to the "
-                                                           "sources' sum, and validate says how many passes over "
-                                                           "it an epoch reads.")
-    name: Optional[str] = Field(None, min_length=1, description="Its name in metrics.jsonl's per-source counts and "
-                                                                "validate's summary (default: its place in the "
-                                                                "list, '0', '1', ...).")
+    weight: float = Field(
+        default=1.0, gt=0, description="Its share of the samples drawn, relative to the other sources' weights (0.7 "
+                                       "and 0.3, or 7 and 3: 70% of the samples from it).")
+    samples: Optional[int] = Field(
+        default=None, gt=0, description="Samples its shards hold: `data.samples` defaults to the sources' sum, and "
+                                        "validate says how many passes over it an epoch reads.")
+    name: Optional[str] = Field(
+        default=None, min_length=1, description="Its name in metrics.jsonl's per-source counts and validate's summary "
+                                                "(default: its place in the list, '0', '1', ...).")
 
 
 class WebDatasetSpec(Section):
-    source: Literal["webdataset"] = Field("webdataset", description="Image-text pairs from webdataset tar shards.")
+    source: Literal["webdataset"] = Field(
+        default="webdataset", description="Image-text pairs from webdataset tar shards.")
     urls: Optional[Urls] = Field(
-        None, description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; at "
-                          "most 2^20 (1,048,576) shards in all. Give `urls` or `sources`.")
+        default=None, description="Shard URLs or paths with brace expansion, e.g. 'data/train-{000000..000099}.tar'; "
+                                  "at most 2^20 (1,048,576) shards in all. Give `urls` or `sources`.")
     sources: Optional[list[MixedSource]] = Field(
-        None, min_length=1, description="Several sets of shards mixed by weight, instead of `urls`: each sample's "
-                                        "source is drawn at random by the weights, and a source read to its end is "
-                                        "read again (`samples` ends the epoch).")
+        default=None, min_length=1, description="Several sets of shards mixed by weight, instead of `urls`: each "
+                                                "sample's source is drawn at random by the weights, and a source read "
+                                                "to its end is read again (`samples` ends the epoch).")
     samples: Optional[int] = Field(
-        None, gt=0, description="Samples in one epoch (with `sources`, default the sum of theirs); each rank draws "
-                                "samples ÷ (world size × batch.per_gpu) micro batches of it, rounded down.")
-    resampled: bool = Field(False, description="Draw shards with replacement (infinite stream, the same epochs).")
-    shuffle_buffer: int = Field(1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
+        default=None, gt=0, description="Samples in one epoch (with `sources`, default the sum of theirs); "
+                                        "each rank draws samples ÷ (world size × batch.per_gpu) micro "
+                                        "batches of it, rounded down.")
+    resampled: bool = Field(
+        default=False, description="Draw shards with replacement (infinite stream, the same epochs).")
+    shuffle_buffer: int = Field(default=1000, ge=0, description="Sample shuffle buffer per worker (0: no shuffling).")
     workers: Union[int, Literal["auto"]] = Field(
-        "auto", description="DataLoader workers per rank; without `resampled` there must be at least world size × "
-                            "workers shards. 'auto': the rank's share of the node's cores less one, at most what its "
-                            "shards allow (a resumed run keeps its checkpoint's count).")
-    image_key: str = Field("jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
-    text_key: str = Field("txt", description="Sample key of the caption.")
+        default="auto", description="DataLoader workers per rank; without `resampled` there must be at least world "
+                                    "size × workers shards. 'auto': the rank's share of the node's cores less one, at "
+                                    "most what its shards allow (a resumed run keeps its checkpoint's count).")
+    image_key: str = Field(default="jpg;png;jpeg;webp", description="Sample keys tried for the image, ';'-separated.")
+    text_key: str = Field(default="txt", description="Sample key of the caption.")
     decode: Literal["cpu", "gpu", "mixed", "auto"] = Field(
-        "auto", description="Where images are decoded and augmented: 'cpu' on the data workers, 'gpu' with nvJPEG on "
-                            "the device, 'mixed' decoded and cropped on the workers and resized on the device. "
-                            "'auto': 'mixed' on CUDA, 'cpu' on the CPU (docs/performance.md).")
+        default="auto", description="Where images are decoded and augmented: 'cpu' on the data workers, 'gpu' with "
+                                    "nvJPEG on the device, 'mixed' decoded and cropped on the workers and resized on "
+                                    "the device. 'auto': 'mixed' on CUDA, 'cpu' on the CPU (docs/performance.md).")
     jpeg_engines: Union[bool, Literal["auto"]] = Field(
-        "auto", description="With decode 'mixed', the GPU's hardware JPEG engines (nvImageCodec, the `nvimgcodec` "
-                            "extra) decode a share of the JPEGs, the data workers the rest. 'auto': on CUDA where "
-                            "nvImageCodec is installed.")
+        default="auto", description="With decode 'mixed', the GPU's hardware JPEG engines (nvImageCodec, the "
+                                    "`nvimgcodec` extra) decode a share of the JPEGs, the data workers the rest. "
+                                    "'auto': on CUDA where nvImageCodec is installed.")
     preprocess: PreprocessSpec = Field(
         default_factory=PreprocessSpec, description="Normalisation, evaluation resize and training augmentation, each "
                                                     "field over the model's own.")
@@ -78,7 +82,7 @@ class WebDatasetSpec(Section):
             if self.sources is None or any(s.samples is None for s in self.sources):
                 raise ValueError("`samples` is missing: give the samples of an epoch (or, with `sources`, each "
                                  "source's `samples`)")
-            self.samples = sum(s.samples for s in self.sources)
+            self.samples = sum(s.samples or 0 for s in self.sources)  # each given (above)
         return self
 
     def settled_workers(self, world_size: int, local_ranks: int, cores: int) -> int:
@@ -98,5 +102,8 @@ class WebDatasetSpec(Section):
 
     def mixture(self) -> list[MixedSource]:
         """The sources to mix, named: `sources`, or `urls` as the one source (weight 1, named '0')."""
-        sources = self.sources or [MixedSource(urls=self.urls, samples=self.samples)]
+        sources = self.sources
+        if sources is None:
+            assert self.urls is not None  # one of the two, as validated
+            sources = [MixedSource(urls=self.urls, samples=self.samples)]
         return [s.model_copy(update={"name": s.name or str(i)}) for i, s in enumerate(sources)]

@@ -89,7 +89,7 @@ def table_pairs(path: Path, image_key: str = "filepath", caption_key: str = "tit
 
 def _parquet_columns(path: Path, image_key: str, caption_key: str) -> tuple[list, list]:
     try:
-        import pyarrow.parquet as parquet
+        import pyarrow.parquet as parquet  # pyright: ignore[reportMissingImports]  (optional: parquet input)
     except ImportError:
         raise WriteError(f"{path} is a parquet file, which needs pyarrow: pip install pyarrow (or give a CSV or "
                          "TSV table)") from None
@@ -296,8 +296,10 @@ def _samples_of(url: str) -> Iterator[dict]:
 def _shrunk_sample(job: tuple[Optional[dict], int, int, tuple[str, ...]]) -> tuple[Optional[dict], list[str]]:
     """A data worker's sample: its images shrunk, and why each image it kept as it was could not be read."""
     sample, short_side, quality, image_keys = job
-    unread = []
-    for key in [k for k in sample or () if k.rsplit(".", 1)[-1] in image_keys]:
+    unread: list[str] = []
+    if sample is None:
+        return sample, unread
+    for key in [k for k in sample if k.rsplit(".", 1)[-1] in image_keys]:
         try:
             sample[key] = shrunk(sample[key], short_side, quality, FORMATS.get(key.rsplit(".", 1)[-1], "JPEG"))
         except Exception as exc:  # kept as it was: the trainer counts it as broken
@@ -308,8 +310,8 @@ def _shrunk_sample(job: tuple[Optional[dict], int, int, tuple[str, ...]]) -> tup
 def brace_pattern(paths: list[str]) -> str | list[str]:
     """Paths numbered consecutively at the end of their names, one width (`a/s-000.tar` ... `a/s-041.tar`), as
     one brace pattern (`a/s-{000..041}.tar`); other lists as they are."""
-    parts = [re.fullmatch(r"(.*?)(\d+)(\.[^/]*)", path) for path in paths]
-    if not all(parts) or len({(p[1], p[3], len(p[2])) for p in parts}) != 1 or \
+    parts = [part for path in paths if (part := re.fullmatch(r"(.*?)(\d+)(\.[^/]*)", path))]
+    if len(parts) != len(paths) or len({(p[1], p[3], len(p[2])) for p in parts}) != 1 or \
             [int(p[2]) for p in parts] != list(range(int(parts[0][2]), int(parts[0][2]) + len(parts))):
         return paths
     first, last = parts[0], parts[-1]
@@ -357,11 +359,11 @@ def _samples_in(path: Path) -> int:
 def _whole(path: Path) -> Iterator:
     """A webdataset TarWriter on a hidden temporary file beside `path`, renamed to `path` once written whole
     (deleted if not). Its members' times are 0, so the same samples make the same bytes."""
-    import webdataset as wds
+    from webdataset.writer import TarWriter  # (webdataset's own stubs leave it out of the package)
 
     partial = path.with_name(f".{path.name}.partial")
     try:
-        with open(partial, "wb") as file, wds.TarWriter(file, mtime=0) as sink:
+        with open(partial, "wb") as file, TarWriter(file, mtime=0) as sink:
             yield sink
         os.replace(partial, path)
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import itertools
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -168,7 +168,7 @@ def clip_benchmark_shards(root: Path) -> Optional[list[str]]:
     return shards
 
 
-def in_rounds(batches: Iterator, limit: Optional[int], rank: int, world: int, device: torch.device) -> Iterator:
+def in_rounds(batches: Iterator, limit: Optional[int], rank: int, world: int, device: torch.device) -> Generator:
     """This rank's batches with the images all ranks take in that round, ending on every rank at once:
     when all ranks' batches are done or `limit` images are taken. Each round the ranks take images
     in rank order up to the limit, so the count is exact for any number of ranks and data workers;
@@ -187,7 +187,7 @@ def in_rounds(batches: Iterator, limit: Optional[int], rank: int, world: int, de
             return
         share = max(0, min(size, left - sum(sizes[:rank])))
         taken += left
-        yield (tuple(part[:share] for part in batch) if share else None), left
+        yield (tuple(part[:share] for part in batch) if share and batch is not None else None), left
 
 
 def gather_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -38,7 +38,7 @@ class ModelSource:
 
     config: dict
     label: str
-    fill: Callable[[nn.Module], None]
+    fill: Callable[[nn.Module], object]
     job: Optional["Job"] = None
 
 
@@ -92,6 +92,7 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
         weights = model_from_config(source.config, device="cpu")
         source.fill(weights)
     if mesh is None:
+        assert weights is not None  # one process: rank 0's
         return weights.to(device).eval()
     model = model_from_config(source.config, device="meta")
     trained = source.job.fsdp if source.job is not None else FsdpSpec()
@@ -134,7 +135,7 @@ def evaluate_checkpoint(path: Path, spec, model_name: Optional[str],
             dist.destroy_process_group()
     if env is not None and not env.is_main:
         return None
-    name = {"imagenet": "imagenet1k"}.get(dataset.name, dataset.name)
+    name = {"imagenet": "imagenet1k"}.get(dataset.name) or dataset.name
     record = clip_benchmark_record(task.task, name, source.label, str(path), metrics)
     record |= {k: metrics[k] for k in COUNTS if k in metrics}
     folder_classes = getattr(dataset, "folder_classes", None)

@@ -19,8 +19,7 @@ from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
-
+    from fsdpclip.model.build import OpenClip
     from fsdpclip.problems import Report
 
 RECALL_K = (1, 5, 10)
@@ -30,9 +29,9 @@ class RetrievalSpec(Section):
     path: str = Field(
         description="A folder of image/caption pairs (x.jpg with x.txt, one caption per line; subfolders too) or "
                     "CLIP_benchmark retrieval shards (dataset_type.txt 'retrieval', test/nshards.txt, .txt captions).")
-    name: Optional[str] = Field(None, description="Name in logs and results; default: the folder's name.")
-    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images (with all "
-                                                              "their captions).")
+    name: Optional[str] = Field(default=None, description="Name in logs and results; default: the folder's name.")
+    max_samples: Optional[int] = Field(
+        default=None, gt=0, description="Evaluate on at most this many images (with all their captions).")
 
     @property
     def label(self) -> str:
@@ -117,17 +116,19 @@ class RetrievalSet:
 
         from fsdpclip.eval.datasets import CaptionedImages, CaptionShards, collate_captioned, loader
 
+        assert self.transform is not None, "a set loaded for its layout only has no batches"
         if self.pairs is not None:
             share = Subset(CaptionedImages(self.pairs, self.transform),
                                             range(rank, len(self.pairs), world_size))
             return loader(share, batch_size, workers, collate=collate_captioned)
+        assert self.shards is not None  # no pairs: shards
         return loader(CaptionShards(self.shards, rank, world_size, self.transform, batch_size, self.max_samples),
                        None, workers)
 
 
 
 
-def load_retrieval_set(spec: RetrievalSpec, transform: Callable) -> RetrievalSet:
+def load_retrieval_set(spec: RetrievalSpec, transform: Optional[Callable]) -> RetrievalSet:
     """A retrieval set: CLIP_benchmark retrieval shards, or a folder of image/caption pairs (every image
     below it, in sorted order, with the .txt of the same name beside it)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -161,7 +162,7 @@ def load_retrieval_set(spec: RetrievalSpec, transform: Callable) -> RetrievalSet
 
 
 @without_grad
-def retrieval_metrics(model: nn.Module, tokenizer: Callable, rs: RetrievalSet, device: torch.device,
+def retrieval_metrics(model: OpenClip, tokenizer: Callable, rs: RetrievalSet, device: torch.device,
                       batch_size: int, workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
     """Text→image and image→text recall@1/5/10 over the whole set, identical on every rank."""
     import torch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -20,9 +20,10 @@ from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
-    from torch.utils.data import Dataset
+    from torch.utils.data import Subset
+    from torchvision.datasets import ImageFolder
 
+    from fsdpclip.model.build import OpenClip
     from fsdpclip.problems import Report
 
 
@@ -32,14 +33,14 @@ class ZeroShotSpec(Section):
                     "webdataset) or 'folder' (one folder per class).")
     path: str = Field(description="Dataset directory.")
     name: Optional[str] = Field(
-        None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
+        default=None, description="Name in logs and results; default: the dataset kind ('folder': the folder's name).")
     classnames: Optional[str] = Field(
-        None, description="File with one class name per line, in label order ('folder'; default: the class folders' "
-                          "names, or CLIP_benchmark shards' classnames.txt).")
+        default=None, description="File with one class name per line, in label order ('folder'; default: the class "
+                                  "folders' names, or CLIP_benchmark shards' classnames.txt).")
     templates: Optional[str] = Field(
-        None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
-                          "default: 'openai', and the digits prompts for 'digits'.")
-    max_samples: Optional[int] = Field(None, gt=0, description="Evaluate on at most this many images.")
+        default=None, description="'openai' (80 prompts), 'simple' or a file with one '{c}' template per line; "
+                                  "default: 'openai', and the digits prompts for 'digits'.")
+    max_samples: Optional[int] = Field(default=None, gt=0, description="Evaluate on at most this many images.")
 
     @property
     def label(self) -> str:
@@ -60,8 +61,8 @@ class ZeroShotTask(EvalTask):
     def spec_from_flags(self, value, data, classnames, templates, max_samples) -> ZeroShotSpec:
         if data is None:
             raise ValueError("--zeroshot needs --data DIR, the dataset's folder")
-        return ZeroShotSpec(dataset=value, path=data, templates=templates, max_samples=max_samples,
-                            classnames=classnames)
+        return ZeroShotSpec.model_validate({"dataset": value, "path": data, "templates": templates,
+                                            "max_samples": max_samples, "classnames": classnames})
 
     def flags(self, spec: ZeroShotSpec) -> list[str]:
         given = {"--classnames": spec.classnames, "--templates": spec.templates, "--max-samples": spec.max_samples}
@@ -121,7 +122,7 @@ class ZeroShotSet:
     name: str
     classnames: list[str]
     templates: list[Callable[[str], str]]
-    images: Optional[Dataset] = None
+    images: Optional[Union[ImageFolder, Subset]] = None
     shards: Optional[list[str]] = None
     transform: Optional[Callable] = None
     max_samples: Optional[int] = None
@@ -139,9 +140,10 @@ class ZeroShotSet:
 
         from fsdpclip.eval.datasets import ClassShards, loader
 
-        if self.images is not None:
+        if self.images is not None:  # (a folder's images carry their transform)
             share = Subset(self.images, range(rank, len(self.images), world_size))
             return loader(share, batch_size, workers)
+        assert self.shards is not None and self.transform is not None  # no images: shards, read with the transform
         return loader(ClassShards(self.shards, rank, world_size, self.transform, batch_size, self.max_samples),
                        None, workers)
 
@@ -161,7 +163,7 @@ def read_templates(choice: str) -> list[Callable[[str], str]]:
     return [lambda c, t=line: t.format(c=c) for line in read_lines(Path(choice))]
 
 
-def load_zeroshot_set(spec: ZeroShotSpec, transform: Callable) -> ZeroShotSet:
+def load_zeroshot_set(spec: ZeroShotSpec, transform: Optional[Callable]) -> ZeroShotSet:
     """One of the spec's zero-shot sets, from a folder of class folders or CLIP_benchmark shards."""
     from fsdpclip.eval.datasets import clip_benchmark_shards
 
@@ -235,7 +237,7 @@ def _names_and_templates(spec: ZeroShotSpec, wds_root: Optional[Path]) -> tuple[
 
 
 @without_grad
-def zeroshot_metrics(model: nn.Module, tokenizer: Callable, zs: ZeroShotSet, device: torch.device,
+def zeroshot_metrics(model: OpenClip, tokenizer: Callable, zs: ZeroShotSet, device: torch.device,
                      batch_size: int, workers: int = 2, progress: Optional[Callable[[int], None]] = None) -> dict:
     """acc1, acc5 and mean per-class recall over the whole set, identical on every rank."""
     import torch

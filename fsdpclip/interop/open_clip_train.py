@@ -87,6 +87,9 @@ def import_open_clip_train(source: Path, job: Job) -> Imported:
                                   "at least one")
         samples_seen = _samples_seen(job, world, saved["epoch"], step, notes)
         total = job.total_steps(world, step, samples_seen)
+        if total is None:
+            raise CheckpointError("this spec's schedule has no length: give schedule.steps, or data.samples for "
+                                  "schedule.epochs")
         if total <= step:
             raise CheckpointError(f"{source} is at step {step} and this spec's schedule ends at step {total}: "
                                   "lengthen schedule.steps or schedule.epochs")

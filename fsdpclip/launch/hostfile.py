@@ -148,6 +148,7 @@ class HostfileBackend(LauncherBackend):
                               "or --master-addr")
         if not flags.dry_run and shutil.which(SSH[0]) is None:
             raise LaunchError("--hostfile needs ssh on the PATH (use --dry-run to only print the ssh commands)")
+        assert flags.backend_value is not None  # --hostfile FILE
         hosts = pick_hosts(read_hostfile(Path(flags.backend_value)), flags.include, flags.exclude)
         if flags.nodes is not None:
             if flags.nodes > len(hosts):
@@ -262,7 +263,8 @@ class SshNodes:
                 signal.signal(signum, handler)
             for process in self.processes:
                 with contextlib.suppress(OSError):  # a line it never read
-                    process.stdin.close()
+                    if process.stdin is not None:
+                        process.stdin.close()
         if console.is_alive():
             console.join()
         if len(self.received) > 1:
@@ -274,7 +276,7 @@ class SshNodes:
     def tell(self, line: str) -> None:
         """A line to every node's launcher that still runs."""
         for process in self.processes:
-            if process.poll() is None:
+            if process.poll() is None and process.stdin is not None:
                 try:
                     process.stdin.write(f"{line}\n".encode())
                     process.stdin.flush()
@@ -299,7 +301,9 @@ class SshNodes:
         if status != SSH_FAILED:
             return finish_exit_report(run_dir, since, status, ended=node, checkpoint=last_checkpoint(run_dir))
         write_exit_report(run_dir, EXIT_CRASH, f"ssh to {node} failed: {last_line(self.logs[self.failed])}", None, "")
-        return exit_report(run_dir, since)
+        report = exit_report(run_dir, since)
+        assert report is not None  # written just above
+        return report
 
 
 def copy_output(log: Path, offset: int, processes: list[subprocess.Popen]) -> None:
@@ -395,7 +399,8 @@ class LauncherLines:
             os.kill(os.getpid(), signal.SIGTERM)
         elif line == KILL:
             self.killed = True
-            kill_tree(self.torchrun)
+            if self.torchrun is not None:
+                kill_tree(self.torchrun)
         elif line == "":
             os.kill(os.getpid(), signal.SIGHUP)
 

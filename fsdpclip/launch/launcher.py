@@ -35,7 +35,9 @@ def resolve_paths(job: Job, base: Path) -> Job:
                     [absolute(v) for v in value] if isinstance(value, list) else value)
 
     data = job.model_copy(deep=True)
-    data.run.output_dir = absolute(job.run.output_dir)
+    output_dir = absolute(job.run.output_dir)
+    assert output_dir is not None
+    data.run.output_dir = output_dir
     model = data.model
     model.config = absolute(model.config)
     model.pretrained = model.pretrained if model.published_tag else absolute(model.pretrained)

@@ -111,7 +111,9 @@ def train_module_file() -> str:
     """The path of the rank entry's source file (what torchrun's --run-path runs)."""
     import importlib.util
 
-    return importlib.util.find_spec(TRAIN_MODULE).origin
+    spec = importlib.util.find_spec(TRAIN_MODULE)
+    assert spec is not None and spec.origin is not None  # a module of this package
+    return spec.origin
 
 
 # Variables that act when an interpreter or its shared libraries load (glibc's allocator included): ranks

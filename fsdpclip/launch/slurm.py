@@ -42,14 +42,15 @@ SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
 
 
 class SlurmSpec(Section):
-    partition: Optional[OneLine] = Field(None, description="sbatch --partition.")
-    account: Optional[OneLine] = Field(None, description="sbatch --account.")
-    qos: Optional[OneLine] = Field(None, description="sbatch --qos.")
-    time: Optional[str] = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
-                                description="sbatch --time, e.g. '2-00:00:00' or '04:00:00'.")
-    cpus_per_task: Optional[int] = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node).")
-    requeue: bool = Field(True, description="Requeue the job after preemption or a time-limit signal.")
-    signal_seconds: int = Field(120, gt=0, description="Send USR1 this many seconds before the time limit.")
+    partition: Optional[OneLine] = Field(default=None, description="sbatch --partition.")
+    account: Optional[OneLine] = Field(default=None, description="sbatch --account.")
+    qos: Optional[OneLine] = Field(default=None, description="sbatch --qos.")
+    time: Optional[str] = Field(
+        default=None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$", description="sbatch --time, e.g. "
+                                                                        "'2-00:00:00' or '04:00:00'.")
+    cpus_per_task: Optional[int] = Field(default=None, gt=0, description="sbatch --cpus-per-task (one task per node).")
+    requeue: bool = Field(default=True, description="Requeue the job after preemption or a time-limit signal.")
+    signal_seconds: int = Field(default=120, gt=0, description="Send USR1 this many seconds before the time limit.")
     extra_sbatch: list[SbatchOption] = Field(
         default_factory=list, description="More '#SBATCH' options, one '--option' or '--option=value' per item, e.g. "
                                           "'--exclusive'.")
@@ -135,9 +136,16 @@ def script_line(line: str) -> str:
         raise LaunchError(f"cannot write {line!r} into the batch script: {exc}") from None
 
 
+def slurm_block(job: Job) -> SlurmSpec:
+    """The job's `launch.slurm`: the block this backend adds to the launch section when it registers."""
+    block = getattr(job.launch, SlurmBackend.name)
+    assert isinstance(block, SlurmSpec)
+    return block
+
+
 def sbatch_options(job: Job) -> list[str]:
     """The `#SBATCH` options of a job: its launch and slurm blocks, the logs in RUN_DIR/logs/."""
-    launch, slurm = job.launch, job.launch.slurm
+    launch, slurm = job.launch, slurm_block(job)
     logs = job.run_dir / LOG_DIR
     options = [f"--job-name={job.run.name}", f"--nodes={launch.nodes}", "--ntasks-per-node=1"]
     if slurm.cpus_per_task is not None:
@@ -205,7 +213,7 @@ def sbatch_script(job: Job, python: Optional[str] = None) -> str:
     the job, which resumes from checkpoints/latest. `python` defaults to this interpreter, or to
     `python` on the PATH when the spec's setup lines choose the environment.
     """
-    launch, slurm = job.launch, job.launch.slurm
+    launch, slurm = job.launch, slurm_block(job)
     environment = {"PYTHONUNBUFFERED": "1", **launch.env, **slurm.env}
     if slurm.requeue:  # torchrun's grace for its workers after SIGTERM: what Slurm leaves before the limit
         environment["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(slurm.signal_seconds)

@@ -34,7 +34,7 @@ class ExitCodeWithoutTraceback(logging.Filter):
     ranks it ran as new interpreters. A rank's own exception (ProcessRaisedException) keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from torch.multiprocessing import ProcessExitedException
+        from torch.multiprocessing.spawn import ProcessExitedException
 
         if record.exc_info and isinstance(record.exc_info[1], ProcessExitedException):
             record.exc_info, record.exc_text = None, None
@@ -46,8 +46,8 @@ class DeliberateExitsUnlogged(logging.Filter):
     for the trainer's deliberate endings (a preemption, a stop) that line is noise before fsdpclip's own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (str(record.msg).startswith("failed (exitcode: %s)") and record.args
-                    and record.args[0] in DELIBERATE)
+        return not (str(record.msg).startswith("failed (exitcode: %s)") and isinstance(record.args, tuple)
+                    and record.args and record.args[0] in DELIBERATE)
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -27,6 +27,11 @@ from fsdpclip.problems import ModelError, relative_path_hint
 from fsdpclip.run.files import read_text_file
 from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, Job, ModelSpec
 from fsdpclip.model.family import TOWER_FAMILIES
+
+# An OpenCLIP model, or one of its towers or trunks: OpenCLIP builds them from configs and gives them attributes
+# (a tower's preprocess_cfg, a text tower's context length, the encoders) that nn.Module's typing cannot follow,
+# so they are read untyped.
+OpenClip = Any
 
 # Repeated blocks of OpenCLIP's own towers; the tower families add theirs (`known_block_classes`).
 OPENCLIP_BLOCK_CLASSES = ("ResidualAttentionBlock", "CustomResidualAttentionBlock", "Bottleneck", "BasicBlock")
@@ -57,6 +62,7 @@ def model_config(spec: ModelSpec, preprocess: Optional[PreprocessSpec] = None) -
         missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(cfg, dict) or k not in cfg]
         if missing:
             raise ModelError(f"model config lacks {', '.join(missing)}", "model.config", spec.config)
+        assert isinstance(raw, dict) and isinstance(cfg, dict)  # as the line above found
         own_preprocess = raw.get("preprocess_cfg") or cfg.get("preprocess_cfg") or {}  # an open_clip local-dir's
     elif spec.name is not None:
         cfg = open_clip.get_model_config(spec.name)
@@ -109,7 +115,7 @@ def without_modules(names: tuple[str, ...]):
     installed (what optional imports like OpenCLIP's expect); afterwards it imports as usual."""
     hidden = [name for name in names if name not in sys.modules]
     for name in hidden:
-        sys.modules[name] = None
+        sys.modules[name] = None  # pyright: ignore[reportArgumentType]  (None: an import of it fails)
     try:
         yield
     finally:
@@ -179,7 +185,7 @@ def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Modu
         else open_clip.CLIP
     try:
         with torch.device(device):
-            model = model_class(**cfg, nonscalar_logit_scale=True)
+            model: OpenClip = model_class(**cfg, nonscalar_logit_scale=True)
             fit_timm_input(model.visual, cfg["vision_cfg"].get("image_size"))
     except (ImportError, RuntimeError, OSError) as exc:
         raise ModelError(str(exc)) from None
@@ -199,7 +205,7 @@ def model_from_config(cfg: dict, device: str | torch.device = "meta") -> nn.Modu
 def fit_timm_input(visual: nn.Module, image_size) -> None:
     """Resize a timm trunk built for another image size, as open_clip.create_model's force_image_size does."""
     from open_clip.timm_model import TimmModel
-    from timm.layers import to_2tuple
+    from timm.layers.helpers import to_2tuple
 
     if isinstance(visual, TimmModel) and image_size is not None and \
             tuple(to_2tuple(image_size)) != tuple(to_2tuple(timm_image_size(visual.trunk))):
@@ -210,14 +216,14 @@ def count(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() for p in params)
 
 
-def image_shape(model: nn.Module) -> tuple[int, int, int]:
+def image_shape(model: OpenClip) -> tuple[int, int, int]:
     """(channels, height, width) of the images the model takes."""
     size = model.visual.preprocess_cfg["size"]
     height, width = (size, size) if isinstance(size, int) else size
     return 3, height, width
 
 
-def text_shape(model: nn.Module) -> tuple[int, int]:
+def text_shape(model: OpenClip) -> tuple[int, int]:
     """(context length, vocabulary size) of the token ids the model takes."""
     text = getattr(model, "text", model)
     return text.context_length, text.vocab_size
@@ -260,7 +266,7 @@ def training_flops_per_sample(model: nn.Module) -> float:
     counter = FlopCounterMode(display=False)
     with fake_batch(model) as (images, texts), counter:
         outputs = model(images, texts)
-        sum(o.float().sum() for o in outputs[:2]).backward()
+        (outputs[0].float().sum() + outputs[1].float().sum()).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops() / 2
 
@@ -335,13 +341,14 @@ def find_towers(model: nn.Module, block_classes: Optional[dict[str, Optional[lis
     modules = {name: module for name, module in model.named_modules() if name}
     classes: dict[str, set[str]] = {t: set() for t in TOWERS}
     for name, module in modules.items():
-        classes[tower_of(name)].add(type(module).__name__)
+        if (tower := tower_of(name)) is not None:
+            classes[tower].add(type(module).__name__)
     towers = {}
     for tower_name in TOWERS:
         wanted = overrides.get(tower_name)
-        block_classes = tuple(wanted) if wanted is not None else tuple(
+        names = tuple(wanted) if wanted is not None else tuple(
             c for c in known_block_classes() if c in classes[tower_name])
-        towers[tower_name] = Tower(tower_name, block_classes, instances(modules.items(), tower_name, block_classes),
+        towers[tower_name] = Tower(tower_name, names, instances(modules.items(), tower_name, names),
                                    classes=classes[tower_name])
     names = [name for name, _ in model.named_parameters()]
     for tower in towers.values():
@@ -376,7 +383,7 @@ def build_tokenizer(cfg: dict):
     return open_clip.SimpleTokenizer(context_length=context, **kwargs)
 
 
-def image_transform(model: nn.Module, train: bool):
+def image_transform(model: OpenClip, train: bool) -> Callable:
     """OpenCLIP's preprocessing for this model (`visual.preprocess_cfg`; train: with its augmentation,
     `visual.augmentation_cfg`, where model_from_config set one)."""
     from open_clip.transform import PreprocessCfg, image_transform_v2
@@ -384,4 +391,7 @@ def image_transform(model: nn.Module, train: bool):
     augmentation = getattr(model.visual, "augmentation_cfg", None) if train else None
     with warnings.catch_warnings():  # OpenCLIP calls the jitter's and grayscale's keys unused, and uses them
         warnings.filterwarnings("ignore", "Unused augmentation cfg items")
-        return image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train, aug_cfg=augmentation)
+        transform = image_transform_v2(PreprocessCfg(**model.visual.preprocess_cfg), is_train=train,
+                                       aug_cfg=augmentation)
+    assert callable(transform)  # one transform (not the tuple OpenCLIP gives for other arguments)
+    return transform

@@ -118,7 +118,7 @@ class DirectPatchEmbedding(nn.Conv2d):
         return tokens.view(batch, rows, cols, out_channels).permute(0, 3, 1, 2)
 
 
-def is_patch_embedding(module: nn.Module) -> bool:
+def is_patch_embedding(module: object) -> bool:
     """A plain `nn.Conv2d` over non-overlapping patches of more than one pixel, without padding."""
     return (type(module) is nn.Conv2d and module.groups == 1 and module.stride == module.kernel_size
             and max(module.kernel_size) > 1 and module.padding in ((0, 0), "valid") and module.dilation == (1, 1))
@@ -128,5 +128,5 @@ def use_direct_patch_embedding(model: nn.Module) -> int:
     """Give the patch embedding (`conv1`, `is_patch_embedding`) of every OpenCLIP VisionTransformer in
     `model` DirectPatchEmbedding's forward (in place, any device, meta included); returns how many. Other
     libraries' patch embeddings (timm's) stay convolutions until measured (docs/performance.md)."""
-    return _swap([m.conv1 for m in model.modules() if _is_open_clip(m, "VisionTransformer")
+    return _swap([m.get_submodule("conv1") for m in model.modules() if _is_open_clip(m, "VisionTransformer")
                   and is_patch_embedding(getattr(m, "conv1", None))], DirectPatchEmbedding)

@@ -116,12 +116,14 @@ def fetch(name: str, tag: str) -> tuple[str, bool]:
                          "check the network, or copy the Hugging Face cache from a machine that has them") from None
 
 
-def weights_file(spec: ModelSpec) -> Optional[str]:
+def weights_file(spec: ModelSpec) -> str:
     """The file `model.pretrained` names: its path, or the cached file of a published tag (ModelError when
     the cache lacks it)."""
     tag = spec.published_tag
     if tag is None:
+        assert spec.pretrained is not None, "model.pretrained names no weights"
         return spec.pretrained
+    assert spec.name is not None  # published weights are a named model's (validated)
     found = cached_weights(spec.name, tag)
     if found is None:
         hint = FETCH_HINT.format(name=spec.name, tag=tag)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -73,7 +73,7 @@ def create_timm(name: str, location: str) -> nn.Module:
         raise ModelError(f"timm cannot build it: {exc}", location, name) from None
 
 
-def timm_image_size(trunk: nn.Module) -> int | list[int]:
+def timm_image_size(trunk: Any) -> int | list[int]:  # a timm model
     """The input size a timm trunk was built for (a ViT's patch grid fixes it)."""
     size = getattr(getattr(trunk, "patch_embed", None), "img_size", None) or trunk.pretrained_cfg["input_size"][1:]
     size = [int(s) for s in size]

@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from fsdpclip.model.build import SHARED_PARAMETERS, Tower, find_towers, model_from_config, original_shapes
+from fsdpclip.model.build import SHARED_PARAMETERS, OpenClip, Tower, find_towers, model_from_config, original_shapes
 from fsdpclip.problems import ModelError
 from fsdpclip.spec.job import TOWERS, DecayRule, FreezeSpec, Job, LayerDecaySpec, OptimizerSpec
 
@@ -115,7 +115,7 @@ HF_LAYERS = {"roberta": ("embeddings", "layer"), "xlm-roberta": ("embeddings", "
 Member = Union[nn.Module, nn.Parameter]  # of a layer group, as main's groups hold them
 
 
-def layer_groups(model: nn.Module, tower: str) -> Optional[list[list[str]]]:
+def layer_groups(model: OpenClip, tower: str) -> Optional[list[list[str]]]:
     """OpenCLIP main's layer groups of one tower of `model` ('image' or 'text'), input to output, as original
     parameter names: its towers' `layer_groups()` (src/open_clip; the text pooler in the head, main's default).
     Parameters in no group (a ViT's attention pool, a T5 encoder's final norm) are absent. None for a tower main
@@ -131,7 +131,7 @@ def parameters_of(member: Member) -> list[nn.Parameter]:
     return [member] if isinstance(member, nn.Parameter) else list(member.parameters())
 
 
-def image_members(visual: nn.Module) -> Optional[list[list[Member]]]:
+def image_members(visual: OpenClip) -> Optional[list[list[Member]]]:
     """Main's groups of an image tower: VisionTransformer's (the embeddings, each block with ln_post in the last,
     the projection), ModifiedResNet's (the stem, the 4 stages, the attention pool) and TimmModel's (timm's own
     `group_matcher` over the trunk, then OpenCLIP's head where it has parameters); None for any other."""
@@ -150,14 +150,14 @@ def image_members(visual: nn.Module) -> Optional[list[list[Member]]]:
     if isinstance(visual, TimmModel) and hasattr(visual.trunk, "group_matcher"):
         from timm.models import group_parameters
 
-        trunk = visual.trunk
+        trunk: OpenClip = visual.trunk
         by_layer = group_parameters(trunk, trunk.group_matcher())
-        head = [[visual.head]] if parameters_of(visual.head) else []
+        head: list[list[Member]] = [[visual.head]] if parameters_of(visual.head) else []
         return [[trunk.get_parameter(name) for name in by_layer[layer]] for layer in sorted(by_layer)] + head
     return None
 
 
-def text_members(text: nn.Module) -> Optional[list[list[Member]]]:
+def text_members(text: OpenClip) -> Optional[list[list[Member]]]:
     """Main's groups of a text tower: OpenCLIP's own, on CLIP or a TextTransformer (the embeddings, each block
     with ln_final in the last, the projection), and HFTextEncoder's (the encoder's embeddings, each layer, the
     pooler with the projection); None for any other."""
@@ -166,21 +166,23 @@ def text_members(text: nn.Module) -> Optional[list[list[Member]]]:
     from open_clip.transformer import TextTransformer
 
     if isinstance(text, (CLIP, TextTransformer)):
-        embeddings = [m for m in (text.token_embedding, text.positional_embedding, getattr(text, "cls_emb", None))
-                      if m is not None]
-        return [embeddings, *blocks_with_final_norm(text.transformer, text.ln_final),
-                *([[text.text_projection]] if text.text_projection is not None else [])]
-    if isinstance(text, HFTextEncoder) and text.config.model_type in HF_LAYERS:
-        embeddings, layers = HF_LAYERS[text.config.model_type]
+        tower: OpenClip = text  # its parts, by name
+        first: list[Member] = [m for m in (tower.token_embedding, tower.positional_embedding,
+                                           getattr(tower, "cls_emb", None)) if m is not None]
+        return [first, *blocks_with_final_norm(tower.transformer, tower.ln_final),
+                *([[tower.text_projection]] if tower.text_projection is not None else [])]
+    model_type = getattr(text.config, "model_type", None) if isinstance(text, HFTextEncoder) else None
+    if model_type in HF_LAYERS:
+        embeddings, layers = HF_LAYERS[model_type]
         encoder = getattr(text.transformer, "encoder", text.transformer)
         pooler = getattr(text.transformer, "pooler", None)
-        head = [m for m in (pooler, text.proj) if m is not None and parameters_of(m)]
+        head: list[Member] = [m for m in (pooler, text.proj) if m is not None and parameters_of(m)]
         return [[getattr(text.transformer, embeddings)], *([layer] for layer in getattr(encoder, layers)),
                 *([head] if head else [])]
     return None
 
 
-def blocks_with_final_norm(transformer: nn.Module, final_norm: nn.Module) -> list[list[Member]]:
+def blocks_with_final_norm(transformer: OpenClip, final_norm: OpenClip) -> list[list[Member]]:
     groups: list[list[Member]] = [[block] for block in transformer.resblocks]
     if groups:
         groups[-1].append(final_norm)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal, unadmitted_global
-from fsdpclip.model.build import build_model, tower_of
+from fsdpclip.model.build import OpenClip, build_model, tower_of
 from fsdpclip.model.published import weights_file
 from fsdpclip.node import usable_cores
 from fsdpclip.problems import ModelError
@@ -76,7 +76,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, t
     """Load a state dict strictly (every key, no other, the same shapes): one tower's (keys relative to
     the tower), one submodule's (keys relative to `module`, e.g. 'visual.trunk') or, given neither, the
     whole model's. OpenCLIP has no loader for parts of a model, and its whole-model loader resizes."""
-    prefix = f"{module}." if module is not None else {"image": "visual.", "text": "text."}.get(tower, "")
+    prefix = f"{module}." if module is not None else {"image": "visual.", "text": "text."}.get(tower or "", "")
     if tower == "text" and not hasattr(model, "text"):  # OpenCLIP's own text tower sits on the root
         prefix = ""
     state = {prefix + k: v for k, v in state.items()}
@@ -95,7 +95,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str, t
     model.load_state_dict(state, strict=False)
 
 
-def load_model_weights(model: nn.Module, path: str, label: str = "the model") -> None:
+def load_model_weights(model: OpenClip, path: str, label: str = "the model") -> None:
     """A whole-model OpenCLIP checkpoint, loaded strictly by OpenCLIP's own `load_checkpoint` (its key
     conversions, position-embedding resizes, 0-d/1-element logit scale and a missing logit bias)."""
     import pickle
@@ -217,7 +217,8 @@ class ParallelDraws:
             else:
                 setattr(owner, name, own)
         self.saved.clear()
-        self.pool.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
         self.pool = None
 
     def _generator(self, *key: int) -> torch.Generator:
@@ -246,5 +247,6 @@ class ParallelDraws:
             with torch.set_grad_enabled(grad):
                 original(chunks[index], *args, **kwargs, generator=self._generator(draw, index))
 
+        assert self.pool is not None  # inside the draws
         list(self.pool.map(fill, range(len(chunks))))
         return tensor

@@ -72,6 +72,7 @@ class GraphedForwardBackward:
         for parameter, gradient in self.gradients:
             if parameter.grad is not gradient:
                 parameter.grad = gradient
+        assert self.graph is not None and self.loss is not None  # captured
         self.graph.replay()
         self.replays += 1
         return self.loss.clone()
@@ -86,6 +87,7 @@ class GraphedForwardBackward:
         self.graph, self.batches, self.loss, self.gradients = None, None, None, []
 
     def _copy_in(self, batches: Batches) -> None:
+        assert self.batches is not None  # captured
         for captured, batch in zip(self.batches, batches, strict=True):
             for into, tensor in zip(captured, batch, strict=True):
                 if into.shape != tensor.shape or into.dtype != tensor.dtype:
@@ -104,11 +106,11 @@ class GraphedForwardBackward:
     def _capture(self, batches: Batches) -> None:
         for parameter in self.parameters:
             parameter.grad = None  # freed before the capture (torch.cuda.graph empties the cache first)
-        self.batches = [tuple(t.clone() for t in batch) for batch in batches]
+        self.batches = captured = [(images.clone(), texts.clone()) for images, texts in batches]
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                self.loss = self.forward_backward(self.batches)
+                self.loss = self.forward_backward(captured)
         except Exception as exc:
             raise RuntimeError(f"CUDA-graph capture of the training step failed ({type(exc).__name__}: {exc}); "
                                "set fsdp.cuda_graph to false") from exc

@@ -52,7 +52,7 @@ def init_distributed(device_kind: str, timeout_s: float, cpu_collectives: bool =
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+                                device_id=device if device.type == "cuda" else None)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     return Dist(rank, world, local_rank, local_world, device, mesh)
 

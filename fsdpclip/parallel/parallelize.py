@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ FORWARD_METHODS = ("encode_image", "encode_text")
 
 def apply_activation_checkpointing(model: nn.Module, names: list[str]) -> None:
     """Recompute the activations of these modules in backward; parameter names are kept."""
-    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.checkpoint_activation import checkpoint
 
     for name in names:
         checkpoint(model.get_submodule(name))
@@ -96,7 +96,7 @@ def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: st
     units. Without `block_forward_flops` only the units are decided (what the memory estimate needs):
     compile stays 'auto' there; without `world_size`, cuda_graph does."""
     ours = auto_compiles(towers, device_type)
-    update = {"reshard_after_forward": fsdp.reshards}
+    update: dict[str, Any] = {"reshard_after_forward": fsdp.reshards}
     graphed = fsdp.cuda_graph
     if graphed == "auto" and world_size is not None:
         checkpointed = fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text

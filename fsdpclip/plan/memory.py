@@ -125,7 +125,7 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     all the step's micro batches on the device, caches their image and text features, and each micro
     batch's logits span the whole global batch.
     """
-    fsdp, micro, accum = job.fsdp, job.batch.per_gpu, job.batch.grad_accum
+    fsdp, micro, accum = job.fsdp, job.batch.settled_per_gpu, job.batch.grad_accum
     param_bytes, reduce_bytes = DTYPE_BYTES[fsdp.param_dtype], DTYPE_BYTES[fsdp.reduce_dtype]
     degree = shard_degree or world_size
     params = sum(u.shard_numel(degree) for u in units) * 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 from torch import nn
 
@@ -71,7 +71,8 @@ class ShardDegreeError(ValueError):
     """A shard degree that does not fit the world; the message says why (`shard_degree_problem`)."""
 
 
-def resolve_shard_degree(chosen: Union[int, str], world: int, gpus_per_node: int, auto: Callable[[], int]) -> int:
+def resolve_shard_degree(chosen: Union[int, Literal["auto"]], world: int, gpus_per_node: int,
+                         auto: Callable[[], int]) -> int:
     """The shard degree a job runs with, decided here for `validate` and the trainer alike: `chosen`
     (fsdp.shard_degree) as given, or for 'auto' the whole world when it fits in one node and else
     `auto()` (`auto_shard_degree` with the caller's memory model and GPU capacity, measured only then).
@@ -203,7 +204,7 @@ def strategy(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: int,
     `inter_gbps` once it spans nodes (the shard group when it is larger than a node, the replicas whenever
     there is more than one node). FSDP overlaps its collectives with compute, so a step takes the longer of
     the two plus EXPOSED_FRACTION of the communication."""
-    world, samples = nodes * gpus_per_node, job.batch.per_gpu * job.batch.grad_accum
+    world, samples = nodes * gpus_per_node, job.batch.settled_per_gpu * job.batch.grad_accum
     compute = samples * flops_per_sample / (tflops * 1e12)
     moved = traffic(memory.job, memory.units, world, degree)  # the units and resharding as built
     group_gbps = intra_gbps if degree <= gpus_per_node else inter_gbps

@@ -13,7 +13,7 @@ import math
 import re
 import unicodedata
 from pathlib import Path
-from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Iterator, Literal, Optional, Union
 
 from pydantic import (
     BeforeValidator,
@@ -106,11 +106,14 @@ def object_storage_url(value: str) -> str:
 
 # --------------------------------------------------------------------------- run
 class RunSpec(Section):
-    name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128,
-                      description="Run name; the run directory is <output_dir>/<name>.")
-    output_dir: OneLine = Field("runs", description="Directory that holds run directories (created if missing).")
-    seed: int = Field(0, ge=0, lt=2 ** 63, description="Seed for initialisation, data order and dropout (below 2^63, "
-                                                       "as torch's generators take it with the rank added).")
+    name: str = Field(
+        default="clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128,
+        description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: OneLine = Field(
+        default="runs", description="Directory that holds run directories (created if missing).")
+    seed: int = Field(
+        default=0, ge=0, lt=2 ** 63, description="Seed for initialisation, data order and dropout (below 2^63, as "
+                                                 "torch's generators take it with the rank added).")
 
 
 # ------------------------------------------------------------------------- model
@@ -139,31 +142,31 @@ class TowerSpec(Section):
 
 def tower_families(tower: str) -> type[TowerSpec]:
     """The base of a tower's spec: an optional field per registered tower family of `tower` (its block)."""
-    return create_model(f"{tower.title()}TowerFamilies", __base__=TowerSpec, __module__=__name__,
-                        **{family.name: (Optional[family.spec], Field(None, description=family.description))
-                           for family in TOWER_FAMILIES if family.tower == tower})
+    fields: dict[str, Any] = {family.name: (Optional[family.spec], Field(default=None, description=family.description))
+                              for family in TOWER_FAMILIES if family.tower == tower}
+    return create_model(f"{tower.title()}TowerFamilies", __base__=TowerSpec, __module__=__name__, **fields)
 
 
 class ImageTowerSpec(tower_families("image")):
     tower: ClassVar[str] = "image"
-    image_size: Optional[int] = Field(None, gt=0, description="Override the image size of the model config.")
+    image_size: Optional[int] = Field(default=None, gt=0, description="Override the image size of the model config.")
     patch_dropout: Optional[float] = Field(
-        None, ge=0.0, lt=1.0, description="Fraction of patches dropped during training (ViT towers).")
+        default=None, ge=0.0, lt=1.0, description="Fraction of patches dropped during training (ViT towers).")
     pretrained: Optional[str] = Field(
-        None, description="Local weights file for the image tower only (OpenCLIP keys relative to the tower).")
+        default=None, description="Local weights file for the image tower only (OpenCLIP keys relative to the tower).")
     block_classes: Optional[list[str]] = Field(
-        None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
-                          "default: the known block classes found in the tower.")
+        default=None, description="Class names of this tower's repeated blocks (freeze ranges index them); default: "
+                                  "the known block classes found in the tower.")
 
 
 class TextTowerSpec(tower_families("text")):
     tower: ClassVar[str] = "text"
-    context_length: Optional[int] = Field(None, gt=0, description="Override the text context length.")
+    context_length: Optional[int] = Field(default=None, gt=0, description="Override the text context length.")
     pretrained: Optional[str] = Field(
-        None, description="Local weights file for the text tower only (OpenCLIP keys relative to the tower).")
+        default=None, description="Local weights file for the text tower only (OpenCLIP keys relative to the tower).")
     block_classes: Optional[list[str]] = Field(
-        None, description="Class names of this tower's repeated blocks (freeze ranges index them); "
-                          "default: the known block classes found in the tower.")
+        default=None, description="Class names of this tower's repeated blocks (freeze ranges index them); default: "
+                                  "the known block classes found in the tower.")
 
 
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")  # a model.pretrained value with one is a file
@@ -171,23 +174,24 @@ WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")  # a model.pretrained 
 
 class ModelSpec(Section):
     name: Optional[str] = Field(
-        None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()); towers given in "
-                          "`image.timm` or `text.hf` replace its towers.")
+        default=None, description="OpenCLIP architecture name, e.g. 'ViT-B-32' (open_clip.list_models()); towers given "
+                                  "in `image.timm` or `text.hf` replace its towers.")
     config: Optional[str] = Field(
-        None, description="Path to a local OpenCLIP model-config JSON (embed_dim, vision_cfg, text_cfg); "
-                          "instead of `name`.")
+        default=None, description="Path to a local OpenCLIP model-config JSON (embed_dim, vision_cfg, "
+                                  "text_cfg); instead of `name`.")
     embed_dim: Optional[int] = Field(
-        None, gt=0, description="Width of the joint embedding, over the config's; needed where `image.timm` and "
-                                "`text.hf` replace both towers without `name` or `config`.")
+        default=None, gt=0, description="Width of the joint embedding, over the config's; needed where `image.timm` "
+                                        "and `text.hf` replace both towers without `name` or `config`.")
     pretrained: Optional[str] = Field(
-        None, description="Whole-model weights: a local OpenCLIP checkpoint (a directory or a .pt, .pth, .bin or "
-                          ".safetensors file), or a tag OpenCLIP publishes for `name` (e.g. 'laion2b_s34b_b79k'), "
-                          "fetched into the Hugging Face cache before training.")
-    quick_gelu: bool = Field(False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
+        default=None, description="Whole-model weights: a local OpenCLIP checkpoint (a directory or a .pt, .pth, .bin "
+                                  "or .safetensors file), or a tag OpenCLIP publishes for `name` (e.g. "
+                                  "'laion2b_s34b_b79k'), fetched into the Hugging Face cache before training.")
+    quick_gelu: bool = Field(default=False, description="Use QuickGELU activations (OpenAI-trained weights need it).")
     init: Literal["auto", "openclip", "parallel"] = Field(
-        "auto", description="How the run's seed draws the initial weights: 'openclip' as OpenCLIP does, on one core; "
-                            "'parallel' the same distributions in chunks over every core (the same numbers on any "
-                            "machine). 'auto': 'openclip' up to 1B parameters, 'parallel' above.")
+        default="auto", description="How the run's seed draws the initial weights: 'openclip' as OpenCLIP "
+                                    "does, on one core; 'parallel' the same distributions in chunks over every "
+                                    "core (the same numbers on any machine). 'auto': 'openclip' up to 1B "
+                                    "parameters, 'parallel' above.")
     image: ImageTowerSpec = Field(default_factory=ImageTowerSpec, description="Image tower options.")
     text: TextTowerSpec = Field(default_factory=TextTowerSpec, description="Text tower options.")
 
@@ -231,64 +235,67 @@ class ModelSpec(Section):
 # -------------------------------------------------------------------------- fsdp
 class WrapSpec(Section):
     image: Optional[list[str]] = Field(
-        None, description="Module classes of the image tower sharded as their own FSDP units; default: its blocks.")
+        default=None, description="Module classes of the image tower sharded as their own "
+                                  "FSDP units; default: its blocks.")
     text: Optional[list[str]] = Field(
-        None, description="Module classes of the text tower sharded as their own FSDP units; default: its blocks.")
+        default=None, description="Module classes of the text tower sharded as their own "
+                                  "FSDP units; default: its blocks.")
 
 
 class ActivationCheckpointSpec(Section):
     image: Union[bool, list[str]] = Field(
-        False, description="Image-tower module classes to activation-checkpoint; true: its block classes.")
+        default=False, description="Image-tower module classes to activation-checkpoint; true: its block classes.")
     text: Union[bool, list[str]] = Field(
-        False, description="Text-tower module classes to activation-checkpoint; true: its block classes.")
+        default=False, description="Text-tower module classes to activation-checkpoint; true: its block classes.")
 
 
 class GradScalerSpec(Section):
     enabled: Union[Literal["auto"], bool] = Field(
-        "auto", description="Dynamic loss scaling for fp16 ('auto': on exactly when param_dtype is fp16).")
-    init_scale: float = Field(2.0 ** 16, gt=0, description="Initial loss scale.")
-    growth_interval: int = Field(2000, gt=0, description="Steps without overflow before the scale doubles.")
+        default="auto", description="Dynamic loss scaling for fp16 ('auto': on exactly when param_dtype is fp16).")
+    init_scale: float = Field(default=2.0 ** 16, gt=0, description="Initial loss scale.")
+    growth_interval: int = Field(default=2000, gt=0, description="Steps without overflow before the scale doubles.")
 
 
 class FsdpSpec(Section):
     wrap: WrapSpec = Field(default_factory=WrapSpec, description="Which modules become FSDP units, per tower.")
     unit_size: AutoOrCount = Field(
-        "auto", description="Consecutive blocks of a tower sharded together as one FSDP unit. 'auto': about 400M "
-                            "parameters per unit (docs/performance.md).")
+        default="auto", description="Consecutive blocks of a tower sharded together as one FSDP unit. 'auto': about "
+                                    "400M parameters per unit (docs/performance.md).")
     shard_degree: AutoOrCount = Field(
-        "auto", description="Ranks per shard group (HSDP): parameters are sharded inside a group and replicated "
-                            "across groups; 1 replicates everywhere, the world size shards fully. 'auto': shard "
-                            "inside a node, over several nodes only where the model would not fit a GPU (full "
-                            "sharding on the CPU).")
+        default="auto", description="Ranks per shard group (HSDP): parameters are sharded inside a group and "
+                                    "replicated across groups; 1 replicates everywhere, the world size shards fully. "
+                                    "'auto': shard inside a node, over several nodes only where the model would not "
+                                    "fit a GPU (full sharding on the CPU).")
     reshard_after_forward: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Free unsharded parameters after forward (less memory, one more all-gather in backward). "
-                            "'auto': true, except in towers that compile 'auto' compiles whole.")
-    param_dtype: Dtype = Field("bf16", description="Dtype of parameters in forward/backward (mixed precision).")
-    reduce_dtype: Dtype = Field("fp32", description="Dtype of the gradient reduce-scatter.")
+        default="auto", description="Free unsharded parameters after forward (less memory, one more all-gather in "
+                                    "backward). 'auto': true, except in towers that compile 'auto' compiles whole.")
+    param_dtype: Dtype = Field(default="bf16", description="Dtype of parameters in forward/backward (mixed precision).")
+    reduce_dtype: Dtype = Field(default="fp32", description="Dtype of the gradient reduce-scatter.")
     cpu_offload: bool = Field(
-        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+        default=False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
     activation_checkpointing: ActivationCheckpointSpec = Field(
         default_factory=ActivationCheckpointSpec, description="Module classes whose activations are recomputed in "
                                                               "backward.")
     compile: Union[bool, Literal["auto"]] = Field(
-        "auto", description="torch.compile the modules of the FSDP units before sharding; evaluation stays eager. "
-                            "'auto': on CUDA for OpenCLIP's blocks, whole towers up to 1B parameters, larger ones "
-                            "block by block where a block's work is worth it (docs/performance.md).")
+        default="auto", description="torch.compile the modules of the FSDP units before sharding; "
+                                    "evaluation stays eager. 'auto': on CUDA for OpenCLIP's blocks, whole "
+                                    "towers up to 1B parameters, larger ones block by block where a block's "
+                                    "work is worth it (docs/performance.md).")
     compile_options: InductorOptions = Field(
         default_factory=dict,
         description="Inductor options of the compiled modules (torch.compile's `options`, nested ones dotted), e.g. "
                     "{\"coordinate_descent_tuning\": true}; checked against the installed torch.")
     cuda_graph: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Capture each step's forward and backward as one CUDA graph and replay it, with no host "
-                            "work per kernel; needs CUDA, no fp16 loss scaling, CPU offload or patch dropout. 'auto': "
-                            "on for one GPU with OpenCLIP's blocks and no activation checkpointing "
-                            "(docs/performance.md).")
+        default="auto", description="Capture each step's forward and backward as one CUDA graph and replay it, with no "
+                                    "host work per kernel; needs CUDA, no fp16 loss scaling, CPU offload or patch "
+                                    "dropout. 'auto': on for one GPU with OpenCLIP's blocks and no activation "
+                                    "checkpointing (docs/performance.md).")
     direct_attention: bool = Field(
-        True, description="Run nn.MultiheadAttention's common case straight through scaled_dot_product_attention: the "
-                          "same function, parameters and names.")
+        default=True, description="Run nn.MultiheadAttention's common case straight through "
+                                  "scaled_dot_product_attention: the same function, parameters and names.")
     direct_patch_embedding: bool = Field(
-        True, description="Run a ViT's patch embedding (a Conv2d whose stride is its kernel) as one matmul: the same "
-                          "function, parameters and names, faster on the GPU (docs/performance.md).")
+        default=True, description="Run a ViT's patch embedding (a Conv2d whose stride is its kernel) as one matmul: "
+                                  "the same function, parameters and names, faster on the GPU (docs/performance.md).")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
     @property
@@ -306,10 +313,12 @@ class FsdpSpec(Section):
 # ------------------------------------------------------------------------ freeze
 class TowerFreezeSpec(Section):
     blocks: Optional[str] = Field(
-        None, description="Python slice of the tower's blocks to freeze, e.g. '0:-1' (all but the last), ':' (all).")
-    embeddings: bool = Field(False, description="Freeze the parts before the blocks (patch/token and position "
-                                                "embeddings).")
-    head: bool = Field(False, description="Freeze the parts after the blocks (final norms, pooling, projection).")
+        default=None, description="Python slice of the tower's blocks to freeze, e.g. '0:-1' "
+                                  "(all but the last), ':' (all).")
+    embeddings: bool = Field(
+        default=False, description="Freeze the parts before the blocks (patch/token and position embeddings).")
+    head: bool = Field(
+        default=False, description="Freeze the parts after the blocks (final norms, pooling, projection).")
 
     @field_validator("blocks")
     @classmethod
@@ -324,15 +333,15 @@ class TowerFreezeSpec(Section):
 class FreezeSpec(Section):
     image: TowerFreezeSpec = Field(default_factory=TowerFreezeSpec, description="Frozen parts of the image tower.")
     text: TowerFreezeSpec = Field(default_factory=TowerFreezeSpec, description="Frozen parts of the text tower.")
-    logit_scale: bool = Field(False, description="Freeze the learned temperature (and bias, if any).")
+    logit_scale: bool = Field(default=False, description="Freeze the learned temperature (and bias, if any).")
 
 
 # --------------------------------------------------------------------- optimizer
 class DecayRule(Section):
     pattern: Optional[str] = Field(
-        None, description="Regex searched in the original (unwrapped) parameter name, e.g. 'visual\\.proj$'.")
-    max_ndim: Optional[int] = Field(None, ge=0, description="Only tensors with at most this many dims (1: biases, "
-                                                            "norms).")
+        default=None, description="Regex searched in the original (unwrapped) parameter name, e.g. 'visual\\.proj$'.")
+    max_ndim: Optional[int] = Field(
+        default=None, ge=0, description="Only tensors with at most this many dims (1: biases, norms).")
     weight_decay: float = Field(description="Weight decay for the parameters this rule matches first.", ge=0.0)
 
     @model_validator(mode="after")
@@ -363,23 +372,25 @@ DEFAULT_DECAY_RULES = [
 
 class LayerDecaySpec(Section):
     image: Optional[float] = Field(
-        None, gt=0, le=1, description="Layer-wise LR decay of the image tower (open_clip_train's "
-                                      "--image-layer-decay): each layer's LR is the schedule's × decay^(its depth "
-                                      "below the head).")
+        default=None, gt=0, le=1, description="Layer-wise LR decay of the image tower (open_clip_train's "
+                                              "--image-layer-decay): each layer's LR is the schedule's × "
+                                              "decay^(its depth below the head).")
     text: Optional[float] = Field(
-        None, gt=0, le=1, description="Layer-wise LR decay of the text tower (open_clip_train's --text-layer-decay).")
+        default=None, gt=0, le=1, description="Layer-wise LR decay of the text tower "
+                                              "(open_clip_train's --text-layer-decay).")
 
 
 class OptimizerSpec(Section):
-    lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
-    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
-    eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.2, ge=0, description="Weight decay of parameters that no decay rule matches.")
-    grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the global gradient norm to this value.")
+    lr: float = Field(default=5e-4, gt=0, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field(default=(0.9, 0.98), description="AdamW betas.")
+    eps: float = Field(default=1e-6, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(default=0.2, ge=0, description="Weight decay of parameters that no decay rule matches.")
+    grad_clip_norm: Optional[float] = Field(
+        default=None, gt=0, description="Clip the global gradient norm to this value.")
     on_nonfinite: Literal["skip", "stop"] = Field(
-        "skip", description="A step whose gradient norm is not finite: 'skip' it (weights untouched, counted in "
-                            "metrics) or 'stop' the run at its last good checkpoint (fp16: the grad scaler handles "
-                            "it).")
+        default="skip", description="A step whose gradient norm is not finite: 'skip' it (weights untouched, "
+                                    "counted in metrics) or 'stop' the run at its last good checkpoint (fp16: "
+                                    "the grad scaler handles it).")
     decay_rules: list[DecayRule] = Field(
         default_factory=lambda: [r.model_copy() for r in DEFAULT_DECAY_RULES],
         description="Ordered weight-decay rules over the original parameter names; the first match wins, unmatched "
@@ -400,13 +411,13 @@ class OptimizerSpec(Section):
 
 # ---------------------------------------------------------------------- schedule
 class ScheduleSpec(Section):
-    kind: Literal["cosine", "constant"] = Field("cosine", description="LR shape after warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
-    steps: Optional[int] = Field(None, gt=0, description="Total optimizer steps (instead of `epochs`).")
+    kind: Literal["cosine", "constant"] = Field(default="cosine", description="LR shape after warmup.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
+    steps: Optional[int] = Field(default=None, gt=0, description="Total optimizer steps (instead of `epochs`).")
     epochs: Optional[int] = Field(
-        None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on every "
-                                "rank (instead of `steps`; default 1 when neither is set).")
-    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule (at most optimizer.lr).")
+        default=None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on "
+                                        "every rank (instead of `steps`; default 1 when neither is set).")
+    min_lr: float = Field(default=0.0, ge=0, description="Floor of the cosine schedule (at most optimizer.lr).")
 
     @field_validator("epochs")
     @classmethod
@@ -443,7 +454,10 @@ def largest_divisor(number: int, bound: int) -> int:
 
 
 DEFAULT_SOURCE = "webdataset"  # `data.source` when not given
-DataSpec = tagged_union("source", DEFAULT_SOURCE, DATA_SOURCES.specs())  # one of the registered sources' blocks
+if TYPE_CHECKING:  # one of the registered sources' blocks, known once they are registered
+    DataSpec = Any
+else:
+    DataSpec = tagged_union("source", DEFAULT_SOURCE, DATA_SOURCES.specs())
 
 
 # ------------------------------------------------------------------------- batch
@@ -451,35 +465,47 @@ class BatchSpec(Section):
     per_gpu: AutoOrCount = Field(
         description="Micro batch per GPU (per process) and forward. 'auto' (CUDA only): probed with real steps at "
                     "start, 90% of the largest batch that fits, recorded in the run directory for relaunches.")
-    grad_accum: int = Field(1, gt=0, le=MAX_COUNT, description="Micro batches accumulated per optimizer step (with "
-                                                               "per_gpu 'auto' and global_batch: set by the search).")
+    grad_accum: int = Field(
+        default=1, gt=0, le=MAX_COUNT, description="Micro batches accumulated per optimizer step (with per_gpu 'auto' "
+                                                   "and global_batch: set by the search).")
     global_batch: Optional[int] = Field(
-        None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal per_gpu × grad_accum "
-                                "× world size (with per_gpu 'auto', what the batch leaves is accumulated).")
+        default=None, gt=0, description="Samples per optimizer step over all GPUs; if set it must equal "
+                                        "per_gpu × grad_accum × world size (with per_gpu 'auto', what the "
+                                        "batch leaves is accumulated).")
 
     @property
     def searched(self) -> bool:
         """Whether the trainer searches per_gpu at start ('auto')."""
         return self.per_gpu == "auto"
 
+    @property
+    def settled_per_gpu(self) -> int:
+        """`per_gpu` as a count: asked only once 'auto' is settled (`Job.with_batch`)."""
+        if self.per_gpu == "auto":
+            raise ValueError("batch.per_gpu 'auto' is not settled yet")
+        return self.per_gpu
+
 
 # -------------------------------------------------------------------------- loss
 DEFAULT_LOSS = "clip"  # `loss.kind` when not given
-LossSpec = tagged_union("kind", DEFAULT_LOSS, LOSSES.specs())  # one of the registered losses' blocks
+if TYPE_CHECKING:  # one of the registered losses' blocks, known once they are registered
+    LossSpec = Any
+else:
+    LossSpec = tagged_union("kind", DEFAULT_LOSS, LOSSES.specs())
 
 
 # -------------------------------------------------------------------------- eval
 def eval_task_lists() -> type[Section]:
     """The base of the eval section: a list per registered eval task, `eval.KIND`, of the sets it evaluates."""
-    return create_model("EvalTaskLists", __base__=Section, __module__=__name__,
-                        **{task.kind: (list[task.spec], Field(default_factory=list, description=task.description))
-                           for task in EVAL_TASKS})
+    fields: dict[str, Any] = {task.kind: (list[task.spec], Field(default_factory=list, description=task.description))
+                              for task in EVAL_TASKS}
+    return create_model("EvalTaskLists", __base__=Section, __module__=__name__, **fields)
 
 
 class EvalSpec(eval_task_lists()):
-    every_steps: Optional[int] = Field(None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
-    at_end: bool = Field(True, description="Evaluate after the last step.")
-    batch_per_gpu: int = Field(64, gt=0, description="Images per GPU and forward during evaluation.")
+    every_steps: Optional[int] = Field(default=None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
+    at_end: bool = Field(default=True, description="Evaluate after the last step.")
+    batch_per_gpu: int = Field(default=64, gt=0, description="Images per GPU and forward during evaluation.")
 
     @property
     def sets(self) -> list[Section]:
@@ -489,26 +515,28 @@ class EvalSpec(eval_task_lists()):
 
 # -------------------------------------------------------------------- checkpoint
 class CheckpointSpec(Section):
-    every_steps: Optional[int] = Field(None, gt=0, description="Save a sharded checkpoint every N optimizer steps.")
+    every_steps: Optional[int] = Field(
+        default=None, gt=0, description="Save a sharded checkpoint every N optimizer steps.")
     every_minutes: Optional[float] = Field(
-        None, gt=0, description="Save a sharded checkpoint once N minutes of training have passed since the last save "
-                                "or the start (checked about every 10 s); with every_steps, whichever comes first.")
-    at_end: bool = Field(True, description="Save after the last step.")
-    keep: int = Field(2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
+        default=None, gt=0, description="Save a sharded checkpoint once N minutes of training have passed since "
+                                        "the last save or the start (checked about every 10 s); with "
+                                        "every_steps, whichever comes first.")
+    at_end: bool = Field(default=True, description="Save after the last step.")
+    keep: int = Field(default=2, gt=0, description="Complete checkpoints kept (older ones are deleted).")
     resume: Optional[str] = Field(
-        "latest", description="'latest': resume from the run's newest complete checkpoint, if any (local or "
-                              "`remote`); a path or a URL: resume from that checkpoint, or the latest in that folder; "
-                              "null: always start fresh.")
+        default="latest", description="'latest': resume from the run's newest complete checkpoint, if any (local or "
+                                      "`remote`); a path or a URL: resume from that checkpoint, or the latest in that "
+                                      "folder; null: always start fresh.")
     accept_changes: bool = Field(
-        False, description="Resume even where this spec changes the checkpoint's run: its global batch, its length in "
-                           "steps or the LR where it resumes (`--accept-changes` sets it).")
+        default=False, description="Resume even where this spec changes the checkpoint's run: its global batch, its "
+                                   "length in steps or the LR where it resumes (`--accept-changes` sets it).")
     async_save: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on CUDA "
-                            "where the host copies of a node's ranks fit in a quarter of its memory.")
+        default="auto", description="Write periodic checkpoints in the background while training goes on. 'auto': on "
+                                    "CUDA where the host copies of a node's ranks fit in a quarter of its memory.")
     remote: Optional[str] = Field(
-        None, description="A folder URL in object storage (s3://, gs://; any fsspec URL but memory://) that mirrors "
-                          "the run's checkpoints, and that a launch resumes from where it holds a newer one. Needs "
-                          "the `remote` extra (gcsfs for gs://).")
+        default=None, description="A folder URL in object storage (s3://, gs://; any fsspec URL but memory://) that "
+                                  "mirrors the run's checkpoints, and that a launch resumes from where it holds a "
+                                  "newer one. Needs the `remote` extra (gcsfs for gs://).")
     remote_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the fsspec filesystem of `remote` and of a URL in "
                                           "`resume`, e.g. {\"endpoint_url\": \"http://minio:9000\"}; credentials come "
@@ -538,16 +566,16 @@ WANDB_PROJECT_REFUSES = "/\\#?%:"
 
 
 class WandbSpec(Section):
-    project: Optional[str] = Field(None, max_length=128, description="W&B project (default: W&B's own, or "
-                                                                     "WANDB_PROJECT): at most 128 characters, none of "
-                                                                     "/ \\ # ? % :, as W&B requires.")
-    entity: Optional[str] = Field(None, description="W&B team or user (default: the logged-in user's).")
-    name: Optional[str] = Field(None, description="Display name of the W&B run; default: run.name.")
+    project: Optional[str] = Field(
+        default=None, max_length=128, description="W&B project (default: W&B's own, or WANDB_PROJECT): at most 128 "
+                                                  "characters, none of / \\ # ? % :, as W&B requires.")
+    entity: Optional[str] = Field(default=None, description="W&B team or user (default: the logged-in user's).")
+    name: Optional[str] = Field(default=None, description="Display name of the W&B run; default: run.name.")
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, description="Tags of the W&B run, 1 to 64 characters each (W&B's limit).")
     mode: Literal["online", "offline", "disabled"] = Field(
-        "online", description="'online' syncs as it trains; 'offline' writes the W&B run locally, never touching "
-                              "the network (`wandb sync` uploads it later); 'disabled' turns W&B off.")
+        default="online", description="'online' syncs as it trains; 'offline' writes the W&B run locally, never "
+                                      "touching the network (`wandb sync` uploads it later); 'disabled' turns W&B off.")
 
     @field_validator("project")
     @classmethod
@@ -559,37 +587,41 @@ class WandbSpec(Section):
 
 
 class LoggingSpec(Section):
-    every_steps: int = Field(10, gt=0, description="Write metrics.jsonl (and TensorBoard) every N optimizer steps.")
-    tensorboard: bool = Field(False, description="Also write TensorBoard event files (needs `tensorboard`).")
+    every_steps: int = Field(
+        default=10, gt=0, description="Write metrics.jsonl (and TensorBoard) every N optimizer steps.")
+    tensorboard: bool = Field(default=False, description="Also write TensorBoard event files (needs `tensorboard`).")
     peak_tflops: Optional[float] = Field(
-        None, gt=0, description="Peak dense TFLOP/s of one device for MFU; default: a table of known GPUs.")
+        default=None, gt=0, description="Peak dense TFLOP/s of one device for MFU; default: a table of known GPUs.")
     wandb: Optional[WandbSpec] = Field(
-        None, description="Also log to Weights & Biases (rank 0; needs `pip install 'fsdpclip[wandb]'`).")
+        default=None, description="Also log to Weights & Biases (rank 0; needs `pip install 'fsdpclip[wandb]'`).")
 
 
 # ------------------------------------------------------------------------ launch
 class LaunchOptions(Section):
     """The launch section's own fields; `LaunchSpec` adds a block per launcher backend with settings."""
 
-    nodes: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Number of nodes (nodes × gpus_per_node at most 2^20).")
-    gpus_per_node: int = Field(1, gt=0, le=MAX_WORLD_SIZE, description="Processes per node: one per GPU (or CPU "
-                                                                       "processes with device 'cpu').")
-    device: Literal["cuda", "cpu"] = Field("cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
-    gpu_memory_gib: Optional[float] = Field(None, gt=0, description="Memory of one GPU, to check the estimate against "
-                                                                    "and to settle fsdp.shard_degree 'auto' by "
-                                                                    "(default: the GPU's own, at start).")
+    nodes: int = Field(
+        default=1, gt=0, le=MAX_WORLD_SIZE, description="Number of nodes (nodes × gpus_per_node at most 2^20).")
+    gpus_per_node: int = Field(
+        default=1, gt=0, le=MAX_WORLD_SIZE, description="Processes per node: one per GPU (or CPU "
+                                                        "processes with device 'cpu').")
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda", description="'cuda' (NCCL) or 'cpu' (gloo, for tests and demos).")
+    gpu_memory_gib: Optional[float] = Field(
+        default=None, gt=0, description="Memory of one GPU, to check the estimate against and to settle "
+                                        "fsdp.shard_degree 'auto' by (default: the GPU's own, at start).")
     host_memory_gib: Optional[float] = Field(
-        None, gt=0, description="Host memory of one node, to check the host estimate against; default: the memory of "
-                                "the machine validating, when it checks paths.")
-    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
+        default=None, gt=0, description="Host memory of one node, to check the host estimate against; default: the "
+                                        "memory of the machine validating, when it checks paths.")
+    master_port: int = Field(default=29500, gt=0, lt=65536, description="Rendezvous port on the first node.")
     collective_timeout_s: int = Field(
-        1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
+        default=1800, gt=0, description="Seconds a collective may wait for the other ranks before the job fails.")
     env: dict[str, OneLine] = Field(default_factory=dict,
                                     description="Environment variables for every rank (e.g. NCCL_*).")
     fork_ranks: bool = Field(
-        True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and "
-                          "OpenCLIP already, so that they start sooner. false, or env setting a variable read when a "
-                          "process loads (PYTHON*, LD_*, MALLOC_*), starts new interpreters.")
+        default=True, description="Without Slurm, fork the ranks from `fsdpclip launch`, which has imported torch and "
+                                  "OpenCLIP already, so that they start sooner. false, or env setting a variable read "
+                                  "when a process loads (PYTHON*, LD_*, MALLOC_*), starts new interpreters.")
     ssh_options: list[OneLine] = Field(
         default_factory=list, description="Options of the ssh that `launch --hostfile` starts each host with, before "
                                           "the host, e.g. ['-p', '2222'].")
@@ -600,7 +632,7 @@ class LaunchOptions(Section):
         return environment_names(value)
 
     @model_validator(mode="after")
-    def _bounded_world(self) -> "LaunchSpec":
+    def _bounded_world(self) -> "LaunchOptions":
         if self.world_size > MAX_WORLD_SIZE:
             raise ValueError(world_size_problem(self.world_size))
         return self
@@ -610,10 +642,13 @@ class LaunchOptions(Section):
         return self.nodes * self.gpus_per_node
 
 
-LaunchSpec = create_model("LaunchSpec", __base__=LaunchOptions, __module__=__name__,
-                          **{backend.name: (backend.spec, Field(default_factory=backend.spec,
-                                                                description=backend.description))
-                             for backend in LAUNCHER_BACKENDS if backend.spec is not None})
+if TYPE_CHECKING:  # the backends' blocks are known once they are registered: each backend reads its own
+    LaunchSpec = LaunchOptions
+else:
+    LaunchSpec = create_model("LaunchSpec", __base__=LaunchOptions, __module__=__name__,
+                              **{backend.name: (backend.spec, Field(default_factory=backend.spec,
+                                                                    description=backend.description))
+                                 for backend in LAUNCHER_BACKENDS if backend.spec is not None})
 
 
 def world_size_problem(world_size: int) -> str:
@@ -622,7 +657,8 @@ def world_size_problem(world_size: int) -> str:
 
 # --------------------------------------------------------------------------- job
 class Job(Section):
-    schema_ref: Optional[str] = Field(None, alias="$schema", description="JSON Schema reference for editors; ignored.")
+    schema_ref: Optional[str] = Field(
+        default=None, alias="$schema", description="JSON Schema reference for editors; ignored.")
     run: RunSpec = Field(default_factory=RunSpec, description="Run name, output directory and seed.")
     model: ModelSpec = Field(description="The OpenCLIP model and its towers.")
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec,
@@ -652,7 +688,7 @@ class Job(Section):
 
     def samples_per_step(self, world_size: int) -> int:
         """The global batch: samples of one optimizer step over all ranks."""
-        return self.batch.per_gpu * self.batch.grad_accum * world_size
+        return self.batch.settled_per_gpu * self.batch.grad_accum * world_size
 
     def epoch_samples(self, data_ranks: int) -> Optional[int]:
         """Samples one epoch draws over all data ranks (one stream each: the world size, unless a resume keeps the
@@ -660,7 +696,8 @@ class Job(Section):
         (`batches_per_epoch`); None without `data.samples`."""
         if self.data.samples is None:
             return None
-        return batches_per_epoch(self.data.samples, data_ranks, self.batch.per_gpu) * data_ranks * self.batch.per_gpu
+        per_gpu = self.batch.settled_per_gpu
+        return batches_per_epoch(self.data.samples, data_ranks, per_gpu) * data_ranks * per_gpu
 
     def total_steps(self, world_size: int, step: int = 0, samples_seen: int = 0,
                     data_ranks: Optional[int] = None) -> Optional[int]:
@@ -675,6 +712,13 @@ class Job(Section):
             return None
         left = max(0, epoch * (self.schedule.epochs or 1) - samples_seen)
         return step + left // self.samples_per_step(world_size)
+
+    def length(self, world_size: int, step: int = 0, samples_seen: int = 0, data_ranks: Optional[int] = None) -> int:
+        """`total_steps` of a spec that gives the run a length (validate refuses one that does not)."""
+        total = self.total_steps(world_size, step, samples_seen, data_ranks)
+        if total is None:
+            raise ValueError("the length is unknown: set schedule.steps, or data.samples with schedule.epochs")
+        return total
 
     def lr(self, step: int, total_steps: int) -> float:
         """The learning rate of step `step` (0-based) of a run of `total_steps` (`ScheduleSpec.lr_factor`)."""

@@ -17,6 +17,7 @@ from fsdpclip.problems import Problem, SpecError, closest
 from fsdpclip.run.files import read_text_file
 from fsdpclip.data.source import DATA_SOURCES
 from fsdpclip.spec.job import Job
+from fsdpclip.spec.section import Section
 from fsdpclip.train.losses import LOSSES
 
 
@@ -130,8 +131,8 @@ def salvaged_job(raw: dict) -> Optional[Job]:
     holes: list[tuple[BaseModel, str]] = []
     job = _salvaged(Job, raw, holes)
     for section, name in holes:  # only now: the validators of the blocks around a section read it whole
-        section.__dict__.pop(name, None)
-    return job
+        vars(section).pop(name, None)
+    return job if isinstance(job, Job) else None
 
 
 def _salvaged(model: type[BaseModel], raw: dict, holes: list[tuple[BaseModel, str]]) -> Optional[BaseModel]:
@@ -146,14 +147,14 @@ def _salvaged(model: type[BaseModel], raw: dict, holes: list[tuple[BaseModel, st
             section = model.model_validate(values)
             break
         except ValidationError as exc:
-            failed = {error["loc"][0] for error in exc.errors() if error["loc"]} - left_out
+            failed = {str(error["loc"][0]) for error in exc.errors() if error["loc"]} - left_out  # field names
             if not failed:
                 if not all(error["type"] == "missing" for error in exc.errors()) or \
                         model.__pydantic_decorators__.model_validators:
                     return None
                 section = model.model_construct()
                 for key, value in values.items():  # each validated as the model validates it
-                    model.__pydantic_validator__.validate_assignment(section, _field_name(model, key), value)
+                    model.__pydantic_validator__.validate_assignment(section, _field_name(model, key) or key, value)
                 break
         for key in failed:
             block = block_of(model, key, values.get(key))
@@ -181,12 +182,13 @@ def block_of(model: type[BaseModel], key: str, value: Any) -> Optional[type[Base
     field = model.model_fields[name]
     found = _inner(field.annotation)
     if _is_union(found):
-        tag = next((meta.discriminator(value) for meta in field.metadata if isinstance(meta, Discriminator)), None)
+        tag = next((meta.discriminator(value) for meta in field.metadata
+                    if isinstance(meta, Discriminator) and callable(meta.discriminator)), None)
         found = _member(found, tag)
     return found if isinstance(found, type) and issubclass(found, BaseModel) else None
 
 
-def union_members() -> dict[str, dict[str, type[BaseModel]]]:
+def union_members() -> dict[str, dict[str, type[Section]]]:
     """The members of the spec's tagged unions by field of `Job`: the registered data sources and losses."""
     return {"data": DATA_SOURCES.specs(), "loss": LOSSES.specs()}
 
@@ -254,7 +256,7 @@ def _member(union: Any, tag: Any) -> Optional[type[BaseModel]]:
     return None
 
 
-def _problems(errors: list[dict], raw: dict) -> list[Problem]:
+def _problems(errors: list, raw: dict) -> list[Problem]:
     """A Problem per pydantic error, but one per field where a value takes none of a plain union's forms (pydantic
     reports each form's error)."""
     problems, unions = [], set()

@@ -15,36 +15,39 @@ Rgb = tuple[float, float, float]
 
 
 class ColorJitterSpec(Section):
-    prob: float = Field(0.8, gt=0, le=1, description="Chance that an image is jittered (OpenCLIP's "
-                                                    "color_jitter_prob).")
-    brightness: float = Field(0.0, ge=0, description="Brightness factor drawn from [1 - b, 1 + b] (0: none).")
-    contrast: float = Field(0.0, ge=0, description="Contrast factor drawn from [1 - c, 1 + c] (0: none).")
-    saturation: float = Field(0.0, ge=0, description="Saturation factor drawn from [1 - s, 1 + s] (0: none).")
-    hue: float = Field(0.0, ge=0, le=0.5, description="Hue shift drawn from [-h, h] of the colour circle (0: none).")
+    prob: float = Field(
+        default=0.8, gt=0, le=1, description="Chance that an image is jittered (OpenCLIP's color_jitter_prob).")
+    brightness: float = Field(default=0.0, ge=0, description="Brightness factor drawn from [1 - b, 1 + b] (0: none).")
+    contrast: float = Field(default=0.0, ge=0, description="Contrast factor drawn from [1 - c, 1 + c] (0: none).")
+    saturation: float = Field(default=0.0, ge=0, description="Saturation factor drawn from [1 - s, 1 + s] (0: none).")
+    hue: float = Field(
+        default=0.0, ge=0, le=0.5, description="Hue shift drawn from [-h, h] of the colour circle (0: none).")
 
 
 class PreprocessSpec(Section):
     """OpenCLIP's preprocessing (PreprocessCfg) and training augmentation (AugmentationCfg); an unset field is
     the model's own (its config's, its published tag's, OpenCLIP's defaults)."""
 
-    mean: Optional[Rgb] = Field(None, description="Per-channel mean Normalize subtracts (RGB, of pixels in [0, 1]); "
-                                                  "default: the model's (e.g. 0.5 for SigLIP's published weights).")
+    mean: Optional[Rgb] = Field(
+        default=None, description="Per-channel mean Normalize subtracts (RGB, of pixels in [0, 1]); default: the "
+                                  "model's (e.g. 0.5 for SigLIP's published weights).")
     std: Optional[Rgb] = Field(
-        None, description="Per-channel standard deviation Normalize divides by; default: the model's.")
+        default=None, description="Per-channel standard deviation Normalize divides by; default: the model's.")
     interpolation: Optional[Literal["bicubic", "bilinear"]] = Field(
-        None, description="The evaluation resize's interpolation; default: the model's ('bicubic'). Training's "
-                          "random resized crop is bicubic whatever this says, as OpenCLIP's is.")
+        default=None, description="The evaluation resize's interpolation; default: the model's ('bicubic'). Training's "
+                                  "random resized crop is bicubic whatever this says, as OpenCLIP's is.")
     resize_mode: Optional[Literal["shortest", "longest", "squash"]] = Field(
-        None, description="How evaluation fits an image to the model's size: 'shortest' (resize the shorter side, "
-                          "centre crop), 'longest' (resize the longer side, pad), 'squash' (resize both, ignoring "
-                          "the aspect ratio); default: the model's ('shortest').")
+        default=None, description="How evaluation fits an image to the model's size: 'shortest' (resize the shorter "
+                                  "side, centre crop), 'longest' (resize the longer side, pad), 'squash' (resize both, "
+                                  "ignoring the aspect ratio); default: the model's ('shortest').")
     crop_scale: Optional[tuple[float, float]] = Field(
-        None, description="Training's random resized crop: the range of the crop's area as a share of the image "
-                          "(OpenCLIP's default (0.9, 1.0)).")
-    color_jitter: Optional[ColorJitterSpec] = Field(None, description="Random colour jitter in training "
-                                                                      "(torchvision's ColorJitter); default none.")
-    grayscale_prob: Optional[float] = Field(None, ge=0, le=1, description="Chance that a training image is made "
-                                                                         "grayscale (after the jitter); default 0.")
+        default=None, description="Training's random resized crop: the range of the crop's area as a share of the "
+                                  "image (OpenCLIP's default (0.9, 1.0)).")
+    color_jitter: Optional[ColorJitterSpec] = Field(
+        default=None, description="Random colour jitter in training (torchvision's ColorJitter); default none.")
+    grayscale_prob: Optional[float] = Field(
+        default=None, ge=0, le=1, description="Chance that a training image is made grayscale "
+                                              "(after the jitter); default 0.")
 
     @model_validator(mode="after")
     def _ranges(self) -> "PreprocessSpec":

@@ -81,7 +81,8 @@ class Registry(Generic[T]):
 
     def specs(self) -> dict[str, type[Section]]:
         """The spec blocks of the implementations that have one, by name."""
-        return {name: entry.spec for name, entry in self.members().items() if entry.spec is not None}
+        return {name: spec for name, entry in self.members().items()
+                if (spec := getattr(entry, "spec", None)) is not None}
 
 
 _plugins_loaded = False

@@ -126,7 +126,7 @@ def kept_batch(job: Job, meta: dict, world: int) -> Job:
     share = target // world
     if batch.searched:
         return job.model_copy(update={"batch": batch.model_copy(update={"global_batch": target, "grad_accum": 1})})
-    per_gpu = largest_divisor(share, batch.per_gpu)
+    per_gpu = largest_divisor(share, batch.settled_per_gpu)
     return job.model_copy(update={"batch": batch.model_copy(update={
         "per_gpu": per_gpu, "grad_accum": share // per_gpu, "global_batch": batch.global_batch and target})})
 

@@ -41,6 +41,7 @@ def starter_spec(name: str, gpus: int, data: Optional[str] = None, samples: Opti
         source, steps, length = {"source": "synthetic"}, SYNTHETIC_STEPS, {"steps": SYNTHETIC_STEPS}
     else:
         source, length = {"source": "webdataset", "urls": data, "samples": samples}, {"epochs": epochs}
+        assert samples is not None, "shards come with their samples"
         steps = samples * epochs // (per_gpu * ranks)
     return {
         "run": {"name": f"{name.lower()}{'-' + pretrained if pretrained else ''}", "output_dir": "runs", "seed": 0},

@@ -20,11 +20,12 @@ from fsdpclip.plan.mesh import ShardDegreeError, auto_shard_degree, memory_model
 from fsdpclip.run.directory import EXIT_SPEC
 from fsdpclip.spec.job import FsdpSpec
 from fsdpclip.train.stops import Stop
+from fsdpclip.train.state import TrainerState
 
 log = logging.getLogger("fsdpclip")
 
 
-class ModelBuilding:
+class ModelBuilding(TrainerState):
     """The part of `Trainer` that builds the sharded model (`_build_model`)."""
 
     def _build_model(self, model: torch.nn.Module, towers) -> torch.nn.Module:
@@ -36,11 +37,11 @@ class ModelBuilding:
         self.decay_groups = trainable_decay_groups(model, job.optimizer)
         self.shard_degree = self._shard_degree(model, towers)
         self.mesh = shard_mesh(env, self.shard_degree)
-        self.planned_per_gpu = self._plan_batch(model, towers) if job.batch.searched else job.batch.per_gpu
+        self.planned_per_gpu = self._plan_batch(model, towers) if job.batch.searched else job.batch.settled_per_gpu
         if env.is_main:
             log.info("mesh: %d replica(s) × shard groups of %d", env.world_size // self.shard_degree, self.shard_degree)
         flops_rank = env.world_size - 1
-        flops = [training_flops_per_sample(model) if env.rank == flops_rank else None]
+        flops: list = [training_flops_per_sample(model) if env.rank == flops_rank else None]
         source = None
         if env.is_main:
             began = time.perf_counter()
@@ -75,7 +76,7 @@ class ModelBuilding:
         same on every rank; where towers are too large to compile whole, also from the work of one block's
         forward over a micro batch (the model's FLOPs spread over its blocks)."""
         job, env = self.job, self.env
-        decided = [None]
+        decided: list = [None]  # rank 0's FsdpSpec, broadcast
         if env.is_main:
             blocks = max(1, sum(len(tower.blocks) for tower in towers.values()))
             block_flops = self.flops_per_sample / 3 * self.planned_per_gpu / blocks  # forward is a third of training
@@ -84,7 +85,8 @@ class ModelBuilding:
             fsdp = decided[0]
             if job.fsdp.compile == "auto":
                 how = "off" if not fsdp.compile else "blocks" if fsdp.wrap == job.fsdp.wrap else \
-                    f"whole towers ({fsdp.wrap.image[0]}, {fsdp.wrap.text[0]}; reshard_after_forward " \
+                    f"whole towers ({fsdp.wrap.image and fsdp.wrap.image[0]}, " \
+                    f"{fsdp.wrap.text and fsdp.wrap.text[0]}; reshard_after_forward " \
                     f"{str(fsdp.reshard_after_forward).lower()})"
                 log.info("compile 'auto': %s (%.2f TFLOP per block forward)", how, block_flops / 1e12)
             if job.fsdp.cuda_graph == "auto":
@@ -100,7 +102,7 @@ class ModelBuilding:
         job, env = self.job, self.env
 
         def auto() -> int:
-            decided = [None]
+            decided: list = [None]  # rank 0's degree, broadcast
             if env.is_main:
                 limit = job.launch.gpu_memory_gib
                 capacity = limit * GIB if limit else torch.cuda.get_device_properties(env.device).total_memory \

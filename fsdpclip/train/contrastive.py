@@ -17,16 +17,17 @@ if TYPE_CHECKING:
 
 
 class ClipLossSpec(Section):
-    kind: Literal["clip"] = Field("clip", description="Contrastive softmax loss (CLIP).")
-    local_loss: bool = Field(True, description="Each rank computes the loss of its own rows against the global batch.")
+    kind: Literal["clip"] = Field(default="clip", description="Contrastive softmax loss (CLIP).")
+    local_loss: bool = Field(
+        default=True, description="Each rank computes the loss of its own rows against the global batch.")
     gather_with_grad: bool = Field(
-        True, description="Gather features with gradient (needed for the exact global-batch gradient).")
+        default=True, description="Gather features with gradient (needed for the exact global-batch gradient).")
 
 
 class SigLipLossSpec(Section):
     kind: Literal["siglip"] = Field(description="Sigmoid loss (SigLIP); the model needs a learned logit bias.")
     exchange: Literal["bidir", "shift", "reduce", "gather"] = Field(
-        "bidir", description="How text features travel between ranks.")
+        default="bidir", description="How text features travel between ranks.")
 
 
 class ClipKind(Loss):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import importlib
 import logging
 import multiprocessing
@@ -150,7 +151,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except BaseException as exc:
         full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC  # a log or report that did not fit
         try:
-            if full:  # before the crash report: where only one more file fits, exit.json names the checkpoint
+            if full and isinstance(exc, OSError):  # before the crash report: where only one more file fits, exit.json
+                # names the checkpoint
                 report_no_space(job, env.rank, exc, getattr(trainer, "step", None))
             write_crash_report(job.run_dir, env.rank, exc)
         finally:
@@ -193,7 +195,7 @@ def adopt_rank_environment() -> None:
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
+        if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=True)
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from fsdpclip.eval.task import evaluate_set, load_eval_set, result_line
 from fsdpclip.model.build import image_transform
 from fsdpclip.train.metrics import MetricsLog
+from fsdpclip.train.state import TrainerState
 
 
-class Evaluation:
+class Evaluation(TrainerState):
     """The part of `Trainer` that evaluates during training."""
 
     def _evaluate_and_report(self, metrics: MetricsLog) -> None:

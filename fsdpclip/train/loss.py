@@ -8,11 +8,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.spec.section import Section
+from fsdpclip.spec.job import LossSpec
 from fsdpclip.train.losses import LOSSES
 
 
-def build_loss(spec: Section, rank: int, world_size: int) -> nn.Module:
+def build_loss(spec: LossSpec, rank: int, world_size: int) -> nn.Module:
     """The loss a job's `loss` block names, over the global batch."""
     return LOSSES[spec.kind].build(spec, rank, world_size)
 

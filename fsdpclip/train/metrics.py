@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
@@ -52,12 +52,12 @@ class Window:
     def reset(self) -> None:
         self.start, self.samples, self.data_wait, self.steps = time.perf_counter(), 0, 0.0, 0
 
-    def rates(self, world_size: int, flops_per_sample: float, peak: Optional[float]) -> dict:
+    def rates(self, world_size: int, flops_per_sample: Optional[float], peak: Optional[float]) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         per_gpu = self.samples / elapsed
-        out = {"samples_per_s": per_gpu * world_size, "samples_per_s_per_gpu": per_gpu,
+        out: dict[str, Optional[float]] = {"samples_per_s": per_gpu * world_size, "samples_per_s_per_gpu": per_gpu,
                "data_wait_fraction": self.data_wait / elapsed, "step_time_s": elapsed / max(1, self.steps)}
-        out["mfu"] = per_gpu * flops_per_sample / (peak * 1e12) if peak else None
+        out["mfu"] = per_gpu * flops_per_sample / (peak * 1e12) if peak and flops_per_sample else None
         return out
 
 
@@ -87,9 +87,10 @@ def progress_bar(console) -> Progress:
     """The live bar: 'train', the bar, step of total, samples/s and time left, then the last log line. The
     step, rate and time left keep their width on any terminal (rich would shorten every column alike); the bar
     and the log line take what is left."""
-    kept = {"table_column": Column(no_wrap=True)}
-    return Progress(TextColumn("[bold]train", **kept), BarColumn(), MofNCompleteColumn(**kept),
-                    TextColumn("{task.fields[rate]}", **kept), TimeRemainingColumn(**kept), LogLine(),
+    kept = Column(no_wrap=True)
+    return Progress(TextColumn("[bold]train", table_column=kept), BarColumn(), MofNCompleteColumn(table_column=kept),
+                    TextColumn("{task.fields[rate]}", table_column=kept), TimeRemainingColumn(table_column=kept),
+                    LogLine(),
                     console=console)
 
 
@@ -98,7 +99,7 @@ class MetricsLog:
     a progress display; rank 0 only."""
 
     def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, enabled: bool,
-                 wandb: Optional[WandbSpec] = None, config: Optional[dict] = None, data_hints: tuple[str, ...] = ()):
+                 wandb: Optional[WandbSpec] = None, config: Optional[dict] = None, data_hints: Sequence[str] = ()):
         self.enabled, self.total_steps, self.data_hints = enabled, total_steps, list(data_hints)
         self.data_bound = 0  # log windows so far in which the step waited for its data over DATA_BOUND
         self.file = self.writer = self.progress = self.wandb = None
@@ -125,7 +126,7 @@ class MetricsLog:
             self.progress.update(self.task, completed=step)
 
     def write(self, record: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or self.file is None:
             return
         self.file.append(json.dumps(record))
         if self.writer is not None:
@@ -145,8 +146,8 @@ class MetricsLog:
             self.data_bound += 1
         rate = f"{record['samples_per_s']:,.0f} samples/s" if record.get("samples_per_s") else ""
         if self.progress is not None and "loss" in record:  # the bar shows training; other records, a line above it
-            self.progress.update(self.task, completed=record.get("step", 0), description=line,
-                                 **({"rate": rate} if rate else {}))
+            fields: dict[str, Any] = {"rate": rate} if rate else {}  # the task's own fields
+            self.progress.update(self.task, completed=record.get("step", 0), description=line, **fields)
         elif self.progress is not None and line:
             self.announce(f"step {record.get('step')} {line}")
         elif line:

@@ -82,13 +82,13 @@ class ShardedAdamW(torch.optim.AdamW):
         # 0 or 1 exactly: the kernel skips only on 1, and ShardedGradScaler's flag is summed over ranks
         found_inf = (found_inf.to(device).reshape(()) > 0).float() if found_inf is not None else None
         grad_scale = grad_scale.to(device, torch.float32) if grad_scale is not None else None
-        torch._foreach_add_(steps, 1)
+        torch._foreach_add_(steps, 1)  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],  # pyright: ignore[reportPrivateImportUsage]
                             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                             maximize=False, grad_scale=grad_scale, found_inf=found_inf)
         if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))
+            torch._foreach_sub_(steps, [found_inf] * len(steps))  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
 
 
 def build_optimizer(model: nn.Module, groups: list[DecayGroup], spec: OptimizerSpec) -> ShardedAdamW:
@@ -145,7 +145,7 @@ def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
             found = {}
             for (grad_device, _), grads in grouped.items():
                 found.setdefault(grad_device, found_inf.to(grad_device))
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[grad_device], inv_scale.to(grad_device))
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[grad_device], inv_scale.to(grad_device))  # pyright: ignore[reportPrivateImportUsage]
             return found or {found_inf.device: found_inf}
 
     return LocalShardGradScaler(device=device.type, init_scale=fsdp.grad_scaler.init_scale,
@@ -177,7 +177,7 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: Optional[float]) ->
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for group in (shards, whole):  # the same coefficient torch's clip_grads_with_norm_ takes
             if group:
-                torch._foreach_mul_(group, coefficient.to(group[0].device, group[0].dtype))
+                torch._foreach_mul_(group, coefficient.to(group[0].device, group[0].dtype))  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
     return norm
 
 

@@ -22,11 +22,12 @@ from fsdpclip.spec.job import CheckpointSpec
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, kept_streams, shard_fingerprint, unaccepted
 from fsdpclip.train.optim import Schedule
 from fsdpclip.train.stops import Stop
+from fsdpclip.train.state import TrainerState
 
 log = logging.getLogger("fsdpclip")
 
 
-class Checkpointing:
+class Checkpointing(TrainerState):
     """The part of `Trainer` that saves, resumes and reports checkpoint failures."""
 
     def _asynchronous_saves(self, host_bytes: int) -> bool:
@@ -203,7 +204,7 @@ class Checkpointing:
         job = self.job
         for group, decay in zip(self.optimizer.param_groups, self.decay_groups):
             group.update(betas=job.optimizer.betas, eps=job.optimizer.eps, weight_decay=decay.weight_decay)
-        self.total_steps = job.total_steps(self.env.world_size, self.step, self.samples_seen, self.data_ranks)
+        self.total_steps = job.length(self.env.world_size, self.step, self.samples_seen, self.data_ranks)
         self.scheduler = Schedule(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         self.scheduler.set_step(self.step)
         if self.scaler is not None and meta["scaler"] is not None:

@@ -42,11 +42,12 @@ from fsdpclip.run.directory import EXIT_SPEC
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.optim import build_optimizer
 from fsdpclip.train.stops import Stop
+from fsdpclip.train.state import TrainerState
 
 log = logging.getLogger("fsdpclip")
 
 
-class BatchSizing:
+class BatchSizing(TrainerState):
     """The part of `Trainer` that settles `batch.per_gpu: "auto"`: `_plan_batch` on the meta model,
     `_settle_batch` once the model is built."""
 
@@ -65,7 +66,7 @@ class BatchSizing:
             if record is None:
                 memory, _ = memory_model(job, model, towers)
                 capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else properties.total_memory
-                decided = [None, search_start(memory, job, env.world_size, self.shard_degree, capacity)]
+                decided: list = [None, search_start(memory, job, env.world_size, self.shard_degree, capacity)]
             else:
                 decided = [record, None]
         dist.broadcast_object_list(decided, src=0)

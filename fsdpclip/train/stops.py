@@ -7,6 +7,7 @@ import contextlib
 import math
 import signal
 import time
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -16,6 +17,7 @@ from fsdpclip.run.directory import EXIT_PREEMPTED, EXIT_SPEC
 from fsdpclip.run.lock import HeldLock, RunLocked, launch_time, launcher_gone, lock_token
 from fsdpclip.run.reports import stop_requested, write_exit_report
 from fsdpclip.spec.job import Job
+from fsdpclip.train.state import TrainerState
 
 STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
 
@@ -48,7 +50,8 @@ def stop_check_interval(step_seconds: float) -> int:
 def run_lock(job: Job, env: Dist):
     """Hold the run directory's lock (rank 0 takes it, or finds its launch holding it) while the job
     runs; every rank learns the outcome, and all stop (Stop, exit 2) when another job holds it."""
-    lock, refused = HeldLock(job.run_dir, lock_token()), [None]
+    lock = HeldLock(job.run_dir, lock_token())
+    refused: list[Optional[str]] = [None]  # why another job holds it (rank 0's, broadcast)
     if env.is_main:
         try:
             lock.__enter__()
@@ -64,7 +67,7 @@ def run_lock(job: Job, env: Dist):
             lock.__exit__(None, None, None)
 
 
-class StopChecks:
+class StopChecks(TrainerState):
     """The part of `Trainer` that checks for a stop and reports how the run ended."""
 
     def _stop_if_asked(self) -> None:

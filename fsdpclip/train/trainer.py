@@ -78,7 +78,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         job, env = self.job, self.env
         self.startup.mark("model")
         torch.manual_seed(job.run.seed + 1 + env.rank)  # dropout differs between ranks
-        self.total_steps = job.total_steps(env.world_size)
+        self.total_steps = job.length(env.world_size)
         self.optimizer = build_optimizer(self.model, self.decay_groups, job.optimizer)
         self.scheduler = Schedule(self.optimizer, job.schedule, job.optimizer.lr, self.total_steps)
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
@@ -124,6 +124,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         """One optimizer step over grad_accum micro batches; (the step's local loss, grad norm), on device."""
         accum = self.job.batch.grad_accum
         batches = [self._next_batch(window) for _ in range(accum)]
+        assert self.forward_backward is not None  # until close()
         loss = self.forward_backward(batches)
         average_replicated_gradients(self.replicated)
         if self.scaler is not None:
@@ -148,7 +149,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         self.step += 1
         self.samples_seen += self.job.samples_per_step(self.env.world_size)
         window.steps += 1
-        window.samples += self.job.batch.per_gpu * accum
+        window.samples += self.job.batch.settled_per_gpu * accum
         return loss, grad_norm
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -108,7 +108,7 @@ def _check_global_batch(job: Job, report: Report) -> None:
     if batch.global_batch is not None and batch.global_batch != global_batch:
         report.error("batch.global_batch", f"per_gpu {batch.per_gpu} × grad_accum {batch.grad_accum} × world size "
                      f"{world} = {global_batch}", batch.global_batch,
-                     hint=_batch_hint(batch.global_batch, batch.per_gpu, world))
+                     hint=_batch_hint(batch.global_batch, batch.settled_per_gpu, world))
 
 
 def _check_shard_degree(job: Job, report: Report) -> None:
@@ -462,7 +462,7 @@ def compile_option_problem(name: str, value) -> Optional[tuple[str, Optional[str
     where it fits."""
     from torch._inductor import config
 
-    declared = config.get_type(name)
+    declared = config.get_type(name)  # pyright: ignore[reportAttributeAccessIssue]  (set up at import)
     if isinstance(declared, str):
         return "torch.compile cannot set this option on this torch (its declared type is not one it can check)", None
     if declared is type(None) and value is not None:

@@ -51,7 +51,9 @@ def torch_build() -> dict:
     import torch
 
     try:
-        nccl: Optional[str] = ".".join(map(str, torch.cuda.nccl.version())) if torch.backends.cuda.is_built() else None
+        from torch.cuda import nccl as torch_nccl
+
+        nccl: Optional[str] = ".".join(map(str, torch_nccl.version())) if torch.backends.cuda.is_built() else None
     except Exception:  # noqa: BLE001  (a build without NCCL, a library that fails to load)
         nccl = None
     return {"version": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,

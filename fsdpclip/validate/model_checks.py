@@ -77,7 +77,7 @@ def _model_problem(job: Job, exc: ModelError, report: Report) -> None:
     import open_clip
 
     if exc.location == "model.name" and exc.message.startswith("unknown OpenCLIP model"):
-        near = closest(job.model.name, open_clip.list_models(), n=3, cutoff=0.5)
+        near = closest(job.model.name or "", open_clip.list_models(), n=3, cutoff=0.5)
         report.error("model.name", "unknown OpenCLIP model", job.model.name,
                      f"closest: {near}" if near else "see open_clip.list_models()")
     elif exc.location is not None:
@@ -97,6 +97,7 @@ def _check_published(job: Job, cfg: dict, report: Report, check_paths: bool) -> 
     if problem:
         report.error("model.pretrained", problem[0], tag, problem[1])
         return
+    assert name is not None  # a tag without a name is tag_problem's
     model_quick_gelu = bool(cfg.get("quick_gelu", False))
     mismatch = quick_gelu_mismatch(name, tag, model_quick_gelu)
     if mismatch:
@@ -119,15 +120,21 @@ def _check_text_input(job: Job, cfg: dict, model, report: Report) -> bool:
     """A Hugging Face tower: its local tokenizer loads and fits the model; the context fits the model."""
     if "hf_model_name" not in cfg["text_cfg"]:
         return True
+    from open_clip.tokenizer import HFTokenizer
+
     errors = len(report.errors)
-    location = "model.text.hf.path" if job.model.text.hf else "model.name" if job.model.name else "model.config"
+    family = job.model.text.family  # the tower family that replaced the config's text tower, if any
+    location = "model.text.hf.path" if family and family[0].name == "hf" else "model.name" if job.model.name else \
+        "model.config"
     context, vocab = text_shape(model)
     limit = hf_max_tokens(model)
     if limit is not None and context > limit:
         report.error("model.text.context_length", f"{context} tokens, but the text tower takes at most {limit}",
                      context)
     try:
-        tokenizer = build_tokenizer(cfg).tokenizer
+        hf_tokenizer = build_tokenizer(cfg)
+        assert isinstance(hf_tokenizer, HFTokenizer)  # a Hugging Face tower's
+        tokenizer = hf_tokenizer.tokenizer
     except (OSError, ValueError, TypeError, KeyError) as exc:
         report.error(location, f"no usable tokenizer there: {str(exc).strip()[:200]}",
                      cfg["text_cfg"]["hf_tokenizer_name"],
@@ -195,7 +202,7 @@ def _check_decay(job: Job, model, report: Report) -> Optional[list[DecayGroup]]:
     try:
         groups = trainable_decay_groups(model, job.optimizer)
     except ModelError as exc:
-        report.error(exc.location, exc.message, exc.value, exc.hint)
+        report.error(exc.location or "optimizer", exc.message, exc.value, exc.hint)
         return None
     grouped = [name for g in groups for name in g.names]
     if sorted(grouped) != sorted(trainable):

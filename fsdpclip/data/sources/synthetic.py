@@ -16,7 +16,8 @@ from fsdpclip.spec.section import Section
 
 class SyntheticSpec(Section):
     source: Literal["synthetic"] = Field(description="Random images and tokens generated on the device (benchmarks).")
-    samples: Optional[int] = Field(None, gt=0, description="Samples in one epoch (needed only with `schedule.epochs`).")
+    samples: Optional[int] = Field(
+        default=None, gt=0, description="Samples in one epoch (needed only with `schedule.epochs`).")
 
 
 

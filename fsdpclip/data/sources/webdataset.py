@@ -123,6 +123,7 @@ class WebDatasetSource(DataSource):
         epoch reads where its samples are given."""
         if spec.sources is None:
             return None
+        assert spec.samples is not None  # the sources' sum where not given (validated)
         mixture, total = spec.mixture(), sum(source.weight for source in spec.sources)
         parts = []
         for source in mixture:

@@ -29,11 +29,11 @@ class HfTowerSpec(Section):
         description="Local directory of a Hugging Face text model (T5/mT5 encoder, BERT, RoBERTa, XLM-R): its "
                     "config.json and tokenizer files (and weights when `pretrained`). Hub ids are never downloaded.")
     pretrained: bool = Field(
-        False, description="Load the weights in `path` (save_pretrained's files); false: random init.")
+        default=False, description="Load the weights in `path` (save_pretrained's files); false: random init.")
     pooler: Literal["mean_pooler", "max_pooler", "cls_pooler", "cls_last_hidden_state_pooler"] = Field(
-        "mean_pooler", description="How token features become one text feature (OpenCLIP's poolers).")
+        default="mean_pooler", description="How token features become one text feature (OpenCLIP's poolers).")
     proj: Literal["mlp", "linear"] = Field(
-        "mlp", description="Projection from the model's width to the joint embedding.")
+        default="mlp", description="Projection from the model's width to the joint embedding.")
 
 
 class HfFamily(TowerFamily):

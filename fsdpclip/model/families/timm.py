@@ -7,7 +7,7 @@ its path fields load without torch; building it goes through `fsdpclip.model.tow
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,8 +16,6 @@ from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
 from fsdpclip.spec.section import Section
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from fsdpclip.problems import Report
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -25,21 +23,24 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 class TimmTowerSpec(Section):
     name: Optional[str] = Field(
-        None, description="timm architecture name, e.g. 'vit_base_patch16_224' (timm.list_models()); no hub ids.")
+        default=None, description="timm architecture name, e.g. 'vit_base_patch16_224' "
+                                  "(timm.list_models()); no hub ids.")
     path: Optional[str] = Field(
-        None, description="Instead of `name`: a local directory in timm's format (config.json with 'architecture', "
-                          "'model_args' and 'pretrained_cfg'; its weights in model.safetensors or pytorch_model.bin).")
+        default=None, description="Instead of `name`: a local directory in timm's format (config.json with "
+                                  "'architecture', 'model_args' and 'pretrained_cfg'; its weights in "
+                                  "model.safetensors or pytorch_model.bin).")
     pretrained: Union[bool, str] = Field(
-        False, description="Initial trunk weights in timm's key layout: true loads the weights file in `path`; a "
-                           "string is a local weights file. The classifier is dropped. Default: random init.")
-    pool: str = Field("avg", description="Feature pooling of the trunk ('avg', 'token', '' or OpenCLIP's "
-                                         "'abs_attn'/'rot_attn').")
+        default=False, description="Initial trunk weights in timm's key layout: true loads the weights file in `path`; "
+                                   "a string is a local weights file. The classifier is dropped. Default: random init.")
+    pool: str = Field(
+        default="avg", description="Feature pooling of the trunk ('avg', 'token', '' or "
+                                   "OpenCLIP's 'abs_attn'/'rot_attn').")
     proj: Literal["linear", "mlp", "head", "none"] = Field(
-        "linear", description="Projection from the trunk's features to the joint embedding: OpenCLIP's 'linear' "
-                              "or 'mlp', 'head' (the trunk's classifier, resized to embed_dim) or 'none' (the "
-                              "trunk's features as they are).")
-    proj_bias: bool = Field(False, description="Give the projection a bias.")
-    drop_path: Optional[float] = Field(None, ge=0.0, lt=1.0, description="Stochastic depth rate of the trunk.")
+        default="linear", description="Projection from the trunk's features to the joint embedding: OpenCLIP's "
+                                      "'linear' or 'mlp', 'head' (the trunk's classifier, resized to embed_dim) or "
+                                      "'none' (the trunk's features as they are).")
+    proj_bias: bool = Field(default=False, description="Give the projection a bias.")
+    drop_path: Optional[float] = Field(default=None, ge=0.0, lt=1.0, description="Stochastic depth rate of the trunk.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "TimmTowerSpec":
@@ -71,7 +72,7 @@ class TimmFamily(TowerFamily):
         from fsdpclip.model.towers import check_timm_name, create_timm, timm_image_size
 
         location = "model.image.timm.path" if spec.path else "model.image.timm.name"
-        name = check_timm_name(f"local-dir:{spec.path}" if spec.path else spec.name, location)
+        name = check_timm_name(f"local-dir:{spec.path}" if spec.path else spec.name or "", location)  # one given
         with torch.device("meta"):
             trunk = create_timm(name, location)
         cfg = {"timm_model_name": name, "timm_model_pretrained": False, "timm_pool": spec.pool,
@@ -107,16 +108,17 @@ class TimmFamily(TowerFamily):
         return ("path", "pretrained")
 
     def label(self, spec: TimmTowerSpec) -> str:
-        return Path(spec.path).name if spec.path else spec.name
+        return Path(spec.path).name if spec.path else spec.name or ""  # one given (validated)
 
 
-def trunk_state(spec: TimmTowerSpec, trunk: nn.Module) -> tuple[dict, str]:
+def trunk_state(spec: TimmTowerSpec, trunk: Any) -> tuple[dict, str]:  # a timm model
     """(state, file) of a timm tower's local weights, without the classifier OpenCLIP's head replaces."""
     from fsdpclip.model.weights import read_state_dict
 
     if isinstance(spec.pretrained, str):
         file = spec.pretrained
     else:
+        assert spec.path is not None  # pretrained true: the weights in `path` (validated)
         file = next((str(Path(spec.path) / f) for f in WEIGHT_FILES if (Path(spec.path) / f).is_file()), None)
         if file is None:
             raise ModelError(f"{spec.path} holds none of {', '.join(WEIGHT_FILES)}", "model.image.timm.pretrained",
