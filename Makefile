@@ -1,4 +1,4 @@
-# Set-up and the entry points of the README: `make demo`, `make test` and `make test-fast`.
+# Set-up and the entry points of the README: `make demo`, `make test`, `make test-fast` and `make test-floor`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 DEMO_DATA ?= data/digits
 
-.PHONY: venv demo test test-fast schema clean distclean
+.PHONY: venv demo lint test test-fast test-floor schema clean distclean
 
 venv: $(VENV)/.demo-installed
 
@@ -20,9 +20,9 @@ $(VENV)/.demo-installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[demo]'
 	touch $@
 
-# What the tests need besides: the Hugging Face, TensorBoard, W&B and report extras, and CLIP_benchmark.
+# What the tests need besides: the Hugging Face, TensorBoard, W&B and report extras, CLIP_benchmark, ruff and pyright.
 $(VENV)/.installed: $(VENV)/.demo-installed
-	@echo "== installing the test extras (transformers, tensorboard, wandb, matplotlib, pytest)"
+	@echo "== installing the test extras (transformers, tensorboard, wandb, matplotlib, pytest, ruff, pyright)"
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps clip_benchmark  # the reference the eval tests compare with
 	touch $@
@@ -38,14 +38,34 @@ demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
 	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
-# The whole suite, on pytest-xdist workers that each take whole test modules (a module's fixtures are built once).
+# The static checks of the package: ruff and pyright (basic mode), both configured in pyproject.toml.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check fsdpclip
+	$(BIN)/pyright --pythonpath $(BIN)/python fsdpclip
+
+# The static checks, then the whole suite on pytest-xdist workers that each take whole test modules (a module's
+# fixtures are built once).
 TEST_WORKERS ?= 2
-test: $(VENV)/.installed
+test: $(VENV)/.installed lint
 	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadscope tests
 
 # The inner loop: every test but those marked slow (training runs, processes that import torch).
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The fast tier on the lowest versions pyproject.toml allows of the pure-Python dependencies (.ci/lower_bounds.py
+# reads them; FLOOR="pydantic==2.8.2" tries another), in a venv of their own. Its other packages, torch among them,
+# are $(VENV)'s: a .pth file puts them after the floor venv's own, so nothing as large as torch is installed twice.
+FLOOR_VENV ?= .venv-floor
+FLOOR ?=
+test-floor: $(VENV)/.installed
+	rm -rf $(FLOOR_VENV)
+	$(BIN)/python -m venv $(FLOOR_VENV)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
+		> "$$($(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/main-venv.pth"
+	$(FLOOR_VENV)/bin/pip install --quiet --no-warn-conflicts $$($(BIN)/python .ci/lower_bounds.py $(FLOOR))
+	$(FLOOR_VENV)/bin/pip list 2>/dev/null | grep -iE '^(pydantic|pydantic.core|typer|rich|webdataset|open.clip.torch) '
+	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadscope tests
 
 schema: venv
 	$(BIN)/fsdpclip schema > schemas/job.schema.json
@@ -56,5 +76,5 @@ clean:
 	rm -rf $(DEMO_DATA) runs
 
 distclean: clean
-	@echo "== removing $(VENV), torch and the test extras with it"
-	rm -rf $(VENV)
+	@echo "== removing $(VENV), torch and the test extras with it, and $(FLOOR_VENV)"
+	rm -rf $(VENV) $(FLOOR_VENV)

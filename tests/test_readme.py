@@ -97,8 +97,8 @@ def test_make_clean_keeps_the_venv_and_distclean_says_it_removes_it():
                               check=True).stdout
 
     assert planned("clean").splitlines() == ["rm -rf data/digits runs"]
-    assert planned("distclean").splitlines()[1:] == ['echo "== removing .venv, torch and the test extras with it"',
-                                                      "rm -rf .venv"]
+    assert planned("distclean").splitlines()[1:] == [
+        'echo "== removing .venv, torch and the test extras with it, and .venv-floor"', "rm -rf .venv .venv-floor"]
 
 
 def test_the_docs_keep_their_limits():
