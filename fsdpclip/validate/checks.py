@@ -19,7 +19,9 @@ from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, Report, SpecError, closest
 from fsdpclip.run.files import special_file
-from fsdpclip.spec.job import Job, is_url, largest_divisor, world_size_problem
+from fsdpclip.spec.job import (
+    DECAY_LENGTHS, FINAL_DECAY, Job, ScheduleSpec, is_url, largest_divisor, world_size_problem,
+)
 from fsdpclip.validate.model_checks import check_model, if_parsed
 
 
@@ -187,11 +189,26 @@ def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
         return None
     if job.schedule.warmup_steps > steps:
         report.error("schedule.warmup_steps", f"longer than the whole run ({steps} steps)", job.schedule.warmup_steps)
+    elif job.schedule.kind in FINAL_DECAY:
+        _check_final_decay(job.schedule, steps, report)
     return steps
 
 
+def _check_final_decay(schedule: ScheduleSpec, steps: int, report: Report) -> None:
+    """The final decay is at least a step and follows the warmup within the run."""
+    field = next(name for name in DECAY_LENGTHS if getattr(schedule, name) is not None)
+    decay, warmup = schedule.decay_length(steps), schedule.warmup_steps
+    if decay == 0:
+        report.error(f"schedule.{field}", f"a decay of no step in the run's {steps} steps", getattr(schedule, field))
+    elif warmup + decay > steps:
+        report.error(f"schedule.{field}", f"a decay of {decay} steps after {warmup} warmup steps does not fit in the "
+                     f"run's {steps} steps", getattr(schedule, field),
+                     hint=f"at most {steps - warmup} steps of decay, or fewer warmup steps")
+
+
 def _check_learning_rate(job: Job, report: Report) -> None:
-    """The cosine decays from optimizer.lr to schedule.min_lr: a floor above the peak would turn it into a rise."""
+    """The cosine and the final decays go from optimizer.lr to schedule.min_lr: a floor above the peak would turn them
+    into a rise."""
     if job.schedule.min_lr > job.optimizer.lr:
         report.error("schedule.min_lr", f"above the peak learning rate optimizer.lr {job.optimizer.lr:g}",
                      job.schedule.min_lr, hint="the floor must be at most optimizer.lr")
