@@ -202,7 +202,7 @@ def tokenizer_files(context_length: int) -> dict[str, str]:
     start, end = "<|startoftext|>", "<|endoftext|>"
     names = {"<start_of_text>": start, "<end_of_text>": end}
     vocab = {names.get(token, token): index for token, index in tokenizer.encoder.items()}
-    merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.get)
+    merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.__getitem__)
     special = {"bos_token": start, "eos_token": end, "unk_token": end, "pad_token": end}
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False),
             "merges.txt": "#version: 0.2\n" + "".join(f"{first} {second}\n" for first, second in merges),

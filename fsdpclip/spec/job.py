@@ -482,8 +482,11 @@ class ScheduleSpec(Section):
         """Steps of the final decay in a run of `total_steps` (`const-cooldown`, `wsd`)."""
         if self.decay_steps is not None:
             return self.decay_steps
-        share = self.decay_fraction if self.decay_epochs is None else self.decay_epochs / self.epochs
-        return round(total_steps * share)
+        if self.decay_epochs is not None:
+            assert self.epochs is not None  # `_decay_length` requires it
+            return round(total_steps * self.decay_epochs / self.epochs)
+        assert self.decay_fraction is not None  # `_decay_given` requires one of the three
+        return round(total_steps * self.decay_fraction)
 
     def lr_factor(self, peak_lr: float, total_steps: int) -> Callable[[int], float]:
         """Multiplier of the peak LR at each step: linear warmup, then cosine to `min_lr`, constant, or constant
@@ -493,7 +496,7 @@ class ScheduleSpec(Section):
         if self.kind == "cosine":
             start, length, shape = warmup, total_steps - warmup, DECAY_SHAPES["cosine"]
         elif self.kind == "constant":
-            start, length, shape = math.inf, 0, None  # no decay
+            start, length, shape = math.inf, 0, DECAY_SHAPES["linear"]  # no decay: never reached
         else:
             length = self.decay_length(total_steps)
             start = total_steps - length
