@@ -149,6 +149,9 @@ from pathlib import Path
 out = Path(sys.argv[1])
 seen = {"probe": os.environ.get("SPEC_PROBE"), "parent": os.getppid(), "session": os.getsid(0), "pid": os.getpid()}
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+deadline = time.time() + 60  # both write before either exits: torchrun stops the other rank once one has ended
+while not all((out / f"rank{r}.json").exists() for r in range(int(os.environ["WORLD_SIZE"]))) and time.time() < deadline:
+    time.sleep(0.05)
 if sys.argv[2] == "wait":
     time.sleep(120)
 sys.exit(75)
