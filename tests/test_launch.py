@@ -84,13 +84,17 @@ def test_each_mixed_sources_urls_are_made_absolute():
 
 
 def test_eval_sets_are_made_absolute():
-    """Zero-shot and retrieval sets alike (a retrieval set's path stayed relative in the run's job.json, which the
-    ranks read from wherever they start)."""
+    """Zero-shot, retrieval and validation sets alike (a retrieval set's path stayed relative in the run's job.json,
+    which the ranks read from wherever they start)."""
     job = resolve_paths(load_job(REPO / "examples/tiny-cpu.json", [
         'eval={"zeroshot": [{"dataset": "folder", "path": "zs", "classnames": "zs.txt"}], '
-        '"retrieval": [{"path": "pairs"}, {"path": "s3://bucket/pairs"}]}']), Path("/project"))
+        '"retrieval": [{"path": "pairs"}, {"path": "s3://bucket/pairs"}], '
+        '"validation": [{"urls": "val/{0..3}.tar"}, {"urls": ["v.tar", "pipe:cat v.tar"], "name": "v"}]}']),
+        Path("/project"))
     assert (job.eval.zeroshot[0].path, job.eval.zeroshot[0].classnames) == ("/project/zs", "/project/zs.txt")
     assert [retrieval.path for retrieval in job.eval.retrieval] == ["/project/pairs", "s3://bucket/pairs"]
+    assert [validation.urls for validation in job.eval.validation] == ["/project/val/{0..3}.tar",
+                                                                       ["/project/v.tar", "pipe:cat v.tar"]]
 
 
 def test_sbatch_content():
