@@ -34,7 +34,7 @@ from fsdpclip.plan.mesh import INTER_GBPS, INTRA_GBPS, MemoryModel, Plan, auto_s
     resolve_shard_degree, strategies, sustained_tflops
 from fsdpclip.run.directory import PLAN_FILE
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.job import TOWERS, FsdpSpec, Job, largest_divisor
+from fsdpclip.spec.job import TOWERS, FsdpSpec, Job
 
 
 @dataclass(frozen=True)
