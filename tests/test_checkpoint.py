@@ -447,7 +447,7 @@ def _starts_from(exported, weights: dict, tmp_path) -> None:
 
     def state(**spec) -> dict:
         return {k: v.reshape(weights[k].shape) for k, v in
-                initial_model(ModelSpec(config=str(TINY_CONFIG), **spec), seed=1).state_dict().items()}
+                initial_model(ModelSpec(config=str(TINY_CONFIG), **spec), seed=1, init="openclip").state_dict().items()}
 
     assert all(torch.equal(v, weights[k]) for k, v in state(pretrained=str(exported)).items())
     fresh = state()

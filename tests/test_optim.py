@@ -78,12 +78,12 @@ def test_initial_weights_do_not_depend_on_threads(monkeypatch):
     from fsdpclip.model.weights import initial_model
 
     spec = ModelSpec(config=str(TINY_CONFIG))
-    many = initial_model(spec, seed=5).state_dict()
+    many = initial_model(spec, seed=5, init="openclip").state_dict()
     threads = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     try:
         torch.set_num_threads(1)
-        one = initial_model(spec, seed=5).state_dict()
+        one = initial_model(spec, seed=5, init="openclip").state_dict()
     finally:
         torch.set_num_threads(threads)
     torch.manual_seed(5)

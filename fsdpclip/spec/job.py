@@ -306,12 +306,6 @@ class FsdpSpec(Section):
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
     @property
-    def reshards(self) -> bool:
-        """Whether units free their gathered parameters after forward: 'auto' not yet decided by compile
-        'auto' (parallelize.resolve_auto) reshards."""
-        return self.reshard_after_forward is not False
-
-    @property
     def scales_loss(self) -> bool:
         """Whether the job scales its loss (fp16, unless `grad_scaler.enabled` says otherwise)."""
         return self.param_dtype == "fp16" if self.grad_scaler.enabled == "auto" else self.grad_scaler.enabled

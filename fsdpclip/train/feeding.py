@@ -49,7 +49,7 @@ class DataFeed:
         job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
         rank = RankData(model, self.tokenizer, job.batch.per_gpu, stream, self.data_ranks, job.run.seed, env.device,
-                        env.is_main)
+                        env.is_main, self.plan.data)
         source = DATA_SOURCES[job.data.source]
         batches, self.images = source.batches(job.data, rank)
         self.waiting_hints = source.waiting_hints(job.data, env.world_size, local_ranks(), usable_cores())

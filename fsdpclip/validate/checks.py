@@ -129,8 +129,7 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
     largest that fits launch.gpu_memory_gib, else this node's GPU; 1 per GPU where neither is known), for the
     checks and summary that count samples, and what `validate` shows of it; (the job at 1 per GPU, None)
     where 'auto' cannot run (a located problem) or the model does not build (check_model says why)."""
-    from fsdpclip.plan.batch import search_start
-    from fsdpclip.plan.mesh import memory_model
+    from fsdpclip.plan.resolved import Node, plan_for_node
 
     batch, world, per_node = job.batch, report.world_size, report.gpus_per_node
     problems, unsettled = len(report.errors), (job.with_batch(1, batch.grad_accum), None)
@@ -148,14 +147,13 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
                      "decides from the shard degree", "auto", hint="give a shard degree with per_gpu 'auto'")
     if len(report.errors) > problems:
         return unsettled
+    capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else _local_gpu_bytes()
     try:
         model, towers = frozen_meta_model(model_config(job.model), job)
-        memory, _ = memory_model(job, model, towers)
-    except Exception:  # noqa: BLE001  (check_model reports a model that does not build or run)
+        plan = plan_for_node(job, model, towers, Node(world, per_node, job.launch.device, gpu_bytes=capacity))
+    except Exception:  # noqa: BLE001  (check_model reports a model that does not build or run, or the degree)
         return unsettled
-    degree = job.fsdp.shard_degree if job.fsdp.shard_degree != "auto" else world
-    capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else _local_gpu_bytes()
-    start = search_start(memory, job, world, degree, capacity) if capacity else None
+    start = plan.per_gpu if capacity else None
     shown = {"start": start, "capacity_gib": round(capacity / GIB, 1) if capacity else None}
     if batch.global_batch is None:
         return job.with_batch(start or 1, batch.grad_accum), shown

@@ -36,8 +36,9 @@ class WebDatasetSource(DataSource):
         from fsdpclip.data.transform import DECODED_WHERE
         from fsdpclip.model.build import image_transform
 
-        batches, images = webdataset_batches(spec, image_transform(rank.model, train=True), rank.tokenizer,
-                                             rank.batch_size, rank.rank, rank.world_size, rank.seed, rank.device)
+        batches, images = webdataset_batches(spec, rank.settled, image_transform(rank.model, train=True),
+                                             rank.tokenizer, rank.batch_size, rank.rank, rank.world_size, rank.seed,
+                                             rank.device)
         if rank.is_main:
             log.info("data: images decoded %s", DECODED_WHERE[images.decode + ("+engines" if batches.engines else "")])
             if mixture := self.describe(spec):
@@ -121,13 +122,18 @@ class WebDatasetSource(DataSource):
             parts.append(f"'{source.name}' {share:.1%} ({shards})")
         return f"{len(mixture)} sources mixed by weight: " + ", ".join(parts)
 
-    def decode(self, spec: WebDatasetSpec, device: str) -> Optional[str]:
-        """`data.decode` settled for `device`; 'mixed+engines' where the hardware JPEG engines take a share."""
+    def plan(self, spec: WebDatasetSpec, device: str, world_size: int, local_ranks: int,
+             cores: Optional[int]) -> dict:
+        """`decode` (`transform.decode_mode`), `jpeg_engines` (`engines.engines_on`, for decode 'mixed') and, where
+        the cores are known, `workers` (`settled_workers`)."""
         from fsdpclip.data.engines import engines_on
         from fsdpclip.data.transform import decode_mode
 
-        mode = decode_mode(spec.decode, device)
-        return mode + "+engines" if mode == "mixed" and engines_on(spec.jpeg_engines, device) else mode
+        decode = decode_mode(spec.decode, device)
+        settled = {"decode": decode, "jpeg_engines": decode == "mixed" and engines_on(spec.jpeg_engines, device)}
+        if cores is not None:
+            settled["workers"] = spec.settled_workers(world_size, local_ranks, cores)
+        return settled
 
     def waiting_hints(self, spec: WebDatasetSpec, world_size: int, local_ranks: int,
                       cores: Optional[int]) -> list[str]:
