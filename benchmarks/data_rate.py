@@ -45,10 +45,12 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from fsdpclip.data.batches import PREFETCH, webdataset_batches
+from fsdpclip.data.source import DATA_SOURCES
 from fsdpclip.data.resize import resized_crops
 from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, unpacked
 from fsdpclip.model.build import build_tokenizer, image_transform, model_config, model_from_config
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.node import usable_cores
 from fsdpclip.spec.job import ModelSpec
 
 
@@ -102,11 +104,17 @@ def kept_busy(step: EmulatedStep, device: torch.device) -> Iterator[None]:
         thread.join()
 
 
+def settled(spec: WebDatasetSpec, device: torch.device) -> dict:
+    """The block's 'auto' as one rank of one on this machine settles it (the run plan's data fields)."""
+    return DATA_SOURCES["webdataset"].plan(spec, device.type, 1, 1, usable_cores())
+
+
 def rate(args, model, tokenizer, decode: str, workers: int, stage: str, device: torch.device,
          step: Optional[EmulatedStep] = None) -> dict:
     spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=workers, decode=decode)
-    batches, images = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
-                                         device, pin_memory=device.type == "cuda" and stage != "workers")
+    batches, images = webdataset_batches(spec, settled(spec, device), image_transform(model, train=True), tokenizer,
+                                         args.batch, 0, 1, 0, device,
+                                         pin_memory=device.type == "cuda" and stage != "workers")
     stream = iter(batches)
     began = time.perf_counter()
     started = None
@@ -142,8 +150,8 @@ def decode_parts(args, model, tokenizer, decode: str, device: torch.device,
     """Wall and CPU milliseconds per batch of each part of the device's share of `decode` (see --parts),
     on a GPU kept busy by another thread replaying `busy` in a loop, if given."""
     spec = WebDatasetSpec(urls=args.urls, samples=args.samples, workers=max(args.workers), decode=decode)
-    batches, _ = webdataset_batches(spec, image_transform(model, train=True), tokenizer, args.batch, 0, 1, 0,
-                                    device, pin_memory=False)
+    batches, _ = webdataset_batches(spec, settled(spec, device), image_transform(model, train=True), tokenizer,
+                                    args.batch, 0, 1, 0, device, pin_memory=False)
     stream = iter(batches)
     try:
         taken = [pixels for pixels, _ in itertools.islice(stream, args.part_batches)]

@@ -26,7 +26,7 @@ def main() -> None:
     block = json.load(open(args.spec))["model"] if args.spec else {"name": args.model}
     for init in ("openclip", "parallel"):
         began = time.perf_counter()
-        model = initial_model(ModelSpec(**{**block, "init": init}), seed=0)
+        model = initial_model(ModelSpec(**block), seed=0, init=init)
         seconds = time.perf_counter() - began
         parameters = sum(p.numel() for p in model.parameters())
         print(json.dumps({"model": block.get("name", args.spec), "init": init, "cores": usable_cores(),

@@ -147,7 +147,9 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
     spec.write_text(json.dumps(job))
     shutil.rmtree(args.out / "runs" / name, ignore_errors=True)
     launched = time.time()
-    code = run([sys.executable, "-m", "fsdpclip", "launch", str(spec)], args.out / f"{name}.log", args.timeout)
+    settings = [item for value in args.set for item in ("--set", value)]
+    code = run([sys.executable, "-m", "fsdpclip", "launch", str(spec), *settings], args.out / f"{name}.log",
+               args.timeout)
     ended = time.time()
     records = read_run(args.out / "runs" / name).records if (args.out / "runs" / name / "metrics.jsonl").is_file() \
         else []
@@ -338,6 +340,8 @@ def main() -> None:
                         help="where open_clip's main branch (built from its source) and webdataset<=0.2.86 are "
                              "installed (without: no such sides)")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a spec setting for every fsdpclip side (`fsdpclip launch --set`), e.g. launch.fork_ranks=false")
     args = parser.parse_args()
     args.out = args.out.resolve()
     began = time.time()

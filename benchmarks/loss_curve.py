@@ -67,7 +67,7 @@ def ddp_curve(name: str, batch: int, steps: int, seed: int, count: int, lr: floa
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = initial_model(ModelSpec(name=name), seed).to(device)
+    model = initial_model(ModelSpec(name=name), seed, init="openclip")  # the models it compares are < 1B: 'auto' is OpenCLIP's.to(device)
     batches = fixed_batches(model, name, batch, seed, rank, count, device)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
                                                      else None)

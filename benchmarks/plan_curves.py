@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from fsdpclip.plan.mesh import plan_job
+from fsdpclip.plan.resolved import plan_job
 from fsdpclip.spec.jobfile import load_job
 
 REPO = Path(__file__).resolve().parent.parent

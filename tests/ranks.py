@@ -96,7 +96,10 @@ def finish_launch(process: subprocess.Popen, log: Path, timeout: float = 180) ->
 
 
 if __name__ == "__main__":
-    import open_clip  # noqa: F401
+    from fsdpclip.model.build import without_modules
+
+    with without_modules(("wandb",)):  # as `fsdpclip launch` imports it for a job that does not log to W&B
+        import open_clip  # noqa: F401
 
     import fsdpclip.train.trainer  # noqa: F401
     from torch.distributed.run import main

@@ -84,7 +84,7 @@ def test_the_launcher_and_the_spec_load_without_torch():
     light = [name for layer, names in layer_table() if layer == "foundations" for name in names
              if name != "parallel/distributed"] + ["launch/launcher", "launch/local", "launch/slurm", "launch/hostfile",
                                                    "launch/torchrun", "eval/zeroshot", "eval/retrieval",
-                                                   "data/sources/webdataset", "data/sources/synthetic",
+                                                   "eval/validation", "data/sources/webdataset", "data/sources/synthetic",
                                                    "model/families/timm", "model/families/hf", "train/contrastive"]
     code = "import sys; " + "; ".join(f"import fsdpclip.{name.replace('/', '.')}" for name in light) + \
         "; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"

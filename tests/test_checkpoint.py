@@ -296,6 +296,33 @@ def test_what_a_relaunch_on_other_ranks_keeps_and_what_it_changes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_wsd_run_stopped_and_lengthened_goes_on_at_its_peak(tmp_path):
+    """A wsd run of 16 steps (its decay the last quarter) stopped in its stable phase (at step 5 or 10, SIGUSR1) and
+    relaunched with 24 steps resumes without `accept_changes`: the LR where it resumes is the same, the decay moves
+    to the new end, and every step ran at the LR of a run of 24 steps from the start."""
+    from fsdpclip.spec.jobfile import parse_job
+
+    job = _plain_job(tmp_path, "wsd", schedule={"kind": "wsd", "steps": 16, "decay_fraction": 0.25},
+                     launch={"gpus_per_node": 1})
+    path = write_job(tmp_path, job)
+    first = _with_fault(path, "signal:0:3", nproc=1)
+    run_dir = tmp_path / "runs" / "wsd"
+    report = json.loads((run_dir / "exit.json").read_text())
+    stopped = report["step"]
+    assert report["code"] == 75 and stopped in (5, 10), first.stdout[-4000:]
+    relaunched = _launch(path, "--set", "schedule.steps=24")
+    assert relaunched.returncode == 0, relaunched.stdout[-4000:]
+    assert f"at step {stopped}" in relaunched.stdout and "schedule.steps: 16 → 24" in relaunched.stdout
+    assert "the LR of step" not in relaunched.stdout
+    longer = parse_job({**job, "schedule": {**job["schedule"], "steps": 24}})
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in records if "loss" in r}
+    assert sorted(logged) == list(range(1, 25))
+    assert [logged[step] for step in sorted(logged)] == pytest.approx([longer.lr(i, 24) for i in range(24)], rel=1e-9)
+    assert logged[stopped + 1] == logged[18] == 1e-3 > logged[20]
+
+
+@pytest.mark.slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     path = write_job(tmp_path, _plain_job(tmp_path, "crash"))
     crashed = _with_fault(path, "crash-save:1:2")  # dies in its second save (step 8)
@@ -420,7 +447,7 @@ def _starts_from(exported, weights: dict, tmp_path) -> None:
 
     def state(**spec) -> dict:
         return {k: v.reshape(weights[k].shape) for k, v in
-                initial_model(ModelSpec(config=str(TINY_CONFIG), **spec), seed=1).state_dict().items()}
+                initial_model(ModelSpec(config=str(TINY_CONFIG), **spec), seed=1, init="openclip").state_dict().items()}
 
     assert all(torch.equal(v, weights[k]) for k, v in state(pretrained=str(exported)).items())
     fresh = state()

@@ -10,6 +10,8 @@ import torch
 
 from ranks import json_result, REPO, run_group
 
+from fsdpclip.spec.job import ModelSpec
+
 
 def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
     """cuda_graph 'auto': on for OpenCLIP's blocks on one CUDA device, whatever the units; off on CPU, on
@@ -17,14 +19,13 @@ def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
     checkpointing or patch dropout, and for other libraries' blocks; what the spec sets stays. A graphed
     step compiles the blocks of towers too large to compile whole, whatever their work."""
     from fsdpclip.model.build import build_model, find_towers
-    from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, resolve_auto
-    from fsdpclip.spec.job import FsdpSpec, ModelSpec
+    from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP
 
     b32 = build_model(ModelSpec(name="ViT-B-32"))
     towers = find_towers(b32)
 
     def graphed(device="cuda", towers=towers, world_size=1, model=b32, **fsdp) -> bool:
-        return resolve_auto(FsdpSpec(**fsdp), model, towers, device, world_size=world_size).cuda_graph
+        return planned(fsdp, model, towers, device, world_size).cuda_graph
 
     assert graphed() is True
     assert graphed(compile=False, reshard_after_forward=True, unit_size=1) is True
@@ -42,13 +43,24 @@ def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
 
     big_g = build_model(ModelSpec(name="ViT-bigG-14"))  # too large to compile whole
     big_g_towers = find_towers(big_g)
-    small = COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
-    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small, world_size=1).compile is True
-    assert resolve_auto(FsdpSpec(cuda_graph=False), big_g, big_g_towers, "cuda", small, world_size=1).compile is False
-    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small, world_size=2).compile is False
-    # Without the world (validate's memory estimate), cuda_graph stays undecided and compiles nothing.
-    undecided = resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda", small)
-    assert (undecided.cuda_graph, undecided.compile) == ("auto", False)
+    small = COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2 * 3 * len(big_g_towers["image"].blocks + big_g_towers["text"].blocks)
+    assert planned({}, big_g, big_g_towers, "cuda", 1, small).layout.compile is True
+    assert planned({"cuda_graph": False}, big_g, big_g_towers, "cuda", 1, small).layout.compile is False
+    assert planned({}, big_g, big_g_towers, "cuda", 2, small).layout.compile is False
+    # Without the FLOPs (counted on the ranks), compile waits for them where a graphed step does not decide it.
+    assert planned({}, big_g, big_g_towers, "cuda", 1).layout.compile is True
+    assert "compile" in planned({}, big_g, big_g_towers, "cuda", 2).pending
+
+
+def planned(fsdp: dict, model, towers, device: str, world_size: int, flops=None):
+    """The run plan of a job of `model`'s towers with `fsdp` on `world_size` ranks of `device` (one per node:
+    its shard degree is the world's), 1 sample per GPU, FLOPs per sample `flops`."""
+    from fsdpclip.plan.resolved import Node, plan_for_node
+    from fsdpclip.spec.job import Job
+
+    job = Job(**{"model": {"name": "ViT-B-32"}, "data": {"source": "synthetic"}, "batch": {"per_gpu": 1},
+                 "fsdp": {"shard_degree": world_size, **fsdp}, "launch": {"device": device}})
+    return plan_for_node(job, model, towers, Node(world_size, world_size, device), flops)
 
 
 @pytest.mark.slow

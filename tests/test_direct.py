@@ -87,13 +87,13 @@ def test_only_patch_embeddings_are_swapped():
     assert not any(map(is_patch_embedding, kept)) and is_patch_embedding(patches)
     model = nn.Sequential(*kept, patches)
     assert use_direct_patch_embedding(model) == 0 and type(patches) is nn.Conv2d  # not in an OpenCLIP ViT
-    vit = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=0).visual
+    vit = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=0, init="openclip").visual
     vit.conv1 = nn.Conv2d(3, 64, 8, stride=4)  # overlapping patches: not a patch embedding
     assert use_direct_patch_embedding(vit) == 0
 
 
 def test_openclip_model_keeps_its_state_dict_and_outputs():
-    model = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=0).eval()
+    model = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=0, init="openclip").eval()
     direct = copy.deepcopy(model)
     blocks = sum(type(m).__name__ == "ResidualAttentionBlock" for m in model.modules())
     assert blocks >= 2 and use_direct_attention(direct) == blocks
@@ -199,9 +199,10 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     spec sets stays.
     Then a compiled unit module trains compiled and evaluates eager."""
     from fsdpclip.model.build import build_model, find_towers
-    from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile, resolve_auto
+    from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile
     from fsdpclip.parallel.units import Unit, plan_units
-    from fsdpclip.spec.job import FsdpSpec, ModelSpec
+    from fsdpclip.plan.resolved import Node, plan_for_node, unit_layout
+    from fsdpclip.spec.job import FsdpSpec, Job, ModelSpec
 
     large, small = 2 * COMPILE_MIN_BLOCK_TFLOP * 1e12, COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
     b32 = build_model(ModelSpec(name="ViT-B-32"))
@@ -212,17 +213,22 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     big_g_towers = find_towers(big_g)
 
     def resolved(fsdp=FsdpSpec(), device="cuda", flops=small, model=b32, towers=b32_towers):
-        return resolve_auto(fsdp, model, towers, device, flops)
+        """The plan's layout on 2 ranks (a step not CUDA-graphed) where a block's forward over the micro batch
+        takes `flops`."""
+        job = Job(**{"model": {"name": "ViT-B-32"}, "data": {"source": "synthetic"}, "batch": {"per_gpu": 1},
+                     "fsdp": fsdp.model_dump(), "launch": {"device": device}})
+        per_sample = flops * 3 * sum(len(tower.blocks) for tower in towers.values())
+        return plan_for_node(job, model, towers, Node(2, 2, device), per_sample).layout
 
     per_block = resolved(flops=large, model=big_g, towers=big_g_towers)
-    assert (per_block.compile, per_block.wrap.image, per_block.reshard_after_forward) == (True, None, True)
-    # Without the blocks' work only the units are decided (validate's memory estimate): whole towers, or 'auto' kept.
-    assert resolve_auto(FsdpSpec(), b32, b32_towers, "cuda").wrap.image == ["Transformer"]
-    assert resolve_auto(FsdpSpec(), big_g, big_g_towers, "cuda").compile == "auto"
+    assert (per_block.compile, per_block.wrap["image"], per_block.reshard_after_forward) == (True, None, True)
+    # Without the blocks' work only the units are decided (validate's memory estimate): whole towers, or eager.
+    assert unit_layout(FsdpSpec(), b32, b32_towers, "cuda").wrap["image"] == ("Transformer",)
+    assert unit_layout(FsdpSpec(), big_g, big_g_towers, "cuda").compile is False
     for flops in (small, large):  # towers this small are compiled whole, whatever their blocks' work
         whole = resolved(flops=flops)
-        assert (whole.compile, whole.wrap.image, whole.wrap.text, whole.reshard_after_forward) == \
-            (True, ["Transformer"], ["Transformer"], False)
+        assert (whole.compile, whole.wrap["image"], whole.wrap["text"], whole.reshard_after_forward) == \
+            (True, ("Transformer",), ("Transformer",), False)
     units = plan_units(b32, b32_towers, whole)
     assert [u.modules for u in units] == [("visual.transformer",), ("transformer",), ("",)]
     assert resolved(FsdpSpec(reshard_after_forward=True)).reshard_after_forward is True
@@ -234,7 +240,7 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
                                         (FsdpSpec(activation_checkpointing={"image": True}), "cuda", b32, b32_towers),
                                         (FsdpSpec(cuda_graph=False), "cuda", big_g, big_g_towers)]:
         off = resolved(fsdp, device, model=model, towers=towers)
-        assert (off.compile, off.wrap, off.reshard_after_forward) == (False, fsdp.wrap, True)
+        assert (off.compile, off.wrap, off.reshard_after_forward) == (False, {"image": None, "text": None}, True)
     assert resolved(FsdpSpec(compile=True), "cpu").compile is True
     assert resolved(FsdpSpec(compile=False), flops=large).compile is False
     # Towers of other libraries' blocks stay eager under 'auto'; asked, they compile.

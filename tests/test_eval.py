@@ -376,7 +376,8 @@ def test_retrieval_bad_inputs_are_clear(trained, digits_dir, wds_digits, wds_ret
         (("--retrieval", classified), "dataset_type.txt says 'classification'"),
         (("--retrieval", wds_digits[0]), "0.tar: sample s00000 has no captions (.txt, one per line)"),
         (("--retrieval", short), "nshards.txt names 9 shards but"),
-        ((), "give --zeroshot KIND --data DIR (classification) or --retrieval DIR"),
+        ((), ("give --zeroshot KIND --data DIR (classification), --retrieval DIR (image-text retrieval) or "
+              "--validation SHARDS")),
         (("--retrieval", bare, "--zeroshot", "digits"), "give --zeroshot KIND --data DIR"),
         (("--retrieval", bare, "--data", bare), "--data, --classnames and --templates are for --zeroshot"),
         (("--zeroshot", "digits"), "--zeroshot needs --data DIR"),

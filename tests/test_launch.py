@@ -84,13 +84,17 @@ def test_each_mixed_sources_urls_are_made_absolute():
 
 
 def test_eval_sets_are_made_absolute():
-    """Zero-shot and retrieval sets alike (a retrieval set's path stayed relative in the run's job.json, which the
-    ranks read from wherever they start)."""
+    """Zero-shot, retrieval and validation sets alike (a retrieval set's path stayed relative in the run's job.json,
+    which the ranks read from wherever they start)."""
     job = resolve_paths(load_job(REPO / "examples/tiny-cpu.json", [
         'eval={"zeroshot": [{"dataset": "folder", "path": "zs", "classnames": "zs.txt"}], '
-        '"retrieval": [{"path": "pairs"}, {"path": "s3://bucket/pairs"}]}']), Path("/project"))
+        '"retrieval": [{"path": "pairs"}, {"path": "s3://bucket/pairs"}], '
+        '"validation": [{"urls": "val/{0..3}.tar"}, {"urls": ["v.tar", "pipe:cat v.tar"], "name": "v"}]}']),
+        Path("/project"))
     assert (job.eval.zeroshot[0].path, job.eval.zeroshot[0].classnames) == ("/project/zs", "/project/zs.txt")
     assert [retrieval.path for retrieval in job.eval.retrieval] == ["/project/pairs", "s3://bucket/pairs"]
+    assert [validation.urls for validation in job.eval.validation] == ["/project/val/{0..3}.tar",
+                                                                       ["/project/v.tar", "pipe:cat v.tar"]]
 
 
 def test_sbatch_content():
@@ -149,6 +153,9 @@ from pathlib import Path
 out = Path(sys.argv[1])
 seen = {"probe": os.environ.get("SPEC_PROBE"), "parent": os.getppid(), "session": os.getsid(0), "pid": os.getpid()}
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+deadline = time.time() + 60  # both write before either exits: torchrun stops the other rank once one has ended
+while not all((out / f"rank{r}.json").exists() for r in range(int(os.environ["WORLD_SIZE"]))) and time.time() < deadline:
+    time.sleep(0.05)
 if sys.argv[2] == "wait":
     time.sleep(120)
 sys.exit(75)

@@ -1,8 +1,10 @@
-"""The optimizer, the loss scaler, gradient clipping (on DTensors, in a process of its own) and the initial weights."""
+"""The optimizer, the LR schedules, the loss scaler, gradient clipping (on DTensors, in a process of its own) and the
+initial weights."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -10,8 +12,8 @@ import torch
 
 from conftest import REPO, TINY_CONFIG
 from ranks import json_result
-from fsdpclip.spec.job import ModelSpec
-from fsdpclip.train.optim import ShardedAdamW, squared_norm
+from fsdpclip.spec.job import ModelSpec, ScheduleSpec
+from fsdpclip.train.optim import Schedule, ShardedAdamW, squared_norm
 
 
 def _adam_state(optimizer, param) -> list[torch.Tensor]:
@@ -76,12 +78,12 @@ def test_initial_weights_do_not_depend_on_threads(monkeypatch):
     from fsdpclip.model.weights import initial_model
 
     spec = ModelSpec(config=str(TINY_CONFIG))
-    many = initial_model(spec, seed=5).state_dict()
+    many = initial_model(spec, seed=5, init="openclip").state_dict()
     threads = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     try:
         torch.set_num_threads(1)
-        one = initial_model(spec, seed=5).state_dict()
+        one = initial_model(spec, seed=5, init="openclip").state_dict()
     finally:
         torch.set_num_threads(threads)
     torch.manual_seed(5)
@@ -219,3 +221,59 @@ def test_squared_norm_on_the_host_sums_every_square(monkeypatch):
     assert got.dtype == torch.float32 and got.dim() == 0
     assert abs(got.item() - want) < 1e-5 * want
     assert squared_norm([], torch.device("cpu")).item() == 0
+
+
+def _lrs(spec: ScheduleSpec, total: int, peak: float = 1e-3) -> list[float]:
+    """The LR that `Schedule` sets on the optimizer's group at each step of a run of `total` steps."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
+    schedule, lrs = Schedule(optimizer, spec, peak, total), []
+    for _ in range(total):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        schedule.step()
+    return lrs
+
+
+@pytest.mark.parametrize("steps, warmup, decay, power, end", [
+    (20, 3, {"decay_steps": 7}, 1.0, 0.0), (20, 0, {"decay_steps": 20}, 2.0, 1e-5),
+    (37, 5, {"decay_steps": 1}, 0.5, 1e-4), (36, 4, {"decay_epochs": 1}, 1.5, 2e-4)])
+def test_const_cooldown_is_open_clip_trains(steps, warmup, decay, power, end):
+    """const-cooldown sets open_clip_train's `const_lr_cooldown` LRs at every step (its --epochs-cooldown as
+    `decay_epochs`: here the last of 4 epochs of 9 steps), its power and end LR as `decay_power` and `min_lr`."""
+    from open_clip_train.scheduler import const_lr_cooldown
+
+    length = {"epochs": 4} if "decay_epochs" in decay else {"steps": steps}
+    spec = ScheduleSpec(kind="const-cooldown", warmup_steps=warmup, decay_power=power, min_lr=end, **length, **decay)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    cooldown = decay.get("decay_steps", steps // 4)
+    theirs = const_lr_cooldown(optimizer, 1e-3, warmup, steps, cooldown, power, end)
+    assert _lrs(spec, steps) == pytest.approx([theirs(step) for step in range(steps)], rel=1e-12, abs=1e-18)
+
+
+def test_wsd_holds_the_peak_then_decays_in_its_shape():
+    """wsd: the linear warmup, the peak LR, then over the run's last steps (`decay_fraction` of them here) torchtitan's
+    shapes of the progress p from 1 to `min_lr`: 1 - p, (1 + cos πp) / 2, 1 - √p, steps counted as const-cooldown
+    counts them (linear wsd is const-cooldown of power 1)."""
+    peak, end = 1e-3, 1e-4
+    shapes = {"linear": lambda p: 1 - p, "cosine": lambda p: (1 + math.cos(math.pi * p)) / 2,
+              "sqrt": lambda p: 1 - math.sqrt(p)}
+    for shape, curve in shapes.items():
+        spec = ScheduleSpec(kind="wsd", warmup_steps=2, steps=20, decay_fraction=0.25, decay_shape=shape, min_lr=end)
+        expected = [peak * (i + 1) / 2 if i < 2 else peak if i < 15 else end + (peak - end) * curve((i - 15) / 5)
+                    for i in range(20)]
+        assert _lrs(spec, 20) == pytest.approx(expected, rel=1e-12), shape
+    cooldown = ScheduleSpec(kind="const-cooldown", warmup_steps=2, steps=20, decay_steps=5, min_lr=end)
+    assert _lrs(cooldown, 20) == pytest.approx(_lrs(ScheduleSpec(kind="wsd", warmup_steps=2, steps=20, decay_steps=5,
+                                                                 min_lr=end), 20), rel=1e-12)
+
+
+@pytest.mark.parametrize("decay", [{"decay_steps": 4}, {"decay_fraction": 0.25}])
+def test_a_longer_wsd_run_goes_on_at_its_peak(decay):
+    """Its decay anchored to the run's end, a wsd run lengthened from 16 steps to 24 has the LRs of the shorter one
+    up to where that one's decay began, and decays over the new end; a cosine's curve is another one."""
+    short, longer = (ScheduleSpec(kind="wsd", warmup_steps=2, steps=steps, decay_shape="sqrt", **decay)
+                     for steps in (16, 24))
+    start, new_start = 16 - short.decay_length(16), 24 - longer.decay_length(24)
+    assert _lrs(longer, 24)[:start] == _lrs(short, 16)[:start]
+    assert set(_lrs(longer, 24)[start:new_start + 1]) == {1e-3} and _lrs(longer, 24)[new_start + 1] < 1e-3
+    cosine = [ScheduleSpec(warmup_steps=2, steps=steps) for steps in (16, 24)]
+    assert _lrs(cosine[1], 24)[start - 1] > _lrs(cosine[0], 16)[start - 1]

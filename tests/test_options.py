@@ -165,6 +165,7 @@ def test_parallel_init_is_deterministic_and_draws_the_same_distributions(monkeyp
     tensor by tensor (constant inits equal, random ones of the same spread), and torch's methods back
     afterwards. 'auto' keeps OpenCLIP's own init below its size threshold."""
     from fsdpclip.model import weights
+    from fsdpclip.model.build import build_model
     from fsdpclip.model.weights import ParallelDraws, init_kind, initial_model
 
     monkeypatch.setattr(ParallelDraws, "CHUNK", 100)
@@ -172,12 +173,12 @@ def test_parallel_init_is_deterministic_and_draws_the_same_distributions(monkeyp
     by_cores = []
     for cores in (1, 3):
         monkeypatch.setattr(weights, "usable_cores", lambda cores=cores: cores)
-        by_cores.append(initial_model(spec, seed=4).state_dict())
+        by_cores.append(initial_model(spec, seed=4, init="parallel").state_dict())
     assert "normal_" not in torch.Tensor.__dict__ and torch.randn is torch._C._VariableFunctions.randn
     parallel, again = by_cores
     assert all(torch.equal(parallel[k], again[k]) for k in parallel)
-    other_seed = initial_model(spec, seed=5).state_dict()
-    openclip = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=4).state_dict()
+    other_seed = initial_model(spec, seed=5, init="parallel").state_dict()
+    openclip = initial_model(ModelSpec(config=str(TINY_CONFIG)), seed=4, init="openclip").state_dict()
     random_tensors = 0
     for key, reference in openclip.items():
         if reference.numel() < 1000 or not reference.is_floating_point():
@@ -190,6 +191,8 @@ def test_parallel_init_is_deterministic_and_draws_the_same_distributions(monkeyp
         assert abs(parallel[key].std() / reference.std() - 1) < 0.15, key
         assert abs(parallel[key].mean() - reference.mean()) < 0.2 * reference.std() + 1e-3, key
     assert random_tensors >= 10
-    assert init_kind(ModelSpec(config=str(TINY_CONFIG))) == "openclip"
+    tiny = sum(p.numel() for p in build_model(ModelSpec(config=str(TINY_CONFIG))).parameters())
+    assert init_kind(ModelSpec(config=str(TINY_CONFIG)), tiny) == "openclip"
     monkeypatch.setattr(weights, "OPENCLIP_INIT_MAX_PARAMETERS", 1000)
-    assert init_kind(ModelSpec(config=str(TINY_CONFIG))) == "parallel"
+    assert init_kind(ModelSpec(config=str(TINY_CONFIG)), tiny) == "parallel"
+    assert init_kind(ModelSpec(config=str(TINY_CONFIG), init="openclip"), tiny) == "openclip"

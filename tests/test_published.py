@@ -137,7 +137,7 @@ def test_published_weights_load_into_the_initial_model(hf_home):
     hf_hub = published_config("ViTamin-S", "datacomp1b")["hf_hub"]
     assert hf_hub.endswith("/pytorch_model.bin")  # open_clip takes a safetensors sibling first
     put_in_cache(hf_home, hf_hub, "pytorch_model.safetensors", save(published))
-    model = initial_model(spec, seed=2)
+    model = initial_model(spec, seed=2, init="openclip")
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, published[name].to(value.dtype), msg=name)
 

@@ -149,8 +149,9 @@ def test_a_registered_eval_task_is_a_flag_of_eval(plugged, tmp_path, digits_dir)
 
     usage = plugged("eval", weights, "--model-config", TINY_CONFIG)
     assert usage.exit_code == 2
-    assert ("give --zeroshot KIND --data DIR (classification), --retrieval DIR (image-text retrieval) or "
-            "--scale NAME (the logit scale)") in " ".join(usage.output.split())
+    assert ("give --zeroshot KIND --data DIR (classification), --retrieval DIR (image-text retrieval), "
+            "--validation SHARDS (contrastive loss) or --scale NAME (the logit scale)") in \
+        " ".join(usage.output.split())
     refused = plugged("eval", weights, "--scale", "t", "--data", digits_dir)
     assert refused.exit_code == 2 and "--scale reads no data" in refused.output
     assert plugged.call("fsdpclip.eval.task:result_line", "scale/temperature", {"scale": 14.3}) == \
@@ -163,7 +164,8 @@ def test_a_registered_eval_task_has_its_list_in_the_spec(plugged, tmp_path):
     assert [e["location"] for e in out["errors"]] == ["eval.scale[0].path"]
     code, out = plugged.validate_json(write_job(tmp_path, {**job, "eval": {"every_steps": 2}}))
     assert [(e["location"], e["message"]) for e in out["errors"]] == [
-        ("eval.every_steps", "set, but eval.zeroshot and eval.retrieval and eval.scale list no dataset")]
+        ("eval.every_steps", ("set, but eval.zeroshot and eval.retrieval and eval.validation and eval.scale list no "
+                              "dataset"))]
 
 
 def test_the_test_seams_are_gone_after_their_test(cli):

@@ -136,23 +136,26 @@ def test_rank_entry_imports_only_what_the_process_group_needs():
 
 @pytest.mark.slow
 def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face_parts():
-    """A model without a Hugging Face text tower has OpenCLIP imported without transformers (its slowest
-    import), builds, and transformers still imports afterwards; in a fresh interpreter, as on a rank."""
+    """A model without a Hugging Face text tower, in a job that does not log to W&B, has OpenCLIP imported without
+    transformers (its slowest import) and wandb (which timm imports), builds, and both still import afterwards; in
+    a fresh interpreter, as on a rank. A job that logs to W&B keeps wandb in (its rank 0 imports it meanwhile)."""
     code = (
         "import sys\n"
-        "from fsdpclip.model.build import build_model, hf_text_tower\n"
+        "from fsdpclip.model.build import build_model, left_out_of_open_clip\n"
         "from fsdpclip.spec.job import ModelSpec\n"
         "from fsdpclip.train.entry import import_in_background\n"
         "spec = ModelSpec(name='ViT-B-32')\n"
-        "assert 'transformers' not in sys.modules, 'imported before OpenCLIP'\n"
-        "import_in_background(['open_clip'], absent=() if hf_text_tower(spec) else ('transformers',)).join()\n"
-        "assert 'open_clip' in sys.modules and 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "assert left_out_of_open_clip(spec, logs_to_wandb=True) == ('transformers',)\n"
+        "assert not {'transformers', 'wandb'} & set(sys.modules), 'imported before OpenCLIP'\n"
+        "import_in_background(['open_clip'], absent=left_out_of_open_clip(spec)).join()\n"
+        "assert 'open_clip' in sys.modules, 'OpenCLIP was not imported'\n"
+        "assert not {'transformers', 'wandb'} & set(sys.modules), 'transformers or wandb was imported'\n"
         "model = build_model(spec)\n"
-        "import transformers\n"
-        "print(type(model).__name__, transformers.__name__)\n")
+        "import transformers, wandb\n"
+        "print(type(model).__name__, transformers.__name__, wandb.__name__)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["CLIP", "transformers"]
+    assert proc.stdout.split() == ["CLIP", "transformers", "wandb"]
 
 
 def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):

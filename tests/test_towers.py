@@ -88,7 +88,7 @@ def test_t5_and_timm_towers_train_only_their_last_blocks(tmp_path):
     losses = json.loads(out.read_text())["losses"]
     trained = torch.load(str(out) + ".pt")
 
-    initial = initial_model(parse_job(job).model, SEED).state_dict()
+    initial = initial_model(parse_job(job).model, SEED, init="openclip").state_dict()
     hf_weights = load_file(f"{hf}/model.safetensors")
     timm_weights = load_file(f"{timm_dir}/model.safetensors")
     # The towers started from their local weights (classifier dropped), the projections from random.

@@ -110,7 +110,8 @@ def plan(
     from dataclasses import asdict
 
     from fsdpclip.cli.tables import plan_model_line, plan_table
-    from fsdpclip.plan.mesh import GPU_MEMORY_GIB, INTER_GBPS, INTRA_GBPS, plan_job
+    from fsdpclip.plan.mesh import GPU_MEMORY_GIB, INTER_GBPS, INTRA_GBPS
+    from fsdpclip.plan.resolved import plan_job
     from fsdpclip.spec.jobfile import load_job
     from fsdpclip.validate.checks import check_job
 

@@ -123,14 +123,26 @@ def task_options() -> list[inspect.Parameter]:
 evaluate = WithRegisteredOptions(eval_command, task_options, after="checkpoint")
 
 
+class ExportFormat(str, Enum):
+    open_clip = "open_clip"
+    hf = "hf"
+
+
 def export(
     checkpoint: Path = typer.Argument(..., help="A run directory (its latest checkpoint) or one checkpoint directory."),
-    out: Path = typer.Argument(..., help="OUT.pt / OUT.safetensors, or a directory for open_clip's 'local-dir:'."),
-    safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle."),
+    out: Path = typer.Argument(..., help="OUT.pt / OUT.safetensors, or a directory for open_clip's 'local-dir:' "
+                                         "(--format hf: a directory)."),
+    safetensors: bool = typer.Option(False, "--safetensors", help="Write safetensors instead of a torch pickle "
+                                                                  "(--format hf always does)."),
+    export_format: ExportFormat = typer.Option(ExportFormat.open_clip, "--format",
+                                               help="open_clip, or hf: a transformers CLIPModel directory."),
     force: bool = typer.Option(False, "--force", help="Overwrite what OUT holds."),
 ) -> None:
     """Write a sharded checkpoint as one OpenCLIP checkpoint (a weights file, with the model config OpenCLIP
-    registers beside it where OpenCLIP does not know the model, or a local-dir), and the Python that loads it."""
+    registers beside it where OpenCLIP does not know the model, or a local-dir) or as a transformers CLIPModel
+    directory (--format hf), and the Python that loads it."""
+    if export_format is ExportFormat.hf:
+        return _export_hf(checkpoint, out, force)
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
     from fsdpclip.checkpoint.whole import (WEIGHTS_SUFFIXES, export_checkpoint, exported_files, holds_model_config,
                                           open_clip_name)
@@ -163,6 +175,43 @@ def export(
         steps = [*register, f"create_model_and_transforms({name!r}, pretrained={str(written.resolve())!r})"]
     *first, create = (f"open_clip.{step}" for step in steps)
     load = "; ".join(["import open_clip", *first, f"model, _, preprocess = {create}"])
+    console.print(f"in Python: {escape(load)}", highlight=False, soft_wrap=True)
+
+
+def _export_hf(checkpoint: Path, out: Path, force: bool) -> None:
+    """`export --format hf`: the checkpoint's model as a transformers CLIPModel directory, or one line saying which
+    key of its model config CLIPModel has no place for."""
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
+    from fsdpclip.checkpoint.whole import WEIGHTS_SUFFIXES, read_model_state
+    from fsdpclip.interop.hf_clip import HF_WEIGHTS, hf_files, hf_refusal, write_hf
+    from fsdpclip.model.build import model_from_config
+
+    if out.suffix in WEIGHTS_SUFFIXES:
+        stop(f"--format hf writes a directory, not {out.name}: give OUT without {out.suffix}")
+    try:
+        source = resolve_checkpoint(checkpoint)
+        meta = read_meta(source)
+        config = meta["model"]["open_clip_config"]
+        refusal = hf_refusal(config)
+        if refusal:
+            stop(f"cannot export {source} as a transformers CLIPModel: model config {refusal}")
+        model = model_from_config(config, device="meta")
+        files, notes = hf_files(config, model.visual.preprocess_cfg)
+        for name in (*files, HF_WEIGHTS):  # before the checkpoint is read
+            check_destination(out / name, overwrite=force)
+        write_hf(out, read_model_state(source, model), config, files)
+    except CheckpointError as exc:
+        stop(str(exc))
+    except OSError as exc:
+        stop(f"cannot write {out}: {exc.strerror or exc}")
+    done = f"{source} (step {meta['step']}) → {out} (transformers CLIPModel)"
+    console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
+    for note in notes:
+        console.print(f"  {escape(note)}", highlight=False, soft_wrap=True)
+    path = repr(str(out.resolve()))
+    load = f"from transformers import CLIPModel; model = CLIPModel.from_pretrained({path})"
+    if not notes:
+        load += f"; from transformers import CLIPProcessor; processor = CLIPProcessor.from_pretrained({path})"
     console.print(f"in Python: {escape(load)}", highlight=False, soft_wrap=True)
 
 

@@ -67,8 +67,23 @@ def summary_tables(summary: dict) -> list:
     data = [f"data: {escape(summary['data'])}"] if summary.get("data") else []
     if summary.get("supply"):
         data.append(supply_line(summary["supply"]))
+    plan = [plan_line(summary["plan"])] if summary.get("plan") else []
     return [params, units, decay, mem, mesh_line(summary["world_size"], mesh), batch_line, *duration,
-            preprocess_line(summary["preprocess"]), *data]
+            preprocess_line(summary["preprocess"]), *data, *plan]
+
+
+def plan_line(plan: dict) -> str:
+    """The run plan (every 'auto' settled; plan.resolved.RunPlan) in one line, with what the ranks settle at
+    start."""
+    layout = plan["layout"]
+    units = ", ".join(f"{tower} {'/'.join(classes) if classes else 'blocks'} × {layout['unit_size'][tower]}"
+                      for tower, classes in layout["wrap"].items())
+    data = "".join(f", data.{key} {value}" for key, value in plan["data"].items())
+    pending = f" (settled again at start: {', '.join(plan['pending'])})" if plan["pending"] else ""
+    return (f"plan: shard degree {plan['shard_degree']}, {plan['per_gpu']} per GPU × {plan['grad_accum']}, "
+            f"init {plan['init']}, units {units}, reshard_after_forward {layout['reshard_after_forward']}, "
+            f"compile {layout['compile']}, cuda_graph {plan['cuda_graph']}, grad_scaler {plan['grad_scaler']}, "
+            f"async_save {plan['async_save']}{data}{pending}")
 
 
 def duration_line(duration: dict) -> str:

@@ -13,11 +13,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from fsdpclip.data.engines import EngineShare, engines_on, missing, worker_context
+from fsdpclip.data.engines import EngineShare, missing, worker_context
 from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
-from fsdpclip.data.transform import TrainImages, decode_mode
+from fsdpclip.data.transform import TrainImages
 from fsdpclip.data.webdataset_spec import WebDatasetSpec
-from fsdpclip.node import local_ranks, usable_cores
 
 log = logging.getLogger("fsdpclip.data.batches")
 
@@ -212,23 +211,23 @@ def _worker_position(saved: dict) -> WorkerPosition:
     return WorkerPosition(**{**saved, "readings": [Reading(**reading) for reading in saved.get("readings", [])]})
 
 
-def webdataset_batches(spec: WebDatasetSpec, transform: Callable, tokenizer: Callable, batch_size: int, rank: int,
-                       world_size: int, seed: int, device: torch.device,
+def webdataset_batches(spec: WebDatasetSpec, settled: dict, transform: Callable, tokenizer: Callable,
+                       batch_size: int, rank: int, world_size: int, seed: int, device: torch.device,
                        pin_memory: Optional[bool] = None) -> tuple[WebDatasetBatches, TrainImages]:
     """One rank's webdataset micro batches for a model's train `transform`, and what turns each into the
-    model's input on `device` (data.decode 'auto' settled there: transform.decode_mode). The batches go
-    through the pinning thread (which decodes 'gpu' batches) on CUDA unless `pin_memory` says otherwise."""
-    decode = decode_mode(spec.decode, device.type)
+    model's input on `device`, with the block's 'auto' as the run plan `settled` them (`decode`, `jpeg_engines`,
+    `workers`: `WebDatasetSource.plan`). The batches go through the pinning thread (which decodes 'gpu' batches)
+    on CUDA unless `pin_memory` says otherwise."""
+    decode, engines = settled["decode"], settled["jpeg_engines"]
     images = TrainImages(transform, decode, device)
     stream = ShardStream(spec.model_copy(update={"decode": decode}), images.worker_transform, tokenizer, batch_size,
                          rank, world_size, seed)
     pin = device.type == "cuda" if pin_memory is None else pin_memory
-    workers = spec.settled_workers(world_size, local_ranks(), usable_cores())
-    engines = decode == "mixed" and engines_on(spec.jpeg_engines, device.type)
     if rank == 0 and decode == "mixed" and device.type == "cuda" and not engines and spec.jpeg_engines == "auto":
         log.info("data: the data workers decode every JPEG: %s lets the GPU's hardware JPEG engines take a share",
                  missing())
-    return WebDatasetBatches(stream, workers, pin_memory=pin, settled=spec.workers == "auto", engines=engines), images
+    return WebDatasetBatches(stream, settled["workers"], pin_memory=pin, settled=spec.workers == "auto",
+                             engines=engines), images
 
 
 def shutdown_workers(batches: Iterator) -> None:

@@ -7,7 +7,7 @@ Its module imports nothing heavy when it loads: torch and the pipeline are impor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from fsdpclip.spec.registry import Registry
@@ -31,6 +31,7 @@ class RankData:
     seed: int
     device: Any
     is_main: bool = False
+    settled: dict[str, Any] = field(default_factory=dict)  # the block's 'auto' settled by the run plan (`plan`)
 
 
 class DataSource:
@@ -65,9 +66,12 @@ class DataSource:
         """What `validate`'s summary says of the data in a line (None: nothing)."""
         return None
 
-    def decode(self, spec: Section, device: str) -> Optional[str]:
-        """Where its images are decoded on `device` ('cpu', 'gpu', 'mixed'; `validate`'s summary), or None."""
-        return None
+    def plan(self, spec: Section, device: str, world_size: int, local_ranks: int,
+             cores: Optional[int]) -> dict[str, Any]:
+        """Its block's 'auto' fields settled for ranks on `device`, `local_ranks` of `world_size` on a node of
+        `cores` (None: not known there): what the run plan records and `batches` gets (`RankData.settled`); a
+        `decode` among them ('cpu', 'gpu', 'mixed') is where its images are decoded. None by default."""
+        return {}
 
     def waiting_hints(self, spec: Section, world_size: int, local_ranks: int, cores: Optional[int]) -> list[str]:
         """What would feed a step that waits for its batches, for `local_ranks` ranks of `world_size` on a node of

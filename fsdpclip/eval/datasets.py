@@ -1,6 +1,7 @@
 """What the eval tasks read their sets with: data loaders whose workers stop with them, CLIP_benchmark's
-webdataset shards (a rank's share, split over its data workers), image files with their captions, the
-text files of a set, and the rounds in which every rank takes part (`in_rounds`, `gather_rows`).
+webdataset shards and held-out image-text shards (a rank's share, split over its data workers), image files
+with their captions, the text files of a set, and the rounds in which every rank takes part (`in_rounds`,
+`gather_rows`).
 
 Every rank takes part: each embeds its share of the images, and a rank whose share is exhausted keeps
 running (padding) forwards until all are done, so no rank ever skips a forward of the sharded model.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 from pathlib import Path
-from typing import Callable, Generator, Iterator, Optional
+from typing import Callable, ClassVar, Generator, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,13 @@ def loader(data: Dataset, batch_size: Optional[int], workers: int, collate: Opti
 
 
 class Shards(IterableDataset):
-    """Batches from this rank's share of CLIP_benchmark shards (every world_size-th), split over the data
-    workers; at most `limit` images per worker (no worker needs more; `in_rounds` makes the total exact)."""
+    """Batches from this rank's share of webdataset shards (every world_size-th), split over the data
+    workers; at most `limit` images per worker (no worker needs more; `in_rounds` makes the total exact).
+    `per_shard`: a batch ends with its shard (the last one of each shard may be short), so that the batches are the
+    same however the shards are shared; otherwise it runs on into the worker's next shard."""
+
+    per_shard: ClassVar[bool] = False
+    image_keys: ClassVar[tuple[str, ...]] = WDS_IMAGE_KEYS  # a sample's image: the first of these it has
 
     def __init__(self, shards: list[str], rank: int, world_size: int, transform: Callable, batch_size: int,
                  limit: Optional[int]):
@@ -53,9 +59,13 @@ class Shards(IterableDataset):
         self.transform, self.batch_size, self.limit = transform, batch_size, limit
 
     def __iter__(self):
-        batch = []
+        batch, shard = [], None
         try:
             for sample_id, sample, where in itertools.islice(self._samples(), self.limit):
+                if batch and self.per_shard and sample_id >> 32 != shard:
+                    yield self.collate(batch)
+                    batch = []
+                shard = sample_id >> 32
                 batch.append(self.read(sample_id, sample, where))
                 if len(batch) == self.batch_size:
                     yield self.collate(batch)
@@ -78,9 +88,9 @@ class Shards(IterableDataset):
     def image(self, sample: dict, where: str) -> torch.Tensor:
         from PIL import Image
 
-        key = next((k for k in WDS_IMAGE_KEYS if k in sample), None)
+        key = next((k for k in self.image_keys if k in sample), None)
         if key is None:
-            raise DatasetError(f"{where} has no image ({', '.join('.' + k for k in WDS_IMAGE_KEYS)})")
+            raise DatasetError(f"{where} has no image ({', '.join('.' + k for k in self.image_keys)})")
         return self.transform(Image.open(io.BytesIO(sample[key])).convert("RGB"))
 
     def read(self, sample_id: int, sample: dict, where: str) -> tuple:
@@ -112,6 +122,23 @@ class CaptionShards(Shards):
 
     def collate(self, batch: list[tuple]) -> tuple:
         return collate_captioned(batch)
+
+
+class PairShards(Shards):
+    """(images, captions) from image-text shards (an image and its caption, .txt, as open_clip_train's
+    `--val-data` reads them), a batch per shard at a time (`per_shard`)."""
+
+    per_shard = True
+    image_keys = ("jpg", "png", "jpeg", "webp")  # open_clip_train's order (and data.image_key's default)
+
+    def read(self, sample_id: int, sample: dict, where: str) -> tuple:
+        if "txt" not in sample:
+            raise DatasetError(f"{where} has no caption (.txt)")
+        return self.image(sample, where), sample["txt"].decode("utf-8")
+
+    def collate(self, batch: list[tuple]) -> tuple:
+        images, captions = zip(*batch)
+        return torch.stack(images), list(captions)
 
 
 class CaptionedImages(Dataset):

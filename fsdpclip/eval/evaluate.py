@@ -82,8 +82,9 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
     """The model with its weights: plain on one process, sharded with FSDP2 over `mesh` otherwise (as the
     run that trained it was sharded, without what only training needs). Rank 0 reads the weights; the
     other ranks receive only their shards."""
-    from fsdpclip.model.build import model_from_config
+    from fsdpclip.model.build import find_towers, model_from_config
     from fsdpclip.parallel.parallelize import materialize, parallelize
+    from fsdpclip.plan.resolved import unit_layout
     from fsdpclip.spec.job import ActivationCheckpointSpec, FsdpSpec
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -98,7 +99,9 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
     trained = source.job.fsdp if source.job is not None else FsdpSpec()
     fsdp = trained.model_copy(update={"param_dtype": precision, "reduce_dtype": "fp32", "compile": False,
                                       "activation_checkpointing": ActivationCheckpointSpec()})
-    parallelize(model, fsdp, mesh, source.job.model.block_classes if source.job is not None else None)
+    block_classes = source.job.model.block_classes if source.job is not None else None
+    layout = unit_layout(fsdp, model, find_towers(model, block_classes), device.type)
+    parallelize(model, fsdp, layout, mesh, block_classes)
     materialize(model, device, fsdp.cpu_offload, weights)
     return model.eval()
 

@@ -104,8 +104,8 @@ def without_grad(measure: Callable) -> Callable:
     return run
 
 
-EVAL_TASKS: Registry[EvalTask] = Registry("eval task", ("fsdpclip.eval.zeroshot", "fsdpclip.eval.retrieval"),
-                                          key="kind")
+EVAL_TASKS: Registry[EvalTask] = Registry("eval task", ("fsdpclip.eval.zeroshot", "fsdpclip.eval.retrieval",
+                                                         "fsdpclip.eval.validation"), key="kind")
 
 
 def task_of(spec) -> EvalTask:

@@ -126,8 +126,8 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
     cannot be forked (None: they can): the spec asks for new interpreters (launch.fork_ranks false), torch
     was imported already (what it reads at import would not hold), or the spec sets one of
     LOAD_TIME_VARIABLES. Otherwise it takes the job's launch.env, so that the ranks start as new
-    interpreters with that environment would, and imports OpenCLIP as they do (without transformers where
-    the model has no Hugging Face tower: `model.import_open_clip_as_the_ranks_do`). What torchrun gives
+    interpreters with that environment would, and imports OpenCLIP as they do (without the libraries it
+    would import for nothing: `model.build.left_out_of_open_clip`). What torchrun gives
     each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
     (fsdpclip.train.entry.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
     (`ForkedTorchrun`)."""
@@ -141,7 +141,7 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
     os.environ.update(job.launch.env)
     from fsdpclip.model.build import import_open_clip_as_the_ranks_do
 
-    import_open_clip_as_the_ranks_do(job.model)
+    import_open_clip_as_the_ranks_do(job.model, job.logging.wandb is not None)
     return None
 
 

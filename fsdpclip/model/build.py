@@ -124,13 +124,20 @@ def without_modules(names: tuple[str, ...]):
                 del sys.modules[name]
 
 
-def import_open_clip_as_the_ranks_do(spec: ModelSpec) -> None:
-    """Import OpenCLIP without transformers where the model has no Hugging Face text tower (2.6 s of its
-    import on the GPU hosts), as the rank entry does (fsdpclip.train.entry); `fsdpclip launch` does it where its
-    ranks are forked from it. For a process that runs one job: its later imports keep OpenCLIP as it was
-    imported."""
-    with without_modules(() if hf_text_tower(spec) else ("transformers",)):
+def import_open_clip_as_the_ranks_do(spec: ModelSpec, logs_to_wandb: bool = False) -> None:
+    """Import OpenCLIP without what `left_out_of_open_clip` leaves out, as the rank entry does
+    (fsdpclip.train.entry); `fsdpclip launch` does it where its ranks are forked from it. For a process that
+    runs one job: its later imports keep OpenCLIP as it was imported."""
+    with without_modules(left_out_of_open_clip(spec, logs_to_wandb)):
         import open_clip  # noqa: F401
+
+
+def left_out_of_open_clip(spec: ModelSpec, logs_to_wandb: bool = False) -> tuple[str, ...]:
+    """The installed libraries that OpenCLIP's import would import for nothing in a process that trains this
+    model: transformers where the model has no Hugging Face text tower (2.6 s of its import on the GPU hosts),
+    and wandb (~1 CPU-second on 2 cores; timm imports it for a logging helper OpenCLIP never calls) unless
+    the job logs to W&B, whose rank 0 imports it while OpenCLIP's import may still run on another thread."""
+    return (() if hf_text_tower(spec) else ("transformers",)) + (() if logs_to_wandb else ("wandb",))
 
 
 def hf_text_tower(spec: ModelSpec) -> bool:

@@ -133,9 +133,9 @@ def another_model(model: nn.Module, path: str, label: str) -> Optional[str]:
 OPENCLIP_INIT_MAX_PARAMETERS = 1_000_000_000
 
 
-def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
-    """The full model with its starting weights, on the CPU: the init `spec.init` asks for with `seed`,
-    then local weights.
+def initial_model(spec: ModelSpec, seed: int, init: str) -> nn.Module:
+    """The full model with its starting weights, on the CPU: `init` ('openclip' or 'parallel': `spec.init`
+    settled, `init_kind`) with `seed`, then local weights.
 
     Always the CPU's generators, so a seed gives the same weights on every machine (a GPU's
     generator draws other numbers, and whether a model fits a GPU must not change it); with
@@ -146,7 +146,7 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
     torch.set_num_threads(max(threads, usable_cores()))
     try:
         torch.manual_seed(seed)
-        if init_kind(spec) == "parallel":
+        if init == "parallel":
             with ParallelDraws(seed, usable_cores()):
                 model = build_model(spec, device="cpu")
         else:
@@ -164,11 +164,10 @@ def initial_model(spec: ModelSpec, seed: int) -> nn.Module:
     return model
 
 
-def init_kind(spec: ModelSpec) -> str:
-    """spec.init with 'auto' decided by the model's size (counted on the meta device)."""
+def init_kind(spec: ModelSpec, parameters: int) -> str:
+    """spec.init with 'auto' decided by the model's size (its `parameters`)."""
     if spec.init != "auto":
         return spec.init
-    parameters = sum(p.numel() for p in build_model(spec).parameters())
     return "openclip" if parameters <= OPENCLIP_INIT_MAX_PARAMETERS else "parallel"
 
 

@@ -30,7 +30,7 @@ def keep_nccl_capturable(cuda_graph: Union[bool, str], environ: MutableMapping[s
     """Set NCCL_GRAPH_REGISTER=0 where a step may be graphed and the allocator uses expandable segments:
     NCCL registers the buffers of captured collectives as if each were one contiguous allocation, which
     expandable segments break (hangs: pytorch#158029; Megatron-LM refuses the combination below
-    Blackwell). 'auto' graphs only a world of one (parallelize.resolve_auto). Called before the process
+    Blackwell). 'auto' graphs only a world of one (plan.resolved.plan_for_node). Called before the process
     group forms; a value the user set stays."""
     conf = f"{environ.get('PYTORCH_CUDA_ALLOC_CONF', '')},{environ.get('PYTORCH_ALLOC_CONF', '')}"
     graphed = cuda_graph is True or (cuda_graph == "auto" and environ.get("WORLD_SIZE", "1") == "1")

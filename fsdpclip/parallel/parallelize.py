@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -19,29 +19,28 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpclip.model.build import SHARED_PARAMETERS, find_towers
 from fsdpclip.model.fast_modules import use_direct_attention, use_direct_patch_embedding
-from fsdpclip.parallel.cuda_graphs import uncapturable_modules
-from fsdpclip.parallel.units import Unit, checkpointed_modules, plan_units, whole_tower_wraps
+from fsdpclip.parallel.units import Layout, Unit, checkpointed_modules, plan_units
 from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import FsdpSpec
 
 log = logging.getLogger("fsdpclip")
 
 
-def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh,
+def parallelize(model: nn.Module, fsdp: FsdpSpec, layout: Layout, mesh: DeviceMesh,
                 block_classes: Optional[dict[str, Optional[list[str]]]] = None) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp` asks,
-    sharding over `mesh`; returns it. Parameter names stay the original ones. `compile: 'auto'` must be
-    decided first (`resolve_auto`); left as it is, it does not compile."""
+    """Apply activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp` asks, with its
+    units, resharding and compile as `layout` settles them (`plan.resolved`), sharding over `mesh`; returns it.
+    Parameter names stay the original ones."""
     towers = find_towers(model, block_classes)
-    checkpointed, units = checkpointed_modules(model, towers, fsdp), plan_units(model, towers, fsdp)
+    checkpointed, units = checkpointed_modules(model, towers, fsdp), plan_units(model, towers, layout)
     if fsdp.direct_attention:  # after the plan: it names classes as validation saw them (Conv2d, MultiheadAttention)
         use_direct_attention(model)
     if fsdp.direct_patch_embedding:
         use_direct_patch_embedding(model)
     apply_activation_checkpointing(model, checkpointed)
-    if fsdp.compile is True:
+    if layout.compile:
         apply_compile(model, units, fsdp.compile_options)
-    apply_fsdp(model, units, fsdp, mesh)
+    apply_fsdp(model, units, fsdp, layout.reshard_after_forward, mesh)
     return model
 
 
@@ -73,43 +72,6 @@ COMPILE_AUTO_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttent
 def auto_compiles(towers: dict, device_type: str) -> bool:
     """Whether compile 'auto' may compile these towers at all: on CUDA, OpenCLIP's own blocks only."""
     return device_type == "cuda" and {c for t in towers.values() for c in t.block_classes} <= COMPILE_AUTO_BLOCKS
-
-
-def resolve_auto(fsdp: FsdpSpec, model: nn.Module, towers: dict, device_type: str,
-                 block_forward_flops: Optional[float] = None, *, world_size: Optional[int] = None) -> FsdpSpec:
-    """`fsdp` with its 'auto' `cuda_graph`, `compile` and `reshard_after_forward` decided (`parallelize`
-    compiles only on True; an undecided 'auto' reshards). Both are off unless on CUDA with OpenCLIP's
-    blocks (COMPILE_AUTO_BLOCKS).
-
-    The step is CUDA-graphed there in a world of one GPU (1×H200, one run each: ViT-B-32 1.31× and 1.77×
-    compiled DDP, ViT-bigG-14 1.18× eager DDP at the same memory, ViT-L-14 unchanged; docs/performance.md),
-    unless it needs the host mid-step or was not measured captured: CPU offload, fp16 loss scaling, patch
-    dropout (cuda_graphs.uncapturable_modules), activation checkpointing. Not yet in larger worlds: there the
-    graph would hold NCCL collectives, which no run has shown captured (at world size 1 FSDP2 and the loss
-    issue none).
-    Where every tower is small enough (units.whole_tower_wraps), each tower's block container becomes the
-    unit, compiled as one graph and kept gathered after forward unless the spec says
-    `reshard_after_forward: true` (ViT-H-14 1.35x eager, ViT-L-14 1.04x per-block compile). Larger towers
-    compile block by block where the step is graphed (a replay pays none of a compiled call's host cost:
-    ViT-bigG-14 1.05× the graphed eager blocks) or a block's forward over a micro batch
-    (`block_forward_flops`) is at least COMPILE_MIN_BLOCK_TFLOP, else not at all; both keep the spec's
-    units. Without `block_forward_flops` only the units are decided (what the memory estimate needs):
-    compile stays 'auto' there; without `world_size`, cuda_graph does."""
-    ours = auto_compiles(towers, device_type)
-    update: dict[str, Any] = {"reshard_after_forward": fsdp.reshards}
-    graphed = fsdp.cuda_graph
-    if graphed == "auto" and world_size is not None:
-        checkpointed = fsdp.activation_checkpointing.image or fsdp.activation_checkpointing.text
-        graphed = update["cuda_graph"] = ours and world_size == 1 and not (
-            fsdp.cpu_offload or fsdp.scales_loss or checkpointed or uncapturable_modules(model))
-    if fsdp.compile == "auto":
-        wraps = whole_tower_wraps(model, towers, fsdp) if ours else None
-        if wraps is not None:
-            update.update(compile=True, wrap=fsdp.wrap.model_copy(update=wraps),
-                          reshard_after_forward=fsdp.reshard_after_forward is True)
-        elif block_forward_flops is not None:
-            update["compile"] = ours and (graphed is True or block_forward_flops >= COMPILE_MIN_BLOCK_TFLOP * 1e12)
-    return fsdp.model_copy(update=update)
 
 
 def apply_compile(model: nn.Module, units: list[Unit], options: Optional[dict] = None) -> None:
@@ -172,7 +134,8 @@ def _train_compiled(module: nn.Module, eager, compiled, *args, **kwargs):
     return (compiled if module.training else eager)(*args, **kwargs)
 
 
-def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh: DeviceMesh) -> None:
+def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, reshard_after_forward: bool,
+               mesh: DeviceMesh) -> None:
     """fully_shard every unit, innermost first, then the root (whose outputs come back in fp32).
 
     The learned temperature and bias stay out of the root unit: replicated fp32 parameters on
@@ -196,7 +159,7 @@ def apply_fsdp(model: nn.Module, units: list[Unit], fsdp: FsdpSpec, mesh: Device
         kept = {name: model._parameters.pop(name) for name in SHARED_PARAMETERS
                 if unit.is_root and model._parameters.get(name) is not None}
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                    reshard_after_forward=fsdp.reshards, mp_policy=policy, offload_policy=offload)
+                    reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload)
         for name, parameter in kept.items():
             model.register_parameter(name, parameter)
     register_forward_methods(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -51,10 +51,21 @@ class Unit:
         return sum(math.ceil((s[0] if len(s) else 1) / world_size) * math.prod(s[1:]) for s in self.shapes)
 
 
-def wrap_classes(fsdp: FsdpSpec, tower: Tower) -> list[str]:
-    """The classes of `tower` that become units (default: its blocks)."""
-    chosen = getattr(fsdp.wrap, tower.name)
-    return list(tower.block_classes) if chosen is None else chosen
+@dataclass(frozen=True)
+class Layout:
+    """The FSDP units of a model and how they run, with `fsdp`'s 'auto' settled (`plan.resolved`): per tower,
+    the classes that become units (None: its blocks) and how many of them one unit holds; whether units free
+    their gathered parameters after forward, and whether they are compiled."""
+
+    wrap: dict[str, Optional[tuple[str, ...]]]
+    unit_size: dict[str, int]
+    reshard_after_forward: bool = True
+    compile: bool = False
+
+
+def wrap_classes(wrap: Optional[Sequence[str]], tower: Tower) -> list[str]:
+    """The classes of `tower` that become units: `wrap`, else its blocks."""
+    return list(tower.block_classes) if wrap is None else list(wrap)
 
 
 def checkpointed_modules(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> list[str]:
@@ -68,15 +79,19 @@ def checkpointed_modules(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpS
     return names
 
 
-def blocks_per_unit(model: nn.Module, first_block: str, unit_size) -> int:
-    """`unit_size`, with 'auto' resolved to about AUTO_UNIT_PARAMETERS per unit."""
+def blocks_per_unit(model: nn.Module, tower: Tower, wrap: Optional[Sequence[str]], unit_size) -> int:
+    """`unit_size` for `tower`, with 'auto' resolved to about AUTO_UNIT_PARAMETERS per unit (counted on its
+    first unit-class module)."""
     if unit_size != "auto":
         return unit_size
-    block = sum(p.numel() for p in model.get_submodule(first_block).parameters())
+    outer = instances(model.named_modules(), tower.name, wrap_classes(wrap, tower))
+    if not outer:
+        return 1
+    block = sum(p.numel() for p in model.get_submodule(outer[0]).parameters())
     return max(1, round(AUTO_UNIT_PARAMETERS / max(1, block)))
 
 
-def plan_units(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> list[Unit]:
+def plan_units(model: nn.Module, towers: dict[str, Tower], layout: Layout) -> list[Unit]:
     """Units in the order fully_shard must see them: innermost first, the root last.
 
     With more than one block per unit, consecutive outermost wrap-class modules of a tower
@@ -84,9 +99,9 @@ def plan_units(model: nn.Module, towers: dict[str, Tower], fsdp: FsdpSpec) -> li
     """
     groups: list[tuple[tuple[str, ...], str]] = []  # (module names, tower)
     for tower_name in TOWERS:
-        classes = set(wrap_classes(fsdp, towers[tower_name]))
+        classes = set(wrap_classes(layout.wrap[tower_name], towers[tower_name]))
         outer = instances(model.named_modules(), tower_name, classes)
-        size = blocks_per_unit(model, outer[0], fsdp.unit_size) if outer else 1
+        size = layout.unit_size[tower_name] if outer else 1
         if size == 1:
             groups += [((name,), tower_name) for name, module in model.named_modules()
                        if tower_of(name) == tower_name and type(module).__name__ in classes]

@@ -117,9 +117,10 @@ def activation_elements(model: nn.Module, towers: dict[str, Tower], checkpointed
 
 def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, world_size: int,
                     input_bytes_per_sample: float = 0.0, feature_width: int = 0,
-                    shard_degree: Optional[int] = None) -> MemoryEstimate:
+                    shard_degree: Optional[int] = None, reshards: bool = True) -> MemoryEstimate:
     """Peak memory of one GPU for `job` at `world_size`, its state sharded over `shard_degree` ranks
-    (default: all of them); the activation part from `activation_elements`.
+    (default: all of them), its units resharded after forward where `reshards`; the activation part from
+    `activation_elements`.
 
     Gradient accumulation (OpenCLIP's accum_freq) keeps activations at one micro batch's, but holds
     all the step's micro batches on the device, caches their image and text features, and each micro
@@ -134,7 +135,7 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     optimizer = 2 * grads
     root, blocks = units[-1], units[:-1]
     largest = max((u.numel for u in blocks), default=0)
-    gathered_blocks = sum(u.numel for u in blocks) if not fsdp.reshards else 2 * largest
+    gathered_blocks = sum(u.numel for u in blocks) if not reshards else 2 * largest
     unsharded = (root.numel + gathered_blocks) * param_bytes + max(largest, root.numel) * (param_bytes + reduce_bytes)
     logits = 3 * micro * micro * accum * world_size * 4
     activations = activations_per_sample * micro * param_bytes + logits

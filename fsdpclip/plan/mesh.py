@@ -17,10 +17,8 @@ from typing import Callable, Literal, Optional, Union
 
 from torch import nn
 
-from fsdpclip.model.build import Tower, image_shape, model_config, text_shape, training_flops_per_sample
-from fsdpclip.model.trainable import frozen_meta_model
-from fsdpclip.parallel.parallelize import resolve_auto
-from fsdpclip.parallel.units import Unit, checkpointed_modules, plan_units
+from fsdpclip.model.build import Tower, image_shape, text_shape
+from fsdpclip.parallel.units import Layout, Unit, checkpointed_modules, plan_units
 from fsdpclip.plan.memory import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_host_memory, \
     estimate_memory, traced_forward
 from fsdpclip.spec.job import Job
@@ -90,6 +88,7 @@ class MemoryModel:
     """What the per-GPU memory estimate needs, measured once on the meta device; any degree from it."""
 
     job: Job
+    layout: Layout
     units: list[Unit]
     activations_per_sample: float
     input_bytes_per_sample: float
@@ -97,7 +96,11 @@ class MemoryModel:
 
     def estimate(self, world: int, degree: Optional[int] = None) -> MemoryEstimate:
         return estimate_memory(self.job, self.units, self.activations_per_sample, world, self.input_bytes_per_sample,
-                               self.feature_width, shard_degree=degree)
+                               self.feature_width, shard_degree=degree, reshards=self.layout.reshard_after_forward)
+
+    def traffic(self, world: int, degree: int) -> "Traffic":
+        """Bytes one GPU moves per step with these units (`traffic`)."""
+        return traffic(self.job, self.units, world, degree, self.layout.reshard_after_forward)
 
     def largest_batch(self, world: int, degree: int, capacity: float, limit: int, grad_accum: int = 1) -> int:
         """The largest per-GPU batch up to `limit` whose estimated peak fits `capacity` bytes (at least 1): where
@@ -110,18 +113,17 @@ class MemoryModel:
         return low
 
 
-def memory_model(job: Job, model: nn.Module, towers: dict[str, Tower]) -> tuple[MemoryModel, tuple[int, int]]:
-    """The memory model of a built (meta) model with its freeze applied, and the widths of its image and
-    text features (a forward on the meta device: any error of the model's own forward propagates).
-    The units are those the trainer will build (`job.fsdp` with compile 'auto''s units decided as the
-    trainer decides them; whether blocks of larger towers compile is left undecided)."""
-    job = job.model_copy(update={"fsdp": resolve_auto(job.fsdp, model, towers, job.launch.device)})
-    units = plan_units(model, towers, job.fsdp)
+def memory_model(job: Job, model: nn.Module, towers: dict[str, Tower],
+                 layout: Layout) -> tuple[MemoryModel, tuple[int, int]]:
+    """The memory model of a built (meta) model with its freeze applied, cut into units as `layout` says (the
+    trainer's: `plan.resolved`), and the widths of its image and text features (a forward on the meta device:
+    any error of the model's own forward propagates)."""
+    units = plan_units(model, towers, layout)
     checkpointed = set(checkpointed_modules(model, towers, job.fsdp))
     sizes, widths = traced_forward(model, [b for tower in towers.values() for b in tower.blocks])
     channels, height, width = image_shape(model)
     input_bytes = channels * height * width * 4 + text_shape(model)[0] * 8  # fp32 pixels, int64 tokens
-    return MemoryModel(job, units, activation_elements(model, towers, checkpointed, sizes), input_bytes,
+    return MemoryModel(job, layout, units, activation_elements(model, towers, checkpointed, sizes), input_bytes,
                        widths[0]), widths
 
 
@@ -143,7 +145,7 @@ class Traffic:
                 "all_reduce": round(self.all_reduce / GIB, 3)}
 
 
-def traffic(job: Job, units: list[Unit], world: int, degree: int) -> Traffic:
+def traffic(job: Job, units: list[Unit], world: int, degree: int, reshards: bool) -> Traffic:
     """Per GPU and step: every unit's parameters gathered in forward (and again in backward when
     resharded; the root stays gathered), the trainable gradients reduce-scattered, and their shards
     all-reduced across replicas, once per micro batch; with accumulation every forward runs twice
@@ -153,7 +155,7 @@ def traffic(job: Job, units: list[Unit], world: int, degree: int) -> Traffic:
     param, reduce = DTYPE_BYTES[fsdp.param_dtype], DTYPE_BYTES[fsdp.reduce_dtype]
     inside, replicas = (degree - 1) / degree, world // degree
     forwards = 2 * accum if accum > 1 else 1
-    gathered = sum(u.numel * (forwards + (accum if fsdp.reshards and not u.is_root else 0))
+    gathered = sum(u.numel * (forwards + (accum if reshards and not u.is_root else 0))
                    for u in units)
     trainable = sum(u.trainable for u in units)
     return Traffic(all_gather=inside * gathered * param, reduce_scatter=inside * accum * trainable * reduce,
@@ -206,7 +208,7 @@ def strategy(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: int,
     the two plus EXPOSED_FRACTION of the communication."""
     world, samples = nodes * gpus_per_node, job.batch.settled_per_gpu * job.batch.grad_accum
     compute = samples * flops_per_sample / (tflops * 1e12)
-    moved = traffic(memory.job, memory.units, world, degree)  # the units and resharding as built
+    moved = memory.traffic(world, degree)  # the units and resharding as built
     group_gbps = intra_gbps if degree <= gpus_per_node else inter_gbps
     replica_gbps = intra_gbps if nodes == 1 else inter_gbps
     communication = moved.shard_group / (group_gbps * 1e9 / 8) + moved.all_reduce / (replica_gbps * 1e9 / 8)
@@ -226,8 +228,8 @@ def strategies(job: Job, memory: MemoryModel, flops_per_sample: float, nodes: in
 
 @dataclass
 class Plan:
-    """What `fsdpclip plan` shows: every strategy for a layout, the inputs of its model, and the degree
-    'auto' takes for GPUs of `gpu_memory_gib`."""
+    """What `fsdpclip plan` shows (`plan.resolved.plan_job`): every strategy for a layout, the inputs of its
+    model, and the degree 'auto' takes for GPUs of `gpu_memory_gib`."""
 
     nodes: int
     gpus_per_node: int
@@ -237,18 +239,3 @@ class Plan:
     gpu_memory_gib: float
     auto_degree: int
     rows: list[Strategy]
-
-
-def plan_job(job: Job, nodes: int, gpus_per_node: int, gpu_memory_gib: float, tflops: Optional[float] = None,
-             intra_gbps: float = INTRA_GBPS, inter_gbps: float = INTER_GBPS) -> Plan:
-    """Price every strategy for a job that passed `check_job` (its model built on the meta device,
-    its freeze applied); `tflops` defaults to what fsdpclip sustained for a model of its size."""
-    model, towers = frozen_meta_model(model_config(job.model), job)
-    memory, _ = memory_model(job, model, towers)
-    flops = training_flops_per_sample(model)
-    parameters = sum(p.numel() for p in model.parameters())
-    rate = tflops or sustained_tflops(parameters)
-    world = nodes * gpus_per_node
-    return Plan(nodes, gpus_per_node, parameters, flops, rate, gpu_memory_gib,
-                auto_shard_degree(memory, world, gpus_per_node, gpu_memory_gib * GIB),
-                strategies(job, memory, flops, nodes, gpus_per_node, rate, intra_gbps, inter_gbps))

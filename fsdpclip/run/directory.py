@@ -2,6 +2,7 @@
 job's, and how each launch ended.
 
     job.json       the resolved spec the ranks train from (absolute paths)
+    plan.json      every 'auto' of that spec as this launch settled it (`plan.resolved.RunPlan`)
     launches/      every start's resolved spec and what it changed against the checkpoint it resumed
     metrics.jsonl  what the trainer logged
     checkpoints/   sharded checkpoints (fsdpclip.checkpoint.sharded)
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES = "job.json", "exit.json", "logs", "launches"
 LOCK_FILE, STOP_FILE = "lock", "stop"
-WANDB_ID_FILE, IMPORT_FILE, AUTO_BATCH_FILE = "wandb-id", "imported.json", "auto_batch.json"
+WANDB_ID_FILE, IMPORT_FILE, AUTO_BATCH_FILE, PLAN_FILE = "wandb-id", "imported.json", "auto_batch.json", "plan.json"
 # How a run ends (the trainer's exit code, in exit.json): fsdpclip.train.entry says when each is used.
 EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED = 0, 1, 2, 65, 74, 75
 EXIT_STOPPED_AT_ONCE = 130  # a second Ctrl-C or SIGTERM to `fsdpclip launch`: stopped without a checkpoint

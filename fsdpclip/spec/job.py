@@ -299,12 +299,6 @@ class FsdpSpec(Section):
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
 
     @property
-    def reshards(self) -> bool:
-        """Whether units free their gathered parameters after forward: 'auto' not yet decided by compile
-        'auto' (parallelize.resolve_auto) reshards."""
-        return self.reshard_after_forward is not False
-
-    @property
     def scales_loss(self) -> bool:
         """Whether the job scales its loss (fp16, unless `grad_scaler.enabled` says otherwise)."""
         return self.param_dtype == "fp16" if self.grad_scaler.enabled == "auto" else self.grad_scaler.enabled
@@ -410,14 +404,37 @@ class OptimizerSpec(Section):
 
 
 # ---------------------------------------------------------------------- schedule
+FINAL_DECAY = ("const-cooldown", "wsd")  # the kinds that hold the peak LR, then decay over the run's last steps
+DECAY_LENGTHS = ("decay_steps", "decay_epochs", "decay_fraction")
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {  # the LR's share left above `min_lr` at a decay's progress
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "sqrt": lambda progress: 1.0 - math.sqrt(progress),
+}
+
+
 class ScheduleSpec(Section):
-    kind: Literal["cosine", "constant"] = Field(default="cosine", description="LR shape after warmup.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
-    steps: Optional[int] = Field(default=None, gt=0, description="Total optimizer steps (instead of `epochs`).")
+    kind: Literal["cosine", "constant", "const-cooldown", "wsd"] = Field(
+        "cosine", description="LR shape after warmup: cosine, constant, or constant then a final decay "
+                              "(`const-cooldown`: open_clip_train's; `wsd`: warmup-stable-decay of `decay_shape`).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
+    steps: Optional[int] = Field(None, gt=0, description="Total optimizer steps (instead of `epochs`).")
     epochs: Optional[int] = Field(
-        default=None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on "
-                                        "every rank (instead of `steps`; default 1 when neither is set).")
-    min_lr: float = Field(default=0.0, ge=0, description="Floor of the cosine schedule (at most optimizer.lr).")
+        None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on every "
+                                "rank (instead of `steps`; default 1 when neither is set).")
+    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule and end of the final decay (at most "
+                                                 "optimizer.lr).")
+    decay_steps: Optional[int] = Field(
+        None, gt=0, description="Steps of the final decay of `const-cooldown` and `wsd`, the last of the run (or "
+                                "`decay_epochs`, `decay_fraction`).")
+    decay_epochs: Optional[int] = Field(
+        None, gt=0, description="The final decay over the last epochs of `schedule.epochs` (open_clip_train's "
+                                "--epochs-cooldown).")
+    decay_fraction: Optional[float] = Field(
+        None, gt=0, le=1, description="The final decay over this share of the run's steps (torchtitan's decay_ratio).")
+    decay_shape: Literal["linear", "cosine", "sqrt"] = Field("linear", description="Shape of `wsd`'s final decay.")
+    decay_power: float = Field(1.0, gt=0, description="`const-cooldown` decays as (1 - progress)^power "
+                                                       "(open_clip_train's --lr-cooldown-power).")
 
     @field_validator("epochs")
     @classmethod
@@ -426,17 +443,61 @@ class ScheduleSpec(Section):
             raise ValueError("give `steps` or `epochs`, not both")
         return value
 
+    @field_validator("decay_steps", "decay_epochs", "decay_fraction")
+    @classmethod
+    def _decay_length(cls, value: Optional[Union[int, float]], info: ValidationInfo) -> Optional[Union[int, float]]:
+        if value is None:
+            return value
+        if info.data.get("kind") not in FINAL_DECAY:
+            raise ValueError(f"a final decay's length, for `kind` {' or '.join(FINAL_DECAY)}")
+        given = [name for name in DECAY_LENGTHS if info.data.get(name) is not None]
+        if given:
+            raise ValueError(f"give one of {', '.join(DECAY_LENGTHS)}, not `{given[0]}` too")
+        if info.field_name == "decay_epochs":
+            epochs = info.data.get("epochs")
+            if epochs is None:
+                raise ValueError("needs `schedule.epochs` (or give `decay_steps` or `decay_fraction`)")
+            if value > epochs:
+                raise ValueError(f"more than the run's {epochs} epochs")
+        return value
+
+    @model_validator(mode="after")
+    def _decay_given(self) -> "ScheduleSpec":
+        if self.kind in FINAL_DECAY and all(getattr(self, name) is None for name in DECAY_LENGTHS):
+            raise ValueError(f"`{self.kind}` needs the length of its final decay: give one of "
+                             f"{', '.join(DECAY_LENGTHS)}")
+        return self
+
+    def decay_length(self, total_steps: int) -> int:
+        """Steps of the final decay in a run of `total_steps` (`const-cooldown`, `wsd`)."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        if self.decay_epochs is not None:
+            assert self.epochs is not None  # `_decay_length` requires it
+            return round(total_steps * self.decay_epochs / self.epochs)
+        assert self.decay_fraction is not None  # `_decay_given` requires one of the three
+        return round(total_steps * self.decay_fraction)
+
     def lr_factor(self, peak_lr: float, total_steps: int) -> Callable[[int], float]:
-        """Multiplier of the peak LR at each step: linear warmup, then cosine to `min_lr` or constant."""
+        """Multiplier of the peak LR at each step: linear warmup, then cosine to `min_lr`, constant, or constant
+        until the final decay to `min_lr`. That decay ends with the run (as open_clip_train's `const_lr_cooldown`
+        counts its steps): a longer run lengthens the constant part before it."""
         warmup, floor = self.warmup_steps, self.min_lr / peak_lr
+        if self.kind == "cosine":
+            start, length, shape = warmup, total_steps - warmup, DECAY_SHAPES["cosine"]
+        elif self.kind == "constant":
+            start, length, shape = math.inf, 0, DECAY_SHAPES["linear"]  # no decay: never reached
+        else:
+            length = self.decay_length(total_steps)
+            start = total_steps - length
+            shape = DECAY_SHAPES[self.decay_shape] if self.kind == "wsd" else lambda p: (1.0 - p) ** self.decay_power
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
-            if self.kind == "constant":
+            if step < start:
                 return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+            return floor + (1.0 - floor) * shape(min(1.0, (step - start) / max(1, length)))
 
         return factor
 

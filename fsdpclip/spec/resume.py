@@ -40,7 +40,7 @@ SEARCHED = ("batch.per_gpu", "batch.grad_accum")
 # Fields whose change is a change of the run's length, or of its LR curve: what the run's length or LR then does
 # is what was asked for (still reported), not a consequence to accept.
 LENGTH = ("schedule.steps", "schedule.epochs", "data.samples")
-LR_CURVE = ("optimizer.lr", "schedule.kind", "schedule.warmup_steps", "schedule.min_lr")
+LR_CURVE = ("optimizer.lr", "schedule.kind", "schedule.warmup_steps", "schedule.min_lr", "schedule.decay_")
 
 
 @dataclass(frozen=True)

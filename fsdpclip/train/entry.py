@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from fsdpclip.model.build import hf_text_tower, without_modules
+from fsdpclip.model.build import left_out_of_open_clip, without_modules
 from fsdpclip.parallel.cuda_graphs import keep_nccl_capturable
 from fsdpclip.parallel.distributed import init_distributed, lost_peer
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE, EXIT_SPEC, LOG_DIR
@@ -119,7 +119,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     keep_output(job.run_dir / LOG_DIR / f"rank-{int(os.environ.get('RANK', '0')):05d}.out")  # once a terminal is gone
     signals = StopSignals()
     keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)  # before any other thread reads the environment
-    import_in_background([TRAINER_MODULE, "open_clip"], absent=() if hf_text_tower(job.model) else ("transformers",))
+    import_in_background([TRAINER_MODULE, "open_clip"],
+                         absent=left_out_of_open_clip(job.model, job.logging.wandb is not None))
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
     startup.mark("distributed")
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,

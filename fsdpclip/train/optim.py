@@ -125,9 +125,8 @@ class Schedule:
 
 
 def build_grad_scaler(fsdp: FsdpSpec, device: torch.device):
-    """A dynamic loss scaler that agrees across ranks on sharded (and CPU-offloaded) gradients, or None."""
-    if not fsdp.scales_loss:
-        return None
+    """A dynamic loss scaler that agrees across ranks on sharded (and CPU-offloaded) gradients (`fsdp.grad_scaler`'s
+    settings), for a run whose plan scales its loss."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     class LocalShardGradScaler(ShardedGradScaler):

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, kept_checkpoint
 from fsdpclip.checkpoint.sharded import FAILED, WRITING, rng_state, set_rng_state
-from fsdpclip.checkpoint.staging import asynchronous_saves
 from fsdpclip.node import host_memory
 from fsdpclip.parallel.distributed import all_max
+from fsdpclip.plan.resolved import settle_at_start
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
 from fsdpclip.spec.job import CheckpointSpec
 from fsdpclip.spec.resume import checkpoint_changes, is_fixed, kept_streams, shard_fingerprint, unaccepted
@@ -30,21 +30,22 @@ log = logging.getLogger("fsdpclip")
 class Checkpointing(TrainerState):
     """The part of `Trainer` that saves, resumes and reports checkpoint failures."""
 
-    def _asynchronous_saves(self, host_bytes: int) -> bool:
-        """Whether periodic saves are asynchronous: checkpoint.async_save with 'auto' decided
-        (`staging.asynchronous_saves`, the same on every rank); when they are, the host copy's memory is reserved
-        now, while the first step compiles."""
+    def _asynchronous_saves(self, host_bytes: int, towers) -> bool:
+        """Whether periodic saves are asynchronous: the plan's checkpoint.async_save, settled by rank 0 for the
+        largest host copy of a rank (`host_bytes` here) and given to every rank; when they are, the host copy's
+        memory is reserved now, while the first step compiles."""
         job, env = self.job, self.env
-        chosen = job.checkpoint.periodic and asynchronous_saves(
-            job.checkpoint.async_save, env.device.type, host_bytes, env.local_world_size)
-        chosen = not all_max([int(not chosen)], env.device)[0]
+        largest, = all_max([host_bytes], env.device)
+        decided = [settle_at_start(self.plan, job, towers, host_copy_bytes=largest) if env.is_main else None]
+        dist.broadcast_object_list(decided, src=0)
+        self.plan = decided[0]
         if job.checkpoint.async_save == "auto" and job.checkpoint.periodic and env.is_main:
             log.info("checkpoint.async_save 'auto': %s (a host copy of %.1f GiB per rank, %d rank(s) on a node of "
-                     "%.0f GiB)", "on" if chosen else "off", host_bytes / 2 ** 30, env.local_world_size,
+                     "%.0f GiB)", "on" if self.plan.async_save else "off", largest / 2 ** 30, env.local_world_size,
                      host_memory() / 2 ** 30)
-        if chosen:
+        if self.plan.async_save:
             self.checkpointer.host.reserve(host_bytes)
-        return chosen
+        return self.plan.async_save
 
     def _minutes_passed(self) -> int:
         """1 on rank 0 once checkpoint.every_minutes have passed since the last save (or the start of `fit`), else

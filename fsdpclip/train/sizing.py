@@ -26,7 +26,7 @@ import gc
 import logging
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,10 @@ import torch.distributed as dist
 from fsdpclip.model.build import image_shape, text_shape
 from fsdpclip.plan.batch import (
     PEAK_MARGIN, BatchRecord, BatchSearchFailed, Probe, micro_batches_probed, recorded_batch, search_basis,
-    search_start, settled_batch,
+    settled_batch,
 )
 from fsdpclip.plan.memory import GIB
-from fsdpclip.plan.mesh import memory_model
+from fsdpclip.plan.resolved import settle_at_start
 from fsdpclip.run.directory import EXIT_SPEC
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.optim import build_optimizer
@@ -48,56 +48,49 @@ log = logging.getLogger("fsdpclip")
 
 
 class BatchSizing(TrainerState):
-    """The part of `Trainer` that settles `batch.per_gpu: "auto"`: `_plan_batch` on the meta model,
+    """The part of `Trainer` that settles `batch.per_gpu: "auto"`: `_recorded_batch` for the run plan,
     `_settle_batch` once the model is built."""
 
-    def _plan_batch(self, model: torch.nn.Module, towers) -> int:
-        """Before the model is parallelized: the record of an earlier launch where it still applies, else
-        the memory estimate's largest batch for this GPU, where the search starts (rank 0 decides, every rank
-        learns it); returns the batch the start-up plans with (compile 'auto' weighs a block's work by it)."""
+    batch_record: Optional[BatchRecord] = None  # rank 0's: an earlier launch's record that applies
+
+    def _recorded_batch(self) -> Optional[tuple[int, int]]:
+        """On rank 0, with per_gpu 'auto': the batch an earlier launch of this run recorded for the same spec, world
+        and GPU (kept in `batch_record`), else None."""
         job, env = self.job, self.env
-        if env.device.type != "cuda":
-            raise Stop(EXIT_SPEC, "batch.per_gpu 'auto' probes steps on the GPU; this run's device is the CPU")
+        if not job.batch.searched:
+            return None
         properties = torch.cuda.get_device_properties(env.device)
         self.batch_basis = search_basis(job, env.world_size, f"{properties.name}, {properties.total_memory} bytes")
-        decided = [None, None]
-        if env.is_main:
-            record = recorded_batch(job.run_dir, self.batch_basis)
-            if record is None:
-                memory, _ = memory_model(job, model, towers)
-                capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else properties.total_memory
-                decided: list = [None, search_start(memory, job, env.world_size, self.shard_degree, capacity)]
-            else:
-                decided = [record, None]
-        dist.broadcast_object_list(decided, src=0)
-        self.batch_record, self.batch_start = decided
-        return self.batch_record.per_gpu if self.batch_record else self.batch_start
+        self.batch_record = recorded_batch(job.run_dir, self.batch_basis)
+        return (self.batch_record.per_gpu, self.batch_record.grad_accum) if self.batch_record else None
 
     def _settle_batch(self) -> None:
-        """`self.job` with the batch settled: the recorded one, else searched now (and recorded by rank 0)."""
-        job, env = self.job, self.env
+        """The plan with the batch settled: the recorded one, else searched now from where the plan starts it
+        (and recorded by rank 0)."""
+        job, env, plan = self.job, self.env, self.plan
+        searched = "per_gpu" in plan.pending
         record = self.batch_record
-        if record is None:
+        if searched:
             began, probes = time.perf_counter(), []
             budget = None if hasattr(self.model, "reset_iter_state") else self._peak_budget()
             try:
                 per_gpu, accum = settled_batch(lambda per_gpu: self._fits(per_gpu, probes), job, env.world_size,
-                                               self.batch_start, budget)
+                                               plan.per_gpu, budget)
             except BatchSearchFailed as failed:
                 raise Stop(EXIT_SPEC, str(failed)) from None
-            record = BatchRecord(per_gpu, accum, round(time.perf_counter() - began, 1), self.batch_start,
-                                 self.batch_basis, probes)
+            record = BatchRecord(per_gpu, accum, round(time.perf_counter() - began, 1), plan.per_gpu,
+                                 self.batch_basis if env.is_main else {}, probes)
             if env.is_main:
                 record.save(job.run_dir)
+            self.plan = settle_at_start(plan, job, {}, batch=(per_gpu, accum))
         self.startup.mark("batch_search")
         if env.is_main:
             how = f"searched in {record.searched_s:.1f} s from {record.start}: " + ", ".join(
                 f"{p.per_gpu} {'fits' if p.fits else 'out of memory'}" for p in record.probes) \
-                if self.batch_record is None else "recorded by an earlier launch of this run"
+                if searched else "recorded by an earlier launch of this run"
             log.info("batch.per_gpu 'auto': %d per GPU × %d accumulation (%s)", record.per_gpu, record.grad_accum, how)
-        self.batch_search = {"per_gpu": record.per_gpu, "grad_accum": record.grad_accum,
-                             "searched_s": record.searched_s, "reused": self.batch_record is not None}
-        self.job = job.with_batch(record.per_gpu, record.grad_accum)
+            self.batch_search = {"per_gpu": record.per_gpu, "grad_accum": record.grad_accum,
+                                 "searched_s": record.searched_s, "reused": not searched}
 
     def _peak_budget(self) -> float:
         """The bytes a probe's predicted peak may reach: PEAK_MARGIN of the memory this process's allocator can

@@ -25,7 +25,7 @@ from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
 from fsdpclip.parallel.distributed import Dist, all_mean, all_sum
 from fsdpclip.parallel.parallelize import average_replicated_gradients, replicated_parameters
-from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_SPEC
+from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK
 from fsdpclip.run.lock import StartupClock, launch_time, launcher_reports
 from fsdpclip.run.reports import record_launch
 from fsdpclip.spec.job import Job
@@ -50,8 +50,6 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
     def __init__(self, job: Job, env: Dist, signals=None, startup: Optional[StartupClock] = None):
         """`signals`: what tells the loop a stop signal came (fsdpclip.train.entry.StopSignals: `received`)."""
         self.job, self.env, self.signals = job, env, signals
-        if job.fsdp.cuda_graph is True and env.device.type != "cuda":
-            raise Stop(EXIT_SPEC, "fsdp.cuda_graph true needs CUDA devices")
         self.startup = startup or StartupClock()
         self.model_config = training_config(job)
         self.checkpointer = Checkpointer(job.run_dir, job.checkpoint, env.rank, env.world_size)
@@ -60,6 +58,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         self.startup.mark("meta_model")
         self.tokenizer = build_tokenizer(self.model_config)
         self.batches, self.batch_iter, self.batch_search, self.waiting_hints = None, None, None, []
+        self.plan = self._plan(meta_model, towers)
         if not job.batch.searched:  # else the batch is known once the model is built (train.sizing)
             self._open_batches(meta_model, start=not candidates)
         try:
@@ -74,6 +73,8 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         self.model = self._build_model(meta_model, towers)
         if self.job.batch.searched:
             self._settle_batch()
+            # the spec checkpoints keep, resumes compare and the run's length counts with: the batch trained
+            self.job = self.job.with_batch(self.plan.per_gpu, self.plan.grad_accum)
             self._open_batches(self.model, start=not candidates)
         job, env = self.job, self.env
         self.startup.mark("model")
@@ -84,10 +85,10 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
-        self.async_saves = self._asynchronous_saves(host_copy_bytes(self.model, self.trained))
-        self.scaler = build_grad_scaler(job.fsdp, env.device)
+        self.async_saves = self._asynchronous_saves(host_copy_bytes(self.model, self.trained), towers)
+        self.scaler = build_grad_scaler(job.fsdp, env.device) if self.plan.grad_scaler else None
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
-        self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.cuda_graph \
+        self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.plan.cuda_graph \
             else self._forward_backward
         self.eval_sets: Optional[list] = None  # loaded by their tasks
         self.step = self.samples_seen = 0
@@ -104,6 +105,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
             self._resume(candidates)
         if env.is_main:
             record_launch(job.run_dir, job.to_json(), self.changes, self.resumed_from)
+            self.plan.save(job.run_dir)
         self.startup.mark("ready")
 
     def close(self) -> None:
@@ -142,7 +144,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
             self.optimizer.step(found_inf=found_inf)  # a non-finite step is skipped on the device
             self.skipped_steps += found_inf
         self.scheduler.step()
-        if not self.cuda_graph:  # a graphed step's gradients stay where its graph writes them
+        if not self.plan.cuda_graph:  # a graphed step's gradients stay where its graph writes them
             self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
@@ -188,7 +190,7 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
                     self.startup.mark("first_step")
                     metrics.announce(f"start-up, seconds since launch at the end of each phase (rank {env.rank}): "
                                      f"{self.startup.summary()}")
-                    if self.compiled and env.is_main:
+                    if self.plan.layout.compile and env.is_main:
                         self._keep_compile_cache()
                 last = self.step == self.total_steps
                 if self.step % job.logging.every_steps == 0 or last:

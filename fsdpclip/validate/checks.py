@@ -19,7 +19,9 @@ from fsdpclip.node import usable_cores
 from fsdpclip.plan.memory import GIB
 from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, Report, SpecError, closest
 from fsdpclip.run.files import special_file
-from fsdpclip.spec.job import Job, is_url, largest_divisor, world_size_problem
+from fsdpclip.spec.job import (
+    DECAY_LENGTHS, FINAL_DECAY, Job, ScheduleSpec, is_url, largest_divisor, world_size_problem,
+)
 from fsdpclip.validate.model_checks import check_model, if_parsed
 
 
@@ -127,8 +129,7 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
     largest that fits launch.gpu_memory_gib, else this node's GPU; 1 per GPU where neither is known), for the
     checks and summary that count samples, and what `validate` shows of it; (the job at 1 per GPU, None)
     where 'auto' cannot run (a located problem) or the model does not build (check_model says why)."""
-    from fsdpclip.plan.batch import search_start
-    from fsdpclip.plan.mesh import memory_model
+    from fsdpclip.plan.resolved import Node, plan_for_node
 
     batch, world, per_node = job.batch, report.world_size, report.gpus_per_node
     problems, unsettled = len(report.errors), (job.with_batch(1, batch.grad_accum), None)
@@ -146,14 +147,13 @@ def _auto_batch_start(job: Job, report: Report) -> tuple[Job, Optional[dict]]:
                      "decides from the shard degree", "auto", hint="give a shard degree with per_gpu 'auto'")
     if len(report.errors) > problems:
         return unsettled
+    capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else _local_gpu_bytes()
     try:
         model, towers = frozen_meta_model(model_config(job.model), job)
-        memory, _ = memory_model(job, model, towers)
-    except Exception:  # noqa: BLE001  (check_model reports a model that does not build or run)
+        plan = plan_for_node(job, model, towers, Node(world, per_node, job.launch.device, gpu_bytes=capacity))
+    except Exception:  # noqa: BLE001  (check_model reports a model that does not build or run, or the degree)
         return unsettled
-    degree = job.fsdp.shard_degree if job.fsdp.shard_degree != "auto" else world
-    capacity = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else _local_gpu_bytes()
-    start = search_start(memory, job, world, degree, capacity) if capacity else None
+    start = plan.per_gpu if capacity else None
     shown = {"start": start, "capacity_gib": round(capacity / GIB, 1) if capacity else None}
     if batch.global_batch is None:
         return job.with_batch(start or 1, batch.grad_accum), shown
@@ -187,11 +187,26 @@ def _check_batch_and_schedule(job: Job, report: Report) -> Optional[int]:
         return None
     if job.schedule.warmup_steps > steps:
         report.error("schedule.warmup_steps", f"longer than the whole run ({steps} steps)", job.schedule.warmup_steps)
+    elif job.schedule.kind in FINAL_DECAY:
+        _check_final_decay(job.schedule, steps, report)
     return steps
 
 
+def _check_final_decay(schedule: ScheduleSpec, steps: int, report: Report) -> None:
+    """The final decay is at least a step and follows the warmup within the run."""
+    field = next(name for name in DECAY_LENGTHS if getattr(schedule, name) is not None)
+    decay, warmup = schedule.decay_length(steps), schedule.warmup_steps
+    if decay == 0:
+        report.error(f"schedule.{field}", f"a decay of no step in the run's {steps} steps", getattr(schedule, field))
+    elif warmup + decay > steps:
+        report.error(f"schedule.{field}", f"a decay of {decay} steps after {warmup} warmup steps does not fit in the "
+                     f"run's {steps} steps", getattr(schedule, field),
+                     hint=f"at most {steps - warmup} steps of decay, or fewer warmup steps")
+
+
 def _check_learning_rate(job: Job, report: Report) -> None:
-    """The cosine decays from optimizer.lr to schedule.min_lr: a floor above the peak would turn it into a rise."""
+    """The cosine and the final decays go from optimizer.lr to schedule.min_lr: a floor above the peak would turn them
+    into a rise."""
     if job.schedule.min_lr > job.optimizer.lr:
         report.error("schedule.min_lr", f"above the peak learning rate optimizer.lr {job.optimizer.lr:g}",
                      job.schedule.min_lr, hint="the floor must be at most optimizer.lr")

@@ -15,7 +15,7 @@ from fsdpclip.model.towers import hf_max_tokens
 from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rule_matches, slice_problem, \
     trainable_decay_groups
 from fsdpclip.parallel.cuda_graphs import uncapturable_modules
-from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles, resolve_auto
+from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
 from fsdpclip.parallel.units import wrap_classes
 from fsdpclip.problems import ModelError, Report, closest
 from fsdpclip.spec.job import TOWERS, Job
@@ -164,9 +164,8 @@ def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
                     ok = False
                     near = closest(cls, existing)
                     report.error(f"{location}[{i}]", f"no module of class '{cls}' in the {name} tower", cls,
-                                 (f"did you mean '{near}'? " if near else "")
-                                 + f"block classes: {', '.join(block_like)}")
-        if not wrap_classes(job.fsdp, tower):
+                                 (f"did you mean '{near}'? " if near else "") + f"block classes: {', '.join(block_like)}")
+        if not wrap_classes(getattr(job.fsdp.wrap, tower.name), tower):
             report.warn(f"fsdp.wrap.{name}", f"the {name} tower has no known block class: it is sharded with the "
                         "root as one unit", hint=f"name its block class; classes: {', '.join(existing[:12])}")
     return ok
@@ -212,7 +211,7 @@ def _check_decay(job: Job, model, report: Report) -> Optional[list[DecayGroup]]:
 
 def _check_compile_options_used(job: Job, model, towers: dict[str, Tower], report: Report) -> None:
     """A warning where `fsdp.compile_options` would go unused: nothing compiled, or compile 'auto' deciding at
-    start from a block's work (parallelize.resolve_auto, asked here as if the blocks did none)."""
+    start from a block's work (the run plan's, asked here as if the blocks did none)."""
     fsdp = job.fsdp
     if not fsdp.compile_options or fsdp.compile is True:
         return
@@ -220,8 +219,20 @@ def _check_compile_options_used(job: Job, model, towers: dict[str, Tower], repor
         why = "fsdp.compile is false" if fsdp.compile is False else \
             "compile 'auto' is off on the CPU and for other libraries' blocks"
         report.warn("fsdp.compile_options", f"unused: {why}", hint="set fsdp.compile to true to compile")
-    elif not resolve_auto(fsdp, model, towers, job.launch.device, 0.0, world_size=report.world_size).compile:
+    elif not _compiles_without_block_work(job, model, towers, report):
         report.warn("fsdp.compile_options", "unused where compile 'auto' leaves blocks eager: it compiles them where "
                                             "the step is CUDA-graphed or a block's forward is at least "
                                             f"{COMPILE_MIN_BLOCK_TFLOP} TFLOP (decided at start)",
                     hint="set fsdp.compile to true to compile in any case")
+
+
+def _compiles_without_block_work(job: Job, model, towers: dict[str, Tower], report: Report) -> bool:
+    """Whether the run plan compiles where a block's forward is no work at all (whole towers, a graphed step)."""
+    from fsdpclip.plan.mesh import ShardDegreeError
+    from fsdpclip.plan.resolved import Node, plan_for_node
+
+    node = Node(report.world_size, report.gpus_per_node, job.launch.device)
+    try:
+        return plan_for_node(job, model, towers, node, flops_per_sample=0.0).layout.compile
+    except ShardDegreeError:  # said by check_job
+        return True

@@ -12,8 +12,9 @@ from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
 from fsdpclip.node import host_memory, usable_cores
 from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory
-from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, auto_shard_degree, memory_model, resolve_shard_degree, \
-    strategy, sustained_tflops, traffic, valid_shard_degrees
+from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, memory_model, strategy, sustained_tflops, \
+    valid_shard_degrees
+from fsdpclip.plan.resolved import Node, RunPlan, plan_for_node, unit_layout
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import TOWERS, Job
 from fsdpclip.data.source import DATA_SOURCES
@@ -40,16 +41,12 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
                                 "weight_decay": g.weight_decay, "lr_scale": g.lr_scale, "tensors": len(g.names),
                                 "parameters": count(params[n] for n in g.names)} for g in groups]
     world, batch = report.world_size, job.batch
-    summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
-                        "global": job.samples_per_step(world), "steps": steps,
-                        "decode": DATA_SOURCES[job.data.source].decode(job.data, job.launch.device)}
     summary["preprocess"] = preprocess_summary(model)
     summary["data"] = DATA_SOURCES[job.data.source].describe(job.data)
     rate = sustained_tflops(summary["parameters"]["parameters"])
     flops = training_flops_per_sample(model) if job.launch.device == "cuda" else None  # plan's step time: GPUs
-    summary["supply"] = _supply(job, report, rate * 1e12 / flops if flops else None)
     try:
-        memory, widths = memory_model(job, model, towers)
+        memory, widths = memory_model(job, model, towers, unit_layout(job.fsdp, model, towers, job.launch.device))
     except Exception as exc:  # any failure of the model's own forward is the user's to see, not a traceback
         report.error("model", f"a forward pass on the meta device fails: {type(exc).__name__}: {str(exc)[:300]}")
         return
@@ -57,13 +54,19 @@ def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], group
         report.error("model", f"the image tower gives {widths[0]}-d features, the text tower {widths[1]}-d",
                      hint="both must project to embed_dim (model.image.timm.proj 'none' keeps the trunk's width)")
         return
-    degree = _shard_degree(job, memory, report)
+    plan = _plan(job, model, towers, memory, flops, report)
+    degree = plan.shard_degree if plan else world  # a degree that does not fit the world: check_job says so
+    data = plan.data if plan else {}
+    summary["plan"] = plan.as_dict() if plan else None
+    summary["batch"] = {"per_gpu": batch.per_gpu, "grad_accum": batch.grad_accum,
+                        "global": job.samples_per_step(world), "steps": steps,
+                        "decode": data.get("decode") and data["decode"] + ("+engines" if data["jpeg_engines"] else "")}
+    summary["supply"] = _supply(job, data, report, rate * 1e12 / flops if flops else None)
     summary["fsdp_units"] = _unit_rows(memory.units, degree)
     estimate = memory.estimate(world, degree)
     summary["mesh"] = {"shard_degree": degree, "replicas": world // degree, "auto": job.fsdp.shard_degree == "auto",
-                       "decided_at_start": job.fsdp.shard_degree == "auto" and job.launch.gpu_memory_gib is None
-                       and job.launch.device == "cuda" and world > report.gpus_per_node,
-                       "traffic_gib_per_step": traffic(memory.job, memory.units, world, degree).as_gib()}
+                       "decided_at_start": bool(plan) and "shard_degree" in plan.pending,
+                       "traffic_gib_per_step": memory.traffic(world, degree).as_gib()}
     summary["memory_gib"] = estimate.as_gib()
     summary["duration"] = _duration(job, memory, flops, degree, steps, rate, report) if flops and steps else None
     host = estimate_host_memory(estimate, summary["parameters"]["parameters"], report.gpus_per_node)
@@ -96,27 +99,26 @@ def preprocess_summary(model) -> dict:
             "grayscale_prob": augmentation.get("gray_scale_prob") or 0.0}
 
 
-def _shard_degree(job: Job, memory: MemoryModel, report: Report) -> int:
-    """The shard degree the job runs with (what 'auto' chooses from launch.gpu_memory_gib; full
-    sharding when that is not given, or where the spec's degree does not fit the world), reporting a degree
-    whose estimate does not fit the memory where a larger one does."""
+def _plan(job: Job, model, towers: dict[str, Tower], memory: MemoryModel, flops: Optional[float],
+          report: Report) -> Optional[RunPlan]:
+    """The run plan for the report's world (a GPU's memory from launch.gpu_memory_gib; this machine's cores), or
+    None where the spec's shard degree does not fit the world; reports a given degree whose estimate does not fit
+    the memory where a larger one does."""
     world, per_node, limit = report.world_size, report.gpus_per_node, job.launch.gpu_memory_gib
-    chosen = job.fsdp.shard_degree
+    node = Node(world, per_node, job.launch.device, usable_cores(), limit * GIB if limit else None)
     try:
-        degree = resolve_shard_degree(chosen, world, per_node,
-                                      lambda: auto_shard_degree(memory, world, per_node,
-                                                                limit * GIB if limit else None))
+        plan = plan_for_node(job, model, towers, node, flops, memory=memory)
     except ShardDegreeError:  # said by check_job, whether the model builds or not
-        return world
+        return None
+    chosen = job.fsdp.shard_degree
     if chosen != "auto" and limit is not None and memory.estimate(world, chosen).total > limit * GIB:
         fitting = [d for d in valid_shard_degrees(world, per_node)
                    if d > chosen and memory.estimate(world, d).total <= limit * GIB]
         if fitting:
             report.error("fsdp.shard_degree", f"estimated peak {memory.estimate(world, chosen).total / GIB:.1f} GiB "
                          f"per GPU with groups of {chosen} exceeds launch.gpu_memory_gib {limit:g}", chosen,
-                         hint=f"shard_degree {fitting[0]} fits "
-                              f"({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
-    return degree
+                         hint=f"shard_degree {fitting[0]} fits ({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
+    return plan
 
 
 def _unit_rows(units: list[Unit], shard_degree: int) -> list[dict]:
@@ -161,13 +163,11 @@ def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_machin
                  hint=hint)
 
 
-def _supply(job: Job, report: Report, asked: Optional[float]) -> Optional[dict]:
-    """The data workers a rank starts (`data.workers` settled for this machine's cores) and, on CUDA, the
-    samples/s each GPU `asked` of them at the step time `plan` models (its sustained rate for a model of this
+def _supply(job: Job, data: dict, report: Report, asked: Optional[float]) -> Optional[dict]:
+    """The data workers a rank starts (the plan's `data.workers`, settled for this machine's cores) and, on CUDA,
+    the samples/s each GPU `asked` of them at the step time `plan` models (its sustained rate for a model of this
     size); None for data without workers."""
-    settle = getattr(job.data, "settled_workers", None)
-    if settle is None:
+    if "workers" not in data:
         return None
-    cores = usable_cores()
-    return {"workers": settle(report.world_size, report.gpus_per_node, cores), "auto": job.data.workers == "auto",
-            "cores": cores, "ranks_per_node": report.gpus_per_node, "asked_per_gpu": asked}
+    return {"workers": data["workers"], "auto": job.data.workers == "auto", "cores": usable_cores(),
+            "ranks_per_node": report.gpus_per_node, "asked_per_gpu": asked}

@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdpclip.model.build import build_model
+from fsdpclip.model.build import build_model, find_towers
 from fsdpclip.model.fast_modules import DirectAttention, DirectPatchEmbedding
 from fsdpclip.parallel.parallelize import parallelize
+from fsdpclip.plan.resolved import unit_layout
 from fsdpclip.spec.job import FsdpSpec, ModelSpec
 
 
@@ -37,7 +38,8 @@ def main(config: str) -> None:
         return original(fn, **kwargs)
 
     torch.compile = recording_compile
-    parallelize(model, fsdp, init_device_mesh("cpu", (2,)))
+    layout = unit_layout(fsdp, model, find_towers(model), "cpu")
+    parallelize(model, fsdp, layout, init_device_mesh("cpu", (2,)))
     modules = dict(model.named_modules())
     print(json.dumps({
         "sharded": [name for name, m in modules.items() if isinstance(m, FSDPModule)],

@@ -34,6 +34,7 @@ def main(world: int, model_name: str) -> None:
     from fsdpclip.model.trainable import decay_groups
     from fsdpclip.parallel.parallelize import apply_fsdp, materialize
     from fsdpclip.parallel.units import plan_units
+    from fsdpclip.plan.resolved import unit_layout
     from fsdpclip.spec.job import FsdpSpec, ModelSpec, OptimizerSpec
     from fsdpclip.train.optim import build_optimizer, local
 
@@ -42,8 +43,9 @@ def main(world: int, model_name: str) -> None:
     counts = {}
     mesh, counts["mesh"] = calls(lambda: init_device_mesh("cpu", (world,)))
     model, counts["build"] = calls(lambda: build_model(ModelSpec(name=model_name), "meta"))
-    units, counts["plan"] = calls(lambda: plan_units(model, find_towers(model), fsdp))
-    _, counts["fully_shard"] = calls(lambda: apply_fsdp(model, units, fsdp, mesh))
+    layout = unit_layout(fsdp, model, find_towers(model), "cpu")
+    units, counts["plan"] = calls(lambda: plan_units(model, find_towers(model), layout))
+    _, counts["fully_shard"] = calls(lambda: apply_fsdp(model, units, fsdp, layout.reshard_after_forward, mesh))
     _, counts["materialize"] = calls(lambda: materialize(model, torch.device("cpu"), False, None))
     groups = decay_groups(original_shapes(model), OptimizerSpec().decay_rules, 0.2)
     _, counts["optimizer"] = calls(lambda: build_optimizer(model, groups, OptimizerSpec()))

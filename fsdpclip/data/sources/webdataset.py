@@ -36,8 +36,9 @@ class WebDatasetSource(DataSource):
         from fsdpclip.data.transform import DECODED_WHERE
         from fsdpclip.model.build import image_transform
 
-        batches, images = webdataset_batches(spec, image_transform(rank.model, train=True), rank.tokenizer,
-                                             rank.batch_size, rank.rank, rank.world_size, rank.seed, rank.device)
+        batches, images = webdataset_batches(spec, rank.settled, image_transform(rank.model, train=True),
+                                             rank.tokenizer, rank.batch_size, rank.rank, rank.world_size, rank.seed,
+                                             rank.device)
         if rank.is_main:
             log.info("data: images decoded %s", DECODED_WHERE[images.decode + ("+engines" if batches.engines else "")])
             if mixture := self.describe(spec):
@@ -82,30 +83,15 @@ class WebDatasetSource(DataSource):
 
     def _check_urls(self, urls: Union[str, list[str]], where: str, spec: WebDatasetSpec, report: Report,
                     check_paths: bool) -> int:
-        """Shard URLs the reader can open (their scheme), enough of them for the ranks and workers, and, with
-        `check_paths`, the local ones present: counted without expanding them, and a sample of CHECKED_SHARDS
-        looked at when there are more. Returns how many there are (0 where they cannot be counted or are too
-        many to look at)."""
-        try:
-            shards = ShardPatterns(urls)
-        except ValueError as exc:
-            report.error(where, str(exc), urls, hint="every '{' needs its '}' (a literal one is written '\\{')")
+        """Shard URLs the reader can open (`check_shard_urls`), enough of them for the ranks and workers, and, with
+        `check_paths`, the local ones present (`check_local_shards`). Returns how many there are (0 where they
+        cannot be counted or are too many to look at)."""
+        shards = check_shard_urls(urls, where, report)
+        if shards is None:
             return 0
+        if check_paths:
+            check_local_shards(shards, where, report)
         count = shards.count
-        if count > MAX_SHARDS:
-            report.error(where, f"{count:,} shards, more than a job may read ({MAX_SHARDS:,}: every rank holds the "
-                         "list)", urls, hint="pack the data into fewer, larger shards, or check the brace range")
-            return 0
-        sample = shards.sample(CHECKED_SHARDS)
-        of = f"{len(sample):,} checked (of {count:,})" if len(sample) < count else f"{count:,}"
-        unreadable = [(u, problem) for u in sample for problem in [scheme_problem(u)] if problem]
-        if unreadable:
-            url, (message, hint) = unreadable[0]
-            report.error(where, f"{message}: {len(unreadable)} of {of} shards", url, hint=hint)
-        missing = [u for u in sample if check_paths and is_local(u) and not Path(local_path(u)).is_file()]
-        if missing:
-            report.missing(where, f"{len(missing)} of {of} shards not found", missing[0],
-                           hint="check the path and the brace range" if len(missing) < len(sample) else None)
         workers = max(1, spec.settled_workers(report.world_size, report.gpus_per_node, usable_cores()))
         needed = report.world_size * workers
         if not spec.resampled and count < needed:  # each worker of each rank reads shards of its own
@@ -137,13 +123,18 @@ class WebDatasetSource(DataSource):
             parts.append(f"'{source.name}' {share:.1%} ({shards})")
         return f"{len(mixture)} sources mixed by weight: " + ", ".join(parts)
 
-    def decode(self, spec: WebDatasetSpec, device: str) -> Optional[str]:
-        """`data.decode` settled for `device`; 'mixed+engines' where the hardware JPEG engines take a share."""
+    def plan(self, spec: WebDatasetSpec, device: str, world_size: int, local_ranks: int,
+             cores: Optional[int]) -> dict:
+        """`decode` (`transform.decode_mode`), `jpeg_engines` (`engines.engines_on`, for decode 'mixed') and, where
+        the cores are known, `workers` (`settled_workers`)."""
         from fsdpclip.data.engines import engines_on
         from fsdpclip.data.transform import decode_mode
 
-        mode = decode_mode(spec.decode, device)
-        return mode + "+engines" if mode == "mixed" and engines_on(spec.jpeg_engines, device) else mode
+        decode = decode_mode(spec.decode, device)
+        settled = {"decode": decode, "jpeg_engines": decode == "mixed" and engines_on(spec.jpeg_engines, device)}
+        if cores is not None:
+            settled["workers"] = spec.settled_workers(world_size, local_ranks, cores)
+        return settled
 
     def waiting_hints(self, spec: WebDatasetSpec, world_size: int, local_ranks: int,
                       cores: Optional[int]) -> list[str]:
@@ -171,6 +162,41 @@ class WebDatasetSource(DataSource):
                     digest.update(f"{url}\tmissing\n".encode())
                 count += 1
         return {"local": count, "digest": digest.hexdigest()} if count else None
+
+
+def check_shard_urls(urls: Union[str, list[str]], where: str, report: Report) -> Optional[ShardPatterns]:
+    """Shard URLs the reader can open (their scheme) and no more than a job may read, counted without expanding
+    them, and a sample of CHECKED_SHARDS looked at when there are more. Returns them, or None where they cannot
+    be counted (unbalanced braces) or are too many to look at."""
+    try:
+        shards = ShardPatterns(urls)
+    except ValueError as exc:
+        report.error(where, str(exc), urls, hint="every '{' needs its '}' (a literal one is written '\\{')")
+        return None
+    if shards.count > MAX_SHARDS:
+        report.error(where, f"{shards.count:,} shards, more than a job may read ({MAX_SHARDS:,}: every rank holds "
+                     "the list)", urls, hint="pack the data into fewer, larger shards, or check the brace range")
+        return None
+    sample = shards.sample(CHECKED_SHARDS)
+    unreadable = [(u, problem) for u in sample for problem in [scheme_problem(u)] if problem]
+    if unreadable:
+        url, (message, hint) = unreadable[0]
+        report.error(where, f"{message}: {len(unreadable)} of {_of(sample, shards)} shards", url, hint=hint)
+    return shards
+
+
+def check_local_shards(shards: ShardPatterns, where: str, report: Report) -> None:
+    """The local shards among a sample of CHECKED_SHARDS (all of them where there are no more) present."""
+    sample = shards.sample(CHECKED_SHARDS)
+    missing = [u for u in sample if is_local(u) and not Path(local_path(u)).is_file()]
+    if missing:
+        report.missing(where, f"{len(missing)} of {_of(sample, shards)} shards not found", missing[0],
+                       hint="check the path and the brace range" if len(missing) < len(sample) else None)
+
+
+def _of(sample: list[str], shards: ShardPatterns) -> str:
+    """How many shards were looked at: '1,000 checked (of 5,000)', or their count where all were."""
+    return f"{len(sample):,} checked (of {shards.count:,})" if len(sample) < shards.count else f"{shards.count:,}"
 
 
 DATA_SOURCES.register(WebDatasetSource())
