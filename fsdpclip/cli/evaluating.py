@@ -184,7 +184,7 @@ def _export_hf(checkpoint: Path, out: Path, force: bool) -> None:
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
     from fsdpclip.checkpoint.whole import WEIGHTS_SUFFIXES, read_model_state
     from fsdpclip.interop.hf_clip import HF_WEIGHTS, hf_files, hf_refusal, write_hf
-    from fsdpclip.model.build import model_from_config
+    from fsdpclip.model.build import OpenClip, model_from_config
 
     if out.suffix in WEIGHTS_SUFFIXES:
         stop(f"--format hf writes a directory, not {out.name}: give OUT without {out.suffix}")
@@ -195,7 +195,7 @@ def _export_hf(checkpoint: Path, out: Path, force: bool) -> None:
         refusal = hf_refusal(config)
         if refusal:
             stop(f"cannot export {source} as a transformers CLIPModel: model config {refusal}")
-        model = model_from_config(config, device="meta")
+        model: OpenClip = model_from_config(config, device="meta")
         files, notes = hf_files(config, model.visual.preprocess_cfg)
         for name in (*files, HF_WEIGHTS):  # before the checkpoint is read
             check_destination(out / name, overwrite=force)

@@ -38,11 +38,12 @@ class ValidationSpec(Section):
     urls: Urls = Field(
         description="Held-out webdataset shards (an image, .jpg/.png/.jpeg/.webp, and its caption, .txt, per "
                     "sample), as `data.urls`: URLs or paths with brace expansion (made absolute by launch).")
-    name: str = Field("val", min_length=1, description="Name in logs and results (metrics.jsonl's 'validation/NAME').")
+    name: str = Field(default="val", min_length=1,
+                      description="Name in logs and results (metrics.jsonl's 'validation/NAME').")
     batch_size: Optional[int] = Field(
-        None, gt=0, description="Pairs per batch of the contrastive loss (which depends on it); each shard is cut "
-                                "into batches of its own. Default: `eval.batch_per_gpu` (`fsdpclip eval "
-                                "--batch-size`).")
+        default=None, gt=0,
+        description="Pairs per batch of the contrastive loss (which depends on it); each shard is cut into batches "
+                    "of its own. Default: `eval.batch_per_gpu` (`fsdpclip eval --batch-size`).")
 
     @property
     def label(self) -> str:
@@ -139,6 +140,7 @@ class ValidationSet:
         """This rank's (images, captions) batches: those of every world_size-th shard."""
         from fsdpclip.eval.datasets import PairShards, loader
 
+        assert self.transform is not None, "a set is read with the model's transform (`load`'s)"
         return loader(PairShards(self.shards, rank, world_size, self.transform, batch_size, None), None, workers)
 
 

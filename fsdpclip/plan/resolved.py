@@ -110,11 +110,13 @@ def plan_for_node(job: Job, model: nn.Module, towers: dict[str, Tower], node: No
     pending = ["async_save"]
     if fsdp.shard_degree == "auto" and world > node.gpus_per_node and node.gpu_bytes is None and device == "cuda":
         pending.append("shard_degree")
-    per_gpu, accum = job.batch.per_gpu, job.batch.grad_accum
+    accum = job.batch.grad_accum
     if job.batch.searched:
         pending += ["per_gpu", "grad_accum"]
         per_gpu, accum = recorded_batch or (search_start(measured(), job, world, degree, node.gpu_bytes)
                                             if node.gpu_bytes else 1, accum)
+    else:
+        per_gpu = job.batch.settled_per_gpu
     ours = auto_compiles(towers, device)
     graphed = fsdp.cuda_graph if fsdp.cuda_graph != "auto" else ours and world == 1 and not (
         fsdp.cpu_offload or fsdp.scales_loss or fsdp.activation_checkpointing.image
@@ -127,7 +129,8 @@ def plan_for_node(job: Job, model: nn.Module, towers: dict[str, Tower], node: No
         else:
             layout = replace(layout, compile=_heavy_blocks(towers, per_gpu, flops_per_sample))
     data = DATA_SOURCES[job.data.source].plan(job.data, device, world, node.gpus_per_node, node.cores)
-    return RunPlan(world, node.gpus_per_node, device, degree, per_gpu, accum, init_kind(job.model, sum(p.numel() for p in model.parameters())), layout,
+    init = init_kind(job.model, sum(p.numel() for p in model.parameters()))
+    return RunPlan(world, node.gpus_per_node, device, degree, per_gpu, accum, init, layout,
                    bool(graphed), fsdp.scales_loss, job.checkpoint.async_save is True and job.checkpoint.periodic,
                    data, tuple(pending))
 
@@ -165,6 +168,7 @@ def unit_layout(fsdp: FsdpSpec, model: nn.Module, towers: dict[str, Tower], devi
     `units.blocks_per_unit`), resharded after forward unless the spec says false, compiled where it says so."""
     wraps = whole_tower_wraps(model, towers, fsdp) if fsdp.compile == "auto" and auto_compiles(towers, device) \
         else None
+    wrap: dict[str, Optional[tuple[str, ...]]]
     if wraps is not None:
         wrap = {name: tuple(wraps[name]) for name in TOWERS}
         reshard, compiled = fsdp.reshard_after_forward is True, True

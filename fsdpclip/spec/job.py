@@ -415,26 +415,33 @@ DECAY_SHAPES: dict[str, Callable[[float], float]] = {  # the LR's share left abo
 
 class ScheduleSpec(Section):
     kind: Literal["cosine", "constant", "const-cooldown", "wsd"] = Field(
-        "cosine", description="LR shape after warmup: cosine, constant, or constant then a final decay "
-                              "(`const-cooldown`: open_clip_train's; `wsd`: warmup-stable-decay of `decay_shape`).")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
-    steps: Optional[int] = Field(None, gt=0, description="Total optimizer steps (instead of `epochs`).")
+        default="cosine",
+        description="LR shape after warmup: cosine, constant, or constant then a final decay (`const-cooldown`: "
+                    "open_clip_train's; `wsd`: warmup-stable-decay of `decay_shape`).")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps from 0 to the peak LR.")
+    steps: Optional[int] = Field(default=None, gt=0, description="Total optimizer steps (instead of `epochs`).")
     epochs: Optional[int] = Field(
-        None, gt=0, description="Epochs of `data.samples` samples, rounded down to whole micro batches on every "
-                                "rank (instead of `steps`; default 1 when neither is set).")
-    min_lr: float = Field(0.0, ge=0, description="Floor of the cosine schedule and end of the final decay (at most "
-                                                 "optimizer.lr).")
+        default=None, gt=0,
+        description="Epochs of `data.samples` samples, rounded down to whole micro batches on every rank (instead of "
+                    "`steps`; default 1 when neither is set).")
+    min_lr: float = Field(
+        default=0.0, ge=0,
+        description="Floor of the cosine schedule and end of the final decay (at most optimizer.lr).")
     decay_steps: Optional[int] = Field(
-        None, gt=0, description="Steps of the final decay of `const-cooldown` and `wsd`, the last of the run (or "
-                                "`decay_epochs`, `decay_fraction`).")
+        default=None, gt=0,
+        description="Steps of the final decay of `const-cooldown` and `wsd`, the last of the run (or `decay_epochs`, "
+                    "`decay_fraction`).")
     decay_epochs: Optional[int] = Field(
-        None, gt=0, description="The final decay over the last epochs of `schedule.epochs` (open_clip_train's "
-                                "--epochs-cooldown).")
+        default=None, gt=0,
+        description="The final decay over the last epochs of `schedule.epochs` (open_clip_train's --epochs-cooldown).")
     decay_fraction: Optional[float] = Field(
-        None, gt=0, le=1, description="The final decay over this share of the run's steps (torchtitan's decay_ratio).")
-    decay_shape: Literal["linear", "cosine", "sqrt"] = Field("linear", description="Shape of `wsd`'s final decay.")
-    decay_power: float = Field(1.0, gt=0, description="`const-cooldown` decays as (1 - progress)^power "
-                                                       "(open_clip_train's --lr-cooldown-power).")
+        default=None, gt=0, le=1,
+        description="The final decay over this share of the run's steps (torchtitan's decay_ratio).")
+    decay_shape: Literal["linear", "cosine", "sqrt"] = Field(
+        default="linear", description="Shape of `wsd`'s final decay.")
+    decay_power: float = Field(
+        default=1.0, gt=0,
+        description="`const-cooldown` decays as (1 - progress)^power (open_clip_train's --lr-cooldown-power).")
 
     @field_validator("epochs")
     @classmethod

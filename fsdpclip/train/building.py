@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ class ModelBuilding(TrainerState):
             raise Stop(EXIT_SPEC, "fsdp.cuda_graph true needs CUDA devices")
         if job.batch.searched and env.device.type != "cuda":
             raise Stop(EXIT_SPEC, "batch.per_gpu 'auto' probes steps on the GPU; this run's device is the CPU")
-        decided = [None]
+        decided: list[Any] = [None]  # rank 0's plan, or why there is none
         if env.is_main:
             gpu_bytes = job.launch.gpu_memory_gib * GIB if job.launch.gpu_memory_gib else \
                 torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None

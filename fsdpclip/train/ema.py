@@ -30,7 +30,7 @@ def ema_decay(step: int, decay: float, start_step: int = 0, warmup: bool = False
 
 def averaged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """What an average covers, by state-dict name: the trained parameters and the floating-point buffers."""
-    tensors = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    tensors: dict[str, torch.Tensor] = {name: p for name, p in model.named_parameters() if p.requires_grad}
     tensors.update((name, buffer) for name, buffer in model.named_buffers() if buffer.is_floating_point())
     return tensors
 
@@ -44,7 +44,7 @@ class ShardedEma:
         self.decay, self.every_steps, self.start_step, self.warmup = decay, every_steps, start_step, warmup
         self.sources = averaged_tensors(model)
         with torch.no_grad():
-            self.averages = {name: tensor.detach().to(torch.float32, copy=True) for name, tensor in self.sources.items()}
+            self.averages = {name: t.detach().to(torch.float32, copy=True) for name, t in self.sources.items()}
 
     @torch.no_grad()
     def update(self, step: int) -> None:
@@ -54,7 +54,8 @@ class ShardedEma:
         names = list(self.averages)
         averages = [local(self.averages[name]) for name in names]
         sources = [local(self.sources[name]).to(torch.float32) for name in names]
-        torch._foreach_lerp_(averages, sources, 1.0 - ema_decay(step, self.decay, self.start_step, self.warmup))
+        weight = 1.0 - ema_decay(step, self.decay, self.start_step, self.warmup)
+        torch._foreach_lerp_(averages, sources, weight)  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.averages

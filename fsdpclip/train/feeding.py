@@ -49,8 +49,8 @@ class DataFeed(TrainerState):
         already) and `waiting_hints` (what would feed a step that waits for them)."""
         job, env = self.job, self.env
         self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
-        rank = RankData(model, self.tokenizer, job.batch.per_gpu, stream, self.data_ranks, job.run.seed, env.device,
-                        env.is_main, self.plan.data)
+        rank = RankData(model, self.tokenizer, job.batch.settled_per_gpu, stream, self.data_ranks, job.run.seed,
+                        env.device, env.is_main, self.plan.data)
         source = DATA_SOURCES[job.data.source]
         batches, self.images = source.batches(job.data, rank)
         self.waiting_hints = source.waiting_hints(job.data, env.world_size, local_ranks(), usable_cores())

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -36,7 +36,7 @@ class Checkpointing(TrainerState):
         memory is reserved now, while the first step compiles."""
         job, env = self.job, self.env
         largest, = all_max([host_bytes], env.device)
-        decided = [settle_at_start(self.plan, job, towers, host_copy_bytes=largest) if env.is_main else None]
+        decided: list[Any] = [settle_at_start(self.plan, job, towers, host_copy_bytes=largest) if env.is_main else None]
         dist.broadcast_object_list(decided, src=0)
         self.plan = decided[0]
         if job.checkpoint.async_save == "auto" and job.checkpoint.periodic and env.is_main:

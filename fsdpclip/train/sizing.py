@@ -85,6 +85,7 @@ class BatchSizing(TrainerState):
             self.plan = settle_at_start(plan, job, {}, batch=(per_gpu, accum))
         self.startup.mark("batch_search")
         if env.is_main:
+            assert record is not None  # searched now or recorded earlier: per_gpu 'auto' settles one or the other
             how = f"searched in {record.searched_s:.1f} s from {record.start}: " + ", ".join(
                 f"{p.per_gpu} {'fits' if p.fits else 'out of memory'}" for p in record.probes) \
                 if searched else "recorded by an earlier launch of this run"

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from fsdpclip.model.build import OpenClip
     from fsdpclip.model.trainable import DecayGroup
     from fsdpclip.parallel.distributed import Dist
+    from fsdpclip.plan.resolved import RunPlan
     from fsdpclip.run.lock import StartupClock
     from fsdpclip.spec.job import Job
     from fsdpclip.train.metrics import MetricsLog
@@ -30,7 +31,7 @@ class TrainerState:
     tokenizer: Any
     model: OpenClip  # sharded
     decay_groups: list[DecayGroup]
-    shard_degree: int
+    plan: RunPlan  # the run plan, settled as start-up goes on
     optimizer: ShardedAdamW
     scaler: Any  # train.optim.build_grad_scaler's, or None
     async_saves: bool
@@ -48,7 +49,7 @@ class TrainerState:
 
         def _raise_if_write_failed(self, writes: int) -> None: ...
 
-        def _plan_batch(self, model: torch.nn.Module, towers) -> int: ...
+        def _recorded_batch(self) -> Optional[tuple[int, int]]: ...
 
         def _open_batches(self, model: torch.nn.Module, start: bool, data_ranks: Optional[int] = None) -> None: ...
 

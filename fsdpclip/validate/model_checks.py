@@ -164,7 +164,8 @@ def _check_classes(job: Job, towers: dict[str, Tower], report: Report) -> bool:
                     ok = False
                     near = closest(cls, existing)
                     report.error(f"{location}[{i}]", f"no module of class '{cls}' in the {name} tower", cls,
-                                 (f"did you mean '{near}'? " if near else "") + f"block classes: {', '.join(block_like)}")
+                                 (f"did you mean '{near}'? " if near else "")
+                                 + f"block classes: {', '.join(block_like)}")
         if not wrap_classes(getattr(job.fsdp.wrap, tower.name), tower):
             report.warn(f"fsdp.wrap.{name}", f"the {name} tower has no known block class: it is sharded with the "
                         "root as one unit", hint=f"name its block class; classes: {', '.join(existing[:12])}")

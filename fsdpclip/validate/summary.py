@@ -117,7 +117,8 @@ def _plan(job: Job, model, towers: dict[str, Tower], memory: MemoryModel, flops:
         if fitting:
             report.error("fsdp.shard_degree", f"estimated peak {memory.estimate(world, chosen).total / GIB:.1f} GiB "
                          f"per GPU with groups of {chosen} exceeds launch.gpu_memory_gib {limit:g}", chosen,
-                         hint=f"shard_degree {fitting[0]} fits ({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
+                         hint=f"shard_degree {fitting[0]} fits "
+                              f"({memory.estimate(world, fitting[0]).total / GIB:.1f} GiB)")
     return plan
 
 
