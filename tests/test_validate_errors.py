@@ -185,6 +185,18 @@ CASES = [
      "less than or equal to 1048576", None),
     ("unbalanced-braces", lambda j: _set(j, "data.urls", "/data/shard-{0..3.tar"), "data.urls",
      "unbalanced braces", "every '{' needs its '}'"),
+    ("ema-decay-of-one", lambda j: _set(j, "ema", {"decay": 1.0}), "ema.decay", "less than 1", None),
+    ("ema-no-decay", lambda j: _set(j, "ema", {"decay": 0}), "ema.decay", "greater than 0", None),
+    ("ema-every-no-step", lambda j: _set(j, "ema", {"every_steps": 0}), "ema.every_steps", "greater than 0", None),
+    ("ema-negative-start", lambda j: _set(j, "ema", {"start_step": -1}), "ema.start_step",
+     "greater than or equal to 0", None),
+    ("ema-warmup-in-a-string", lambda j: _set(j, "ema", {"warmup": "true"}), "ema.warmup",
+     "expected true/false, not a string", None),
+    ("ema-unknown-key", lambda j: _set(j, "ema", {"dacay": 0.999}), "ema.dacay", "unknown key", "decay"),
+    ("ema-true", lambda j: _set(j, "ema", True), "ema", "expected 'auto' (off) or an object (the block)", None),
+    ("ema-on", lambda j: _set(j, "ema", "on"), "ema", "expected 'auto' (off) or an object (the block)", None),
+    ("eval-ema-without-ema", lambda j: _set(j, "eval.ema", True), "eval.ema",
+     "evaluates the averaged weights of the `ema` block, and `ema` is 'auto'", '"ema": {"decay": 0.9999}'),
 ]
 
 # Values written into the batch script of `launch --slurm` (issue: a newline became a line of the script).

@@ -32,7 +32,7 @@ from fsdpclip.launch.backend import LAUNCHER_BACKENDS
 from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
 from fsdpclip.problems import MAX_WORLD_SIZE
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.section import OneLine, Section, environment_names, tagged_union
+from fsdpclip.spec.section import OneLine, Section, auto_or_block, environment_names, tagged_union
 from fsdpclip.train.losses import LOSSES
 
 Dtype = Literal["bf16", "fp16", "fp32"]
@@ -509,6 +509,30 @@ class ScheduleSpec(Section):
         return factor
 
 
+# --------------------------------------------------------------------------- ema
+class EmaSpec(Section):
+    """An exponential moving average of the trained weights, as timm's `ModelEmaV3` keeps it (the EMA OpenCLIP main
+    trains with): after the optimizer steps it averages in, average = d × average + (1 - d) × weights."""
+
+    decay: float = Field(
+        default=0.9999, gt=0, lt=1, description="d of each update once past `start_step` (and the warmup's ramp).")
+    every_steps: int = Field(
+        default=1, gt=0, description="Update after every N-th optimizer step (steps that are multiples of N; the decay "
+                                     "is not rescaled).")
+    start_step: int = Field(
+        default=0, ge=0, description="The updates up to optimizer step start_step + 1 copy the weights (d = 0), as "
+                                     "timm's `update_after_step`.")
+    warmup: bool = Field(
+        default=False, description="timm's `use_warmup`: d ramps as 1 - (1 + n)^(-2/3) over the n-th step after "
+                                   "`start_step`, capped at `decay`.")
+
+
+if TYPE_CHECKING:  # what `auto_or_block` declares, as the type checker reads it
+    EmaSetting = Union[Literal["auto"], EmaSpec]
+else:
+    EmaSetting = auto_or_block(EmaSpec)
+
+
 # -------------------------------------------------------------------------- data
 def batches_per_epoch(samples: int, world_size: int, per_gpu: int) -> int:
     """Micro batches every rank draws in an epoch of `samples`: as many as fill all ranks, the rest of
@@ -574,6 +598,9 @@ class EvalSpec(eval_task_lists()):
     every_steps: Optional[int] = Field(default=None, gt=0, description="Evaluate every N optimizer steps (all ranks).")
     at_end: bool = Field(default=True, description="Evaluate after the last step.")
     batch_per_gpu: int = Field(default=64, gt=0, description="Images per GPU and forward during evaluation.")
+    ema: bool = Field(
+        default=False, description="Evaluate the averaged weights of the `ema` block instead of the trained ones "
+                                   "(their records in metrics.jsonl say \"weights\": \"ema\").")
 
     @property
     def sets(self) -> list[Section]:
@@ -735,6 +762,10 @@ class Job(Section):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec,
                                      description="AdamW, clipping and weight-decay rules.")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Training length and LR schedule.")
+    ema: EmaSetting = Field(
+        default="auto", description="An exponential moving average of the trained weights, sharded as they are and "
+                                    "saved in each checkpoint; `export --ema` writes it, `eval --ema` and `eval.ema` "
+                                    "evaluate it. 'auto': none.")
     data: DataSpec = Field(description="Training data: webdataset shards or a synthetic source.")
     batch: BatchSpec = Field(description="Batch sizes and gradient accumulation.")
     loss: LossSpec = Field(default_factory=LOSSES[DEFAULT_LOSS].spec, description="Contrastive loss: CLIP or SigLIP.")
@@ -743,6 +774,11 @@ class Job(Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Sharded checkpoints and resume.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="Metrics, TensorBoard and Weights & Biases.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="Nodes, processes per node and Slurm options.")
+
+    @property
+    def moving_average(self) -> Optional[EmaSpec]:
+        """The `ema` block; None where it is 'auto' (no average is kept)."""
+        return self.ema if isinstance(self.ema, EmaSpec) else None
 
     @property
     def run_dir(self) -> Path:

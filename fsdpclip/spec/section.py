@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Discriminator, Tag, ValidatorFunctionWrapHandler, field_validator,
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Tag, ValidatorFunctionWrapHandler, WrapValidator,
+    field_validator,
 )
 
 
@@ -53,6 +54,22 @@ def tagged_union(key: str, default: str, members: dict[str, type[BaseModel]]) ->
         return value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
 
     return Annotated[Union[tuple(Annotated[m, Tag(t)] for t, m in members.items())], Discriminator(tag)]
+
+
+def auto_or_block(block: type[BaseModel]) -> Any:
+    """'auto' (the feature off) or `block` given as an object: its own mistakes located inside it (`ema.decay`), as a
+    tagged union has them, and any other value one error."""
+
+    def tag(value: Any) -> str:
+        return "block" if isinstance(value, (dict, block)) else "auto"
+
+    def either(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if value != "auto" and not isinstance(value, (dict, block)):
+            raise ValueError("expected 'auto' (off) or an object (the block)")
+        return handler(value)
+
+    return Annotated[Union[Annotated[Literal["auto"], Tag("auto")], Annotated[block, Tag("block")]],
+                     Discriminator(tag), WrapValidator(either)]
 
 
 def one_line(value: str) -> str:

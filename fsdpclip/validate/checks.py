@@ -272,6 +272,9 @@ def _check_eval(job: Job, report: Report) -> None:
     if job.eval.every_steps is not None and not job.eval.sets:
         lists = " and ".join(f"eval.{kind}" for kind in EVAL_TASKS.members())
         report.error("eval.every_steps", f"set, but {lists} list no dataset", job.eval.every_steps)
+    if job.eval.ema and job.moving_average is None:
+        report.error("eval.ema", "evaluates the averaged weights of the `ema` block, and `ema` is 'auto' (none are "
+                     "kept)", True, hint='give an `ema` block, e.g. "ema": {"decay": 0.9999}')
 
 
 def _check_eval_paths(job: Job, report: Report) -> None:
