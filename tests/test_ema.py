@@ -8,6 +8,7 @@ import pytest
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
+from conftest import TINY_CONFIG, synthetic_job, write_job
 from fsdpclip.train.ema import ema_decay
 from ranks import torchrun
 
@@ -31,3 +32,44 @@ def test_a_sharded_ema_on_two_ranks_is_timms_on_the_whole_model(decay, every, st
     assert seen["names"] == ["1.bias", "1.running_mean", "1.running_var", "1.weight", "3.bias", "3.weight"]
     assert seen["difference"] <= 1e-6 < 1e-3 < seen["moved"]
     assert seen["swapped_in"] and seen["put_back"] and seen["frozen_untouched"]
+
+
+@pytest.mark.slow
+def test_the_trainers_average_skips_a_skipped_step_and_its_evaluation_puts_the_weights_back(tmp_path, digits_dir):
+    """The real Trainer on 2 CPU ranks with an `ema` block (every 2nd step after step 1, timm's warmup), a frozen
+    temperature and a non-finite gradient at step 4: its averages are timm's ModelEmaV3 on the gathered weights,
+    updated after the steps the optimizer took, within 1e-6, and stand apart from a timm average that took the
+    skipped step too. `eval.ema` evaluates the averages (the frozen temperature as trained), says so in
+    metrics.jsonl, and leaves the weights trained bitwise as they were."""
+    job = {"run": {"name": "ema", "output_dir": str(tmp_path / "runs"), "seed": 3},
+           "model": {"config": str(TINY_CONFIG)}, "fsdp": {"param_dtype": "fp32"}, "freeze": {"logit_scale": True},
+           "optimizer": {"lr": 5e-3}, "schedule": {"steps": 8}, "data": {"source": "synthetic"},
+           "batch": {"per_gpu": 8}, "ema": {"decay": 0.9, "every_steps": 2, "start_step": 1, "warmup": True},
+           "eval": {"zeroshot": [{"dataset": "digits", "path": str(digits_dir / "test"), "max_samples": 16}],
+                    "batch_per_gpu": 8, "ema": True},
+           "launch": {"gpus_per_node": 2, "device": "cpu", "collective_timeout_s": 60}}
+    result = torchrun(["tests/workers/ema_training.py", str(write_job(tmp_path, job)), "4"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "logit_scale" not in seen["names"] and "visual.conv1.weight" in seen["names"]
+    assert seen["skipped_step_left_the_weights"] and seen["skipped_steps"] == 1
+    assert seen["difference"] <= 1e-6 < 1e-4 < seen["apart_from_unskipped"]
+    assert seen["moved"] > 1e-3
+    assert seen["evaluated_the_averages"] and seen["evaluated_frozen_as_trained"]
+    assert seen["weights_after_evaluation_bitwise"]
+    assert seen["record"]["step"] == 8 and seen["record"]["weights"] == "ema"
+    assert seen["record"]["zeroshot/digits"]["samples"] == 16
+
+
+def test_the_ema_block_is_off_by_default_and_on_once_given(tmp_path):
+    """`ema` is 'auto' (no average) unless given; `--set ema.decay=...` gives the block with timm's other defaults
+    (every step, from the first, no warmup); 'auto' turns it off again; job.json keeps it as it was read."""
+    from fsdpclip.spec.job import EmaSpec, Job
+    from fsdpclip.spec.jobfile import load_job
+
+    path = write_job(tmp_path, synthetic_job(tmp_path))
+    assert load_job(path).ema == "auto" and load_job(path).moving_average is None
+    on = load_job(path, ["ema.decay=0.999"])
+    assert on.moving_average == EmaSpec(decay=0.999, every_steps=1, start_step=0, warmup=False)
+    assert Job.model_validate_json(on.to_json()).moving_average == on.moving_average
+    assert load_job(path, ["ema=auto"]).moving_average is None

@@ -1,7 +1,8 @@
 """What a checkpoint directory holds, and which checkpoints a run can use.
 
 A checkpoint is a directory `RUN_DIR/checkpoints/step-NNNNNNNN/` holding the model and
-optimizer as a torch.distributed.checkpoint (any world size can load it), one small file of
+optimizer (and the `ema` block's averages, under AVERAGES) as a torch.distributed.checkpoint (any world size can
+load it), one small file of
 rank-local state per rank (RNG, data position) and `meta.json` (step, schedule, scaler),
 written last. Every checkpoint is written under a hidden `.partial` name and renamed into
 place only when complete (`publish`); `checkpoints/latest` names the newest complete one. A crash
@@ -24,6 +25,7 @@ from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
+AVERAGES = "ema"  # the key of the moving average's tensors in a checkpoint's state, beside "model" and "optim"
 PARTIAL_SUFFIX = ".partial"
 CHECKPOINT_NAME = re.compile(r"step-[0-9]{8,}")  # what `checkpoint_name` makes: the only names `latest` may hold
 
@@ -121,6 +123,24 @@ def read_rank_state(path: Path) -> dict:
     except Exception as exc:  # torch reports a truncated or damaged file in many forms
         first = " ".join(str(exc).split()).split(". ")[0][:200]  # what follows is torch's advice on its internals
         raise CheckpointError(f"{path.name} is truncated or damaged ({type(exc).__name__}: {first})") from None
+
+
+def averaged_names(checkpoint: Path) -> list[str]:
+    """The model's names of the tensors whose moving average `checkpoint` holds (`train.ema`): none where its run
+    kept none. Its DCP metadata is read as `checkpoint_problem` reads it."""
+    metadata = read_dcp_metadata(checkpoint / ".metadata", where=".metadata")
+    prefix = AVERAGES + "."
+    return [key.removeprefix(prefix) for key in metadata.state_dict_metadata if key.startswith(prefix)]
+
+
+def required_averages(checkpoint: Path) -> list[str]:
+    """`averaged_names` of a checkpoint whose moving average is asked for (`--ema`); CheckpointError where it holds
+    none."""
+    names = averaged_names(checkpoint)
+    if not names:
+        raise CheckpointError(f"{checkpoint} holds no moving average of the weights (--ema): its run had no `ema` "
+                              "block")
+    return names
 
 
 def checkpoint_problem(checkpoint: Path, rank_state: bool = True) -> Optional[str]:

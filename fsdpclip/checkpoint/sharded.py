@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.utils._pytree import tree_flatten
 
 from fsdpclip.checkpoint.layout import (
-    CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, DiskFull, checkpoint_name, complete_checkpoints, first_failure,
-    publish, rank_file, read_meta, read_rank_state, resume_candidates,
+    AVERAGES, CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, DiskFull, averaged_names, checkpoint_name,
+    complete_checkpoints, first_failure, publish, rank_file, read_meta, read_rank_state, resume_candidates,
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
 from fsdpclip.checkpoint.remote import RemoteFolder, Uploads, fetch_resume
@@ -87,16 +87,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------- saving
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-             rank_state: dict, asynchronous: bool = False) -> Path:
-        """Write checkpoint `step` (every rank calls it); returns its final path. `self.phases` says what
-        training waited for: the write before, the state dict, the space check and the copy or write."""
+             rank_state: dict, asynchronous: bool = False, averages: Optional[dict] = None) -> Path:
+        """Write checkpoint `step` (every rank calls it), with the moving average's `averages` where given;
+        returns its final path. `self.phases` says what training waited for: the write before, the state dict,
+        the space check and the copy or write."""
         clock = Clock()
         self.finish_pending(wait=True)
         clock.lap("wait")
         final = self.root / checkpoint_name(step)
         partial = self.root / (final.name + PARTIAL_SUFFIX)
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": model_state, "optim": optim_state, **({AVERAGES: averages} if averages is not None else {})}
         clock.lap("state_dict")
         needed = self._check_space(final, state)
         if self.rank == 0:
@@ -255,8 +256,10 @@ class Checkpointer:
             log.warning("%s", warning)
         return candidates
 
-    def load(self, checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Optional[dict]]:
-        """Load model and optimizer (resharded to this world size); (meta, this rank's state or None).
+    def load(self, checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+             averages: Optional[dict] = None) -> tuple[dict, Optional[dict], bool]:
+        """Load model and optimizer (resharded to this world size), and the moving average into `averages` where
+        given and the checkpoint holds one; (meta, this rank's state or None, whether it holds one).
 
         Rank-local state comes back only when the world size is the one that saved it. A checkpoint
         that cannot be read (its rank state on any rank; what DCP reads, DCP reports to all) is a
@@ -265,14 +268,16 @@ class Checkpointer:
         meta = read_meta(checkpoint)
         same_world = meta["world_size"] == self.world_size and "imported" not in meta
         rank_state = self.read_rank_states(checkpoint, [self.rank])[0] if same_world else None
+        averaged = bool(averaged_names(checkpoint))
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": model_state, "optim": optim_state,
+                 **({AVERAGES: averages} if averages is not None and averaged else {})}
         try:
             dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner())  # pyright: ignore[reportPrivateImportUsage]  (torch re-exports it without __all__)
         except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
             raise CheckpointError(f"{checkpoint} cannot be read: {first_failure(exc)}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return meta, rank_state
+        return meta, rank_state, averaged
 
     def read_rank_states(self, checkpoint: Path, ranks: list[int]) -> list[dict]:
         """The saved states of `ranks` (of the world that saved `checkpoint`: this rank's own, or those whose data

@@ -79,12 +79,14 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def host_copy_bytes(model: nn.Module, trained: list[torch.Tensor]) -> int:
+def host_copy_bytes(model: nn.Module, trained: list[torch.Tensor], averages: Optional[dict] = None) -> int:
     """The bytes a host copy of `get_state_dict(model, optimizer)` takes on this rank, counted before AdamW has
-    state: the model's tensors, and two moments and a step per trained parameter (local shards, each aligned)."""
+    state: the model's tensors, two moments and a step per trained parameter, and the moving average's
+    `averages` where the checkpoint holds them too (local shards, each aligned)."""
     model_bytes = sum(_aligned(local_shard(t).nbytes) for t in model.state_dict().values()
                       if isinstance(t, torch.Tensor))
-    return model_bytes + sum(2 * _aligned(local_shard(p).nbytes) + ALIGN for p in trained) + 2 ** 20
+    average_bytes = sum(_aligned(t.nbytes) for t in local_tensors(averages or {}))
+    return model_bytes + sum(2 * _aligned(local_shard(p).nbytes) + ALIGN for p in trained) + average_bytes + 2 ** 20
 
 
 class HostCopy:

@@ -3,19 +3,23 @@
 timm's `ModelEmaV3` (what open_clip main uses, and refuses under FSDP2) keeps a deep copy of the whole model.
 Here each rank averages only its own shards: the average of a parameter is a float32 DTensor of the
 parameter's mesh and placements, so no rank holds a full copy, a checkpoint saves and reshards it as it does
-the weights, and its update is one fused lerp over the rank's local tensors. Frozen parameters are left out
-(their average is themselves); floating-point buffers (a ResNet tower's batch-norm statistics) are averaged
-too, as timm does.
+the weights, and its update is a lerp of the rank's local tensors. Frozen parameters are left out (their average
+is themselves); floating-point buffers of the state dict (a ResNet tower's batch-norm statistics) are averaged too,
+as timm does. A step the optimizer skipped (a non-finite gradient, an fp16 overflow) is skipped by the average as
+well, where timm's training loop averages the unchanged weights in once more; the decay counts optimizer steps,
+those skipped too, as timm's loop counts its updates.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
+from fsdpclip.parallel.parallelize import reshard
+from fsdpclip.spec.job import EmaSpec
 from fsdpclip.train.optim import local
 
 
@@ -29,9 +33,14 @@ def ema_decay(step: int, decay: float, start_step: int = 0, warmup: bool = False
 
 
 def averaged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What an average covers, by state-dict name: the trained parameters and the floating-point buffers."""
+    """What an average covers, by state-dict name: the trained parameters and the floating-point buffers of the
+    state dict (timm averages its floating-point entries; a frozen parameter's average is itself, and a buffer kept
+    out of the state dict, such as OpenCLIP's causal mask, holds no weights)."""
     tensors: dict[str, torch.Tensor] = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    tensors.update((name, buffer) for name, buffer in model.named_buffers() if buffer.is_floating_point())
+    for prefix, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and key not in module._non_persistent_buffers_set:
+                tensors[f"{prefix}.{key}" if prefix else key] = buffer
     return tensors
 
 
@@ -41,21 +50,39 @@ class ShardedEma:
 
     def __init__(self, model: nn.Module, decay: float, every_steps: int = 1, start_step: int = 0,
                  warmup: bool = False):
-        self.decay, self.every_steps, self.start_step, self.warmup = decay, every_steps, start_step, warmup
+        self.model, self.decay, self.every_steps, self.start_step, self.warmup = \
+            model, decay, every_steps, start_step, warmup
         self.sources = averaged_tensors(model)
         with torch.no_grad():
             self.averages = {name: t.detach().to(torch.float32, copy=True) for name, t in self.sources.items()}
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
-        """Average in the weights as they are after optimizer step `step` (from 1), if that step is one to."""
+    def update(self, step: int, skipped: Optional[torch.Tensor] = None) -> None:
+        """Average in the weights as they are after optimizer step `step` (from 1), if that step is one to. Where
+        `skipped` (the step's `found_inf`, on the device) is non-zero, the optimizer left the weights as they were
+        and the average stays as it was too, decided on the device without waiting for it: each tensor is then
+        its own kernel, where the fused one takes a number."""
         if step % self.every_steps:
             return
-        names = list(self.averages)
-        averages = [local(self.averages[name]) for name in names]
-        sources = [local(self.sources[name]).to(torch.float32) for name in names]
         weight = 1.0 - ema_decay(step, self.decay, self.start_step, self.warmup)
-        torch._foreach_lerp_(averages, sources, weight)  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for name, average in self.averages.items():  # CPU offload: the shards on the host, the rest on the device
+            shard = local(average)
+            averages, sources = by_device.setdefault(shard.device, ([], []))
+            averages.append(shard)
+            sources.append(local(self.sources[name]).to(torch.float32))
+        for device, (averages, sources) in by_device.items():
+            if skipped is None:
+                torch._foreach_lerp_(averages, sources, weight)  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
+            else:
+                taken = (skipped.to(device).reshape(()) <= 0) * weight
+                torch._foreach_lerp_(averages, sources, [taken] * len(averages))  # pyright: ignore[reportPrivateImportUsage]
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """The average started again from the weights as they are (a resumed checkpoint that holds none)."""
+        for name, average in self.averages.items():
+            local(average).copy_(local(self.sources[name]))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.averages
@@ -64,12 +91,21 @@ class ShardedEma:
     @torch.no_grad()
     def swapped_in(self) -> Iterator[None]:
         """The model's trained tensors replaced by their averages inside the block (an evaluation of the
-        average), and put back after it; one spare copy of the rank's shards meanwhile."""
+        average), and put back after it, once FSDP's gathered copies of the averages are dropped (`reshard`);
+        one spare copy of the rank's shards meanwhile."""
         kept = {name: local(tensor).clone() for name, tensor in self.sources.items()}
         for name, tensor in self.sources.items():
             local(tensor).copy_(local(self.averages[name]))
         try:
             yield
         finally:
+            reshard(self.model)
             for name, tensor in self.sources.items():
                 local(tensor).copy_(kept[name])
+
+
+def moving_average(model: nn.Module, spec: Optional[EmaSpec]) -> Optional[ShardedEma]:
+    """The average the job's `ema` block asks for, of the sharded `model` as it is now; None without one."""
+    if spec is None:
+        return None
+    return ShardedEma(model, spec.decay, spec.every_steps, spec.start_step, spec.warmup)

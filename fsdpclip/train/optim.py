@@ -29,17 +29,20 @@ class ShardedAdamW(torch.optim.AdamW):
     A step is skipped on the device, without a host sync, when `found_inf` is non-zero: given by
     the trainer for a non-finite gradient norm, or by `GradScaler.step` on fp16 overflow (the
     scaler hands it over as the `found_inf`/`grad_scale` attributes, since AdamW's fused kernel
-    declares `_step_supports_amp_scaling`). Skipped, the weights, moments and step counts are untouched.
+    declares `_step_supports_amp_scaling`). Skipped, the weights, moments and step counts are untouched;
+    `skipped` keeps the last step's flag (None: it had none), for what follows the weights (`train.ema`).
     """
 
     def __init__(self, params, **kwargs):
         super().__init__(params, fused=True, **kwargs)  # fused: `step` state lives on the device
+        self.skipped: Optional[torch.Tensor] = None
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: Optional[torch.Tensor] = None):
         if closure is not None:
             raise ValueError("ShardedAdamW does not take a closure")
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        self.skipped = found_inf
         grad_scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             by_device: dict[torch.device, tuple[list, list, list, list, list]] = {}  # several with CPU offload

@@ -91,7 +91,8 @@ class Checkpointing(TrainerState):
         rank_state = {"rng": rng_state(self.env.device), "data": self.batches.state_dict()}
         began = time.perf_counter()
         with self._stop_when_save_fails():
-            path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous)
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, meta, rank_state, asynchronous,
+                                          averages=self.ema.state_dict() if self.ema is not None else None)
         self.last_saved, self.saved_at = self.step, time.monotonic()
         if self.metrics is not None:  # what this rank's training waited for, a wait for the save before included
             record = {"step": self.step, "checkpoint": path.name,
@@ -128,7 +129,8 @@ class Checkpointing(TrainerState):
         """Continue from the newest candidate that loads, with this spec's settings from its step on."""
         for checkpoint in candidates:
             try:
-                meta, rank_state = self.checkpointer.load(checkpoint, self.model, self.optimizer)
+                meta, rank_state, averaged = self.checkpointer.load(
+                    checkpoint, self.model, self.optimizer, self.ema.state_dict() if self.ema is not None else None)
                 break
             except CheckpointError as exc:
                 log.warning("%s: trying the checkpoint before it", exc)
@@ -149,6 +151,7 @@ class Checkpointing(TrainerState):
         self.resumed_from, self.changes = str(checkpoint), [str(c) for c in changes]
         self.step, self.samples_seen, self.last_saved = meta["step"], meta["samples_seen"], meta["step"]
         self.skipped_steps.fill_(meta["skipped_steps"])
+        self._resume_average(checkpoint, averaged)
         streams = kept_streams(meta, job, changes, world)
         if streams is not None and streams != self.data_ranks:
             self._close_batches()
@@ -173,6 +176,18 @@ class Checkpointing(TrainerState):
         for change in self.changes:
             log.warning("changed since %s: %s (applied from step %d)", checkpoint.name, change, self.step)
         log.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def _resume_average(self, checkpoint: Path, averaged: bool) -> None:
+        """Where the checkpoint and this spec disagree on the moving average (the `ema` block), one line: an average
+        started from the resumed weights, or the checkpoint's left unused."""
+        if self.ema is not None and not averaged:
+            self.ema.restart()
+            if self.env.is_main:
+                log.warning("%s holds no moving average of the weights: the `ema` block's starts from its weights at "
+                            "step %d", checkpoint.name, self.step)
+        elif self.ema is None and averaged and self.env.is_main:
+            log.info("%s holds a moving average of the weights, left unused: this spec's `ema` is 'auto'",
+                     checkpoint.name)
 
     def _data_position(self, checkpoint: Path, meta: dict, rank_state: Optional[dict]) -> dict:
         """This rank's saved data position, for the data streams it reads: its own rank state's, or, resumed on

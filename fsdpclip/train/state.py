@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from fsdpclip.plan.resolved import RunPlan
     from fsdpclip.run.lock import StartupClock
     from fsdpclip.spec.job import Job
+    from fsdpclip.train.ema import ShardedEma
     from fsdpclip.train.metrics import MetricsLog
     from fsdpclip.train.optim import ShardedAdamW
 
@@ -34,6 +35,7 @@ class TrainerState:
     plan: RunPlan  # the run plan, settled as start-up goes on
     optimizer: ShardedAdamW
     scaler: Any  # train.optim.build_grad_scaler's, or None
+    ema: Optional[ShardedEma]  # the `ema` block's moving average, or None
     async_saves: bool
     batches: Any  # the data source's batches (or train.feeding.HostedStreams), None until opened
     data_ranks: int

@@ -29,6 +29,7 @@ from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK
 from fsdpclip.run.lock import StartupClock, launch_time, launcher_reports
 from fsdpclip.run.reports import record_launch
 from fsdpclip.spec.job import Job
+from fsdpclip.train.ema import moving_average
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops
 from fsdpclip.train.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
@@ -85,7 +86,9 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.replicated = [p for p in replicated_parameters(self.model) if p.requires_grad]
-        self.async_saves = self._asynchronous_saves(host_copy_bytes(self.model, self.trained), towers)
+        self.ema = moving_average(self.model, job.moving_average)
+        self.async_saves = self._asynchronous_saves(
+            host_copy_bytes(self.model, self.trained, self.ema.state_dict() if self.ema is not None else None), towers)
         self.scaler = build_grad_scaler(job.fsdp, env.device) if self.plan.grad_scaler else None
         self.loss_fn = build_loss(job.loss, env.rank, env.world_size)
         self.forward_backward = GraphedForwardBackward(self._forward_backward, self.trained) if self.plan.cuda_graph \
@@ -149,6 +152,8 @@ class Trainer(ModelBuilding, BatchSizing, DataFeed, Checkpointing, Evaluation, S
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, LOGIT_SCALE_MAX)
         self.step += 1
+        if self.ema is not None:
+            self.ema.update(self.step, self.optimizer.skipped)
         self.samples_seen += self.job.samples_per_step(self.env.world_size)
         window.steps += 1
         window.samples += self.job.batch.settled_per_gpu * accum

@@ -1,6 +1,7 @@
-"""Two asynchronous saves of a sharded model and AdamW (torchrun, every rank); each followed at once by an
-optimizer step that changes every parameter in place while the write goes on. Rank 0 prints JSON: where
-the saves were staged and whether each checkpoint holds the values of its own step.
+"""Two asynchronous saves of a sharded model, AdamW and a moving average of the weights (torchrun, every rank); each
+followed at once by an optimizer step and an update of the average that change every parameter and average in
+place while the write goes on. Rank 0 prints JSON: where the saves were staged and whether each checkpoint holds
+the values and the average of its own step.
 
     async_save.py RUN_DIR DEVICE [HEADROOM]     (HEADROOM: the share of device memory kept free)
 """
@@ -19,6 +20,7 @@ from fsdpclip.checkpoint import sharded as checkpoint, staging
 from fsdpclip.checkpoint.layout import checkpoint_name
 from fsdpclip.parallel.distributed import init_distributed
 from fsdpclip.spec.job import CheckpointSpec
+from fsdpclip.train.ema import ShardedEma
 
 
 def sharded_model(env) -> torch.nn.Module:
@@ -30,9 +32,8 @@ def sharded_model(env) -> torch.nn.Module:
     return fully_shard(model, mesh=env.mesh)
 
 
-def full_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-            for k, v in get_model_state_dict(model).items()}
+def full_values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -47,20 +48,28 @@ def main(run_dir: str, device_kind: str, headroom: str = "") -> None:
     env = init_distributed(device_kind, timeout_s=60, cpu_collectives=device_kind == "cuda")
     model = sharded_model(env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ema = ShardedEma(model, decay=0.5)
     saver = checkpoint.Checkpointer(Path(run_dir), CheckpointSpec(keep=3), env.rank, env.world_size)
-    saver.host.reserve(staging.host_copy_bytes(model, list(model.parameters())))
+    saver.host.reserve(staging.host_copy_bytes(model, list(model.parameters()), ema.state_dict()))
     saved = {}
     for number in (1, 2):
         step(model, optimizer)
-        saved[number] = full_values(model)
-        saver.save(number, model, optimizer, {"samples_seen": 0}, {}, asynchronous=True)
+        ema.update(number)
+        saved[number] = full_values(get_model_state_dict(model)), full_values(ema.state_dict())
+        saver.save(number, model, optimizer, {"samples_seen": 0}, {}, asynchronous=True, averages=ema.state_dict())
         step(model, optimizer)  # in place, while the write goes on
+        ema.update(number + 10)
     saver.finish_pending(wait=True)
     held = {}
     for number in (1, 2):
         fresh = sharded_model(env)
-        saver.load(saver.root / checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()))
-        held[number] = all(torch.equal(full_values(fresh)[k], v) for k, v in saved[number].items())
+        fresh_ema = ShardedEma(fresh, decay=0.5)
+        *_, averaged = saver.load(saver.root / checkpoint_name(number), fresh, torch.optim.AdamW(fresh.parameters()),
+                                  fresh_ema.state_dict())
+        weights, averages = saved[number]
+        held[number] = averaged and \
+            all(torch.equal(full_values(get_model_state_dict(fresh))[k], v) for k, v in weights.items()) and \
+            all(torch.equal(full_values(fresh_ema.state_dict())[k], v) for k, v in averages.items())
     if env.is_main:
         print(json.dumps({"staging": saver.staging, "holds_its_step": held,
                           "carved": saver.host.buffer is not None and saver.host.state is not None}), flush=True)
