@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -116,10 +117,10 @@ def test_preempted_run_resumes_exactly(tmp_path, digits_dir, straight_losses):
 def test_resume_across_mesh_shapes(tmp_path, cli):
     """A checkpoint of 4 ranks as HSDP 2 × 2 resumes as full FSDP over 4 with the losses of the run that
     went straight on (fp32), and both runs' last checkpoints load on one process (export) to the same
-    weights."""
+    weights, and to the same moving average of them (`export --ema`: resharded as the weights)."""
     def job(name: str, degree, resume: str = "latest") -> Path:
         spec = _plain_job(tmp_path, name, fsdp={"shard_degree": degree}, launch={"gpus_per_node": 4},
-                          checkpoint={"every_steps": 4, "keep": 3, "resume": resume})
+                          checkpoint={"every_steps": 4, "keep": 3, "resume": resume}, ema={"decay": 0.9})
         return write_job(tmp_path, spec, f"{name}.json")
 
     straight = _launch(job("hsdp", 2))
@@ -132,14 +133,15 @@ def test_resume_across_mesh_shapes(tmp_path, cli):
     assert sorted(resumed) == list(range(5, STEPS + 1))
     for step, loss in resumed.items():
         assert loss == pytest.approx(expected[step], abs=1e-5), step
-    weights = {}
-    for name in ("hsdp", "fsdp"):
-        result = cli("export", tmp_path / "runs" / name, tmp_path / f"{name}.pt")
-        assert result.exit_code == 0, result.stdout
-        weights[name] = torch.load(tmp_path / f"{name}.pt", map_location="cpu")
-    assert weights["hsdp"].keys() == weights["fsdp"].keys()
-    for key, tensor in weights["hsdp"].items():
-        torch.testing.assert_close(weights["fsdp"][key], tensor, rtol=0, atol=1e-5, msg=key)
+    for flags in ([], ["--ema"]):
+        weights = {}
+        for name in ("hsdp", "fsdp"):
+            result = cli("export", tmp_path / "runs" / name, tmp_path / f"{name}.pt", "--force", *flags)
+            assert result.exit_code == 0, result.stdout
+            weights[name] = torch.load(tmp_path / f"{name}.pt", map_location="cpu")
+        assert weights["hsdp"].keys() == weights["fsdp"].keys()
+        for key, tensor in weights["hsdp"].items():
+            torch.testing.assert_close(weights["fsdp"][key], tensor, rtol=0, atol=1e-5, msg=key)
 
 
 def _resumed_copy(run_dir: Path, at: int, copy: Path) -> Path:
@@ -386,6 +388,79 @@ def test_non_finite_step_stops_with_last_checkpoint(tmp_path):
     assert latest_checkpoint(run_dir).name == "step-00000004"
 
 
+def _saved(checkpoint: Path, part: str) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds under `part` ("model", "ema"), by name, read straight from its DCP files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(checkpoint))
+    held = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            for key, item in reader.read_metadata().state_dict_metadata.items() if key.startswith(part + ".")}
+    if held:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(held, storage_reader=reader, no_dist=True)
+    return {key.removeprefix(part + "."): tensor for key, tensor in held.items()}
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The plain job with an `ema` block (decay 0.9) and its temperature frozen, launched to its end with its
+    checkpoints (steps 4, 8, 12) saved in the background: (its spec, its run directory)."""
+    tmp = tmp_path_factory.mktemp("ema")
+    path = write_job(tmp, _plain_job(tmp, "ema", ema={"decay": 0.9}, freeze={"logit_scale": True},
+                                     checkpoint={"every_steps": 4, "keep": 3, "async_save": True}))
+    result = _launch(path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "reserved for its host copy" not in result.stdout  # the host copy's reservation holds the average too
+    return path, tmp / "runs" / "ema"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_goes_on_with_its_moving_average(tmp_path, ema_run, cli, digits_dir):
+    """Stopped at step 4 (an asynchronous save) and resumed on its 2 ranks, the run's moving average at step 12 is
+    the uninterrupted run's (within 1e-6), and not its weights. Resumed at step 8 with `ema` 'auto', a note says
+    the checkpoint's average is left unused; its last checkpoint holds none, and `export --ema` and `eval --ema`
+    say so in one line."""
+    path, straight = ema_run
+    again = _resumed_copy(straight, 4, tmp_path / "again" / "ema")
+    resumed = _launch(path, "--set", f"run.output_dir={tmp_path / 'again'}")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:]
+    last = Path("checkpoints") / "step-00000012"
+    expected, found = _saved(straight / last, "ema"), _saved(again / last, "ema")
+    weights = _saved(straight / last, "model")
+    assert "visual.conv1.weight" in expected and "logit_scale" not in expected and found.keys() == expected.keys()
+    assert max((found[name] - expected[name]).abs().max().item() for name in expected) <= 1e-6
+    assert max((weights[name] - expected[name]).abs().max().item() for name in expected) > 1e-4
+
+    off = _resumed_copy(straight, 8, tmp_path / "off" / "ema")
+    without = _launch(path, "--set", f"run.output_dir={tmp_path / 'off'}", "--set", "ema=auto")
+    assert without.returncode == 0, without.stdout[-3000:]
+    assert squeezed("step-00000008 holds a moving average of the weights, left unused") in squeezed(without.stdout)
+    assert _saved(off / last, "ema") == {} and _saved(off / last, "model")
+    for command in (["export", off, tmp_path / "off.pt"], ["eval", off, "--zeroshot", "digits", "--data",
+                                                            digits_dir / "test"]):
+        refused = cli(*command, "--ema")
+        assert refused.exit_code != 0 and squeezed(f"{off / last} holds no moving average of the weights (--ema): "
+                                                   "its run had no `ema` block") in squeezed(refused.output)
+    assert not (tmp_path / "off.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_run_without_a_moving_average_resumed_with_one_starts_it_from_its_weights(tmp_path, plain_run):
+    """A checkpoint of a run without an `ema` block resumed with one (updated every 100 steps: not before the run's
+    end): a warning says so, and the average its last checkpoint holds is the resumed weights."""
+    copy = _resumed_copy(plain_run, 8, tmp_path / "on" / "plain")
+    resumed = _launch(copy / "job.json", "--set", f"run.output_dir={tmp_path / 'on'}",
+                      "--set", 'ema={"every_steps": 100}')
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert squeezed("step-00000008 holds no moving average of the weights: the `ema` block's starts from its "
+                    "weights at step 8") in squeezed(resumed.stdout)
+    averages = _saved(copy / "checkpoints" / "step-00000012", "ema")
+    weights = _saved(copy / "checkpoints" / "step-00000008", "model")
+    assert averages and all(torch.equal(averages[name], weights[name]) for name in averages)
+
+
 @pytest.fixture(scope="module")
 def trained_for_export(tmp_path_factory):
     """A checkpointed 2-rank run and the encodings of its sharded model."""
@@ -437,6 +512,27 @@ def test_export_loads_in_open_clip(tmp_path, target, cli, trained_for_export, mo
         assert torch.allclose(model.encode_text(texts), torch.tensor(trained["encode_text"]), atol=1e-5)
     if target == "model.pt":
         _starts_from(exported, model.state_dict(), tmp_path)
+
+
+@pytest.mark.slow
+def test_export_ema_writes_the_moving_average(tmp_path, cli, ema_run):
+    """`export --ema` writes the moving average the checkpoint holds where it holds one (every trained tensor), the
+    weights trained elsewhere (the frozen temperature): another file than the plain export, which is the weights."""
+    from safetensors.torch import load_file
+
+    _, run = ema_run
+    plain = cli("export", run, tmp_path / "plain.safetensors")
+    averaged = cli("export", run, tmp_path / "ema.safetensors", "--ema")
+    assert plain.exit_code == 0 and averaged.exit_code == 0, averaged.output
+    assert squeezed("(step 12, its moving average) →") in squeezed(averaged.output)
+    exported = {name: load_file(tmp_path / f"{name}.safetensors") for name in ("plain", "ema")}
+    latest = run / "checkpoints" / "step-00000012"
+    held, weights = _saved(latest, "ema"), _saved(latest, "model")
+    assert exported["ema"].keys() == exported["plain"].keys() == weights.keys() and "logit_scale" not in held
+    for name, tensor in exported["ema"].items():
+        assert torch.equal(exported["plain"][name].reshape(weights[name].shape), weights[name]), name
+        assert torch.equal(tensor.reshape(weights[name].shape), held.get(name, weights[name])), name
+    assert all(not torch.equal(exported["ema"][name], exported["plain"][name]) for name in held if "weight" in name)
 
 
 def _starts_from(exported, weights: dict, tmp_path) -> None:
@@ -650,6 +746,34 @@ def test_a_host_copy_that_cannot_be_reserved_is_said_and_saves_still_copy(caplog
     assert copied["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
 
 
+def test_the_host_copy_holds_the_moving_average_in_what_it_reserves():
+    """The host copy's reservation (`host_copy_bytes`, counted before AdamW has state) holds the state a save copies
+    after steps, its moving average included, and would not hold it without the average counted."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from fsdpclip.checkpoint.staging import HostCopy, host_copy_bytes
+    from fsdpclip.train.ema import ShardedEma
+    from fsdpclip.train.optim import ShardedAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.BatchNorm1d(500), torch.nn.Linear(500, 7))
+    model[0].requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer, ema = ShardedAdamW(trained, lr=0.1), ShardedEma(model, decay=0.5)
+    margin = 2 ** 20  # what host_copy_bytes adds for the state's small tensors
+    reserved, without = host_copy_bytes(model, trained, ema.state_dict()), host_copy_bytes(model, trained)
+    model(torch.randn(8, 300)).square().mean().backward()
+    optimizer.step()
+    ema.update(1)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "ema": ema.state_dict()}
+    host = HostCopy()
+    host.buffer = torch.empty(reserved - margin, dtype=torch.uint8)
+    assert host._carve(state) is not None
+    host.buffer = torch.empty(without - margin, dtype=torch.uint8)
+    assert host._carve(state) is None
+
+
 def test_asynchronous_saves_auto_where_the_host_copies_fit(monkeypatch):
     """checkpoint.async_save 'auto' (the default) is on for CUDA devices when the host copies of a node's ranks
     take at most a quarter of its memory; off on CPU devices, where the state already lives on the host; true
@@ -711,9 +835,10 @@ def test_a_failed_background_write_stops_every_rank_with_one_line(tmp_path):
 ])
 @pytest.mark.slow
 def test_asynchronous_saves_hold_their_own_step(tmp_path, device, nproc, headroom, staging):
-    """Two asynchronous saves, each followed at once by a step that changes every parameter in place: each
-    checkpoint holds its own step's values, staged in spare device memory when there is some (the copy
-    reused by the second save), else on the host, through a host copy carved out of the memory reserved for it."""
+    """Two asynchronous saves, each followed at once by a step that changes every parameter and its moving average
+    in place: each checkpoint holds its own step's values and average, staged in spare device memory when there is
+    some (the copy reused by the second save), else on the host, through a host copy carved out of the memory
+    reserved for it (the average counted in)."""
     result = torchrun(["tests/workers/async_save.py", str(tmp_path / "run"), device, headroom], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:]
     out = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, synthetic_job, write_job
+from conftest import TINY_CONFIG, squeezed, synthetic_job, write_job
 from ranks import run_group
 
 pytestmark = pytest.mark.slow  # each test builds models and imports transformers
@@ -20,9 +20,9 @@ TINY = json.loads(TINY_CONFIG.read_text())
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A tiny model trained 4 steps on one CPU rank: its run directory."""
+    """A tiny model trained 4 steps on one CPU rank, keeping a moving average of its weights: its run directory."""
     tmp = tmp_path_factory.mktemp("hf")
-    job = synthetic_job(tmp, "tiny", gpus_per_node=1)
+    job = {**synthetic_job(tmp, "tiny", gpus_per_node=1), "ema": {"decay": 0.5}}
     proc = run_group([sys.executable, "-m", "fsdpclip", "launch", str(write_job(tmp, job))], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return tmp / "runs" / "tiny"
@@ -87,6 +87,27 @@ def test_a_trained_run_loads_as_clip_model(tiny_run, tmp_path, cli):
     again = cli("export", tiny_run, out, "--format", "hf")
     assert again.exit_code == 2 and "exists" in again.output and "--force" in again.output
     assert cli("export", tiny_run, out, "--format", "hf", "--force").exit_code == 0
+
+
+def test_the_moving_average_exports_as_clip_model(tiny_run, tmp_path, cli):
+    """`export --format hf --ema`: a CLIPModel of the run's moving average, which gives the embeddings of OpenCLIP's
+    model from `export --ema`, and another model than the weights trained."""
+    import open_clip
+    from safetensors.torch import load_file
+    from transformers import CLIPModel
+
+    result = cli("export", tiny_run, tmp_path / "hf", "--format", "hf", "--ema")
+    assert result.exit_code == 0, result.output
+    assert squeezed("(step 4, its moving average) →") in squeezed(result.output)
+    assert cli("export", tiny_run, tmp_path / "trained", "--format", "hf").exit_code == 0
+    assert cli("export", tiny_run, tmp_path / "ema.safetensors", "--ema").exit_code == 0
+    open_clip.add_model_config(TINY_CONFIG)
+    model = open_clip.create_model(TINY_CONFIG.stem, pretrained=str(tmp_path / "ema.safetensors"))
+    _same_embeddings(model, CLIPModel.from_pretrained(tmp_path / "hf"), 32, 16)
+    averaged, trained = (load_file(tmp_path / name / "model.safetensors") for name in ("hf", "trained"))
+    assert averaged.keys() == trained.keys()
+    assert not torch.equal(averaged["vision_model.embeddings.patch_embedding.weight"],
+                           trained["vision_model.embeddings.patch_embedding.weight"])
 
 
 @pytest.mark.parametrize("mode", ["squash", "longest"])

@@ -161,6 +161,36 @@ def test_validation_during_training_and_in_the_report(val_shards, tmp_path, cli)
     assert squeezed(f"validation digits: loss {evaluated[-1][1]['loss']:.4f}") in squeezed(shown.stdout)
 
 
+@pytest.mark.slow
+def test_the_moving_average_evaluated_during_training_and_after(val_shards, tmp_path, cli):
+    """With `eval.ema`, a run's evaluations during training are of its moving average (`ema`), their records say so
+    and the report lists them; the last is `fsdpclip eval --ema` of its final checkpoint (its record saying so
+    too), and another number than `fsdpclip eval` of the weights."""
+    job = {**synthetic_job(tmp_path), "schedule": {"steps": 2}, "logging": {"every_steps": 1}, "ema": {"decay": 0.5},
+           "eval": {"validation": [{"urls": val_shards, "name": "digits", "batch_size": 4}], "every_steps": 1,
+                    "ema": True}}
+    result = run_group([sys.executable, "-m", "fsdpclip", "train", str(write_job(tmp_path, job))], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "step 1 EMA validation digits: loss " in result.stdout
+    run_dir = tmp_path / "runs" / "t"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "validation/digits" in r]
+    assert [(r["step"], r["weights"]) for r in evaluated] == [(1, "ema"), (2, "ema")]
+
+    args = [run_dir, "--validation", val_shards, "--batch-size", "4", "--workers", "0", "--output"]
+    averaged, trained = cli("eval", *args, tmp_path / "ema.json", "--ema"), cli("eval", *args, tmp_path / "w.json")
+    assert averaged.exit_code == 0 and trained.exit_code == 0, averaged.output
+    assert "(its moving average)" in averaged.stdout
+    final, plain = (json.loads((tmp_path / name).read_text()) for name in ("ema.json", "w.json"))
+    assert final["weights"] == "ema" and "weights" not in plain
+    last = {k: v for k, v in evaluated[-1]["validation/digits"].items() if k != "samples"}
+    assert final["metrics"] == pytest.approx(last, abs=1e-5)
+    assert abs(plain["metrics"]["loss"] - final["metrics"]["loss"]) > 1e-4
+    report = cli("report", run_dir, "--json")
+    assert report.exit_code == 0
+    assert json.loads(report.stdout)["validation"]["digits"] == evaluated[-1]["validation/digits"]
+
+
 def test_validation_sets_are_checked(tmp_path, val_shards, cli):
     """validate: the shard URLs parse, name shards there are (local ones present) that the reader can open, and two
     sets do not share a name; `fsdpclip eval --validation` takes none of the other tasks' flags."""

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fsdpclip.checkpoint.layout import (
-    CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, checkpoint_problem, first_failure, publish,
+    AVERAGES, CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, checkpoint_problem, first_failure, publish,
+    required_averages,
 )
 from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
 from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
@@ -49,8 +50,10 @@ def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.opti
     return final
 
 
-def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full model state of a sharded checkpoint, read by this process alone onto the CPU.
+def read_model_state(checkpoint: Path, model: nn.Module, averaged: bool = False) -> dict[str, torch.Tensor]:
+    """The full model state of a sharded checkpoint, read by this process alone onto the CPU; `averaged`: with the
+    moving average of the tensors it holds one of (`train.ema`: the trained parameters, floating-point buffers) in
+    place of theirs, the rest (frozen parameters, integer buffers) as trained; CheckpointError where it holds none.
 
     `model` (usually on the meta device) gives the keys, shapes and dtypes.
     """
@@ -58,10 +61,14 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> dict[str, torch.Tens
     if problem:
         raise CheckpointError(f"{checkpoint} cannot be read: {problem}")
     state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
+    averages = {name: state[name] for name in required_averages(checkpoint) if name in state} if averaged else {}
+    parts = {"model": {k: v for k, v in state.items() if k not in averages}}
+    if averages:
+        parts[AVERAGES] = averages
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": state}, storage_reader=SafeReader(str(checkpoint)),  # pyright: ignore[reportPrivateImportUsage]
+            dcp.load(parts, storage_reader=SafeReader(str(checkpoint)),  # pyright: ignore[reportPrivateImportUsage]
                      planner=SafeLoadPlanner(),  # (torch re-exports dcp.load without __all__)
                      no_dist=True)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
@@ -110,8 +117,9 @@ def holds_model_config(path: Path, config: dict) -> bool:
 
 
 def export_checkpoint(checkpoint: Path, model: OpenClip, out: Path, config: dict, safetensors: bool = False,
-                      config_name: Optional[str] = None) -> Path:
-    """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process.
+                      config_name: Optional[str] = None, averaged: bool = False) -> Path:
+    """Write the model of a sharded checkpoint as one OpenCLIP checkpoint, in one process (`averaged`: its moving
+    average's weights, `read_model_state`).
 
     `out` is a file (`.pt`, `.bin`, `.safetensors`), with its model config beside it as `config_name.json` where
     given (the file `open_clip.add_model_config` registers under that name), or a directory laid out for
@@ -127,7 +135,7 @@ def export_checkpoint(checkpoint: Path, model: OpenClip, out: Path, config: dict
     partial = weights.with_name(weights.name + PARTIAL_SUFFIX)
     partial.touch()
     try:
-        state = read_model_state(checkpoint, model)
+        state = read_model_state(checkpoint, model, averaged)
         for name in SHARED_PARAMETERS:  # OpenCLIP keeps them 0-d
             if name in state:
                 state[name] = state[name].reshape(())

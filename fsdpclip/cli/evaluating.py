@@ -39,6 +39,8 @@ def eval_command(
     max_samples: Optional[int] = typer.Option(None, "--max-samples", min=1, help="Evaluate at most this many images."),
     precision: EvalPrecision = typer.Option(EvalPrecision.fp32, "--precision", help="fp32, or bf16 (autocast / FSDP)."),
     output: Optional[Path] = typer.Option(None, "--output", help="Write CLIP_benchmark's JSON here."),
+    ema: bool = typer.Option(False, "--ema", help="The moving average of the weights (a run's `ema` block) instead "
+                                                  "of the weights trained."),
     **task_flags,
 ) -> None:
     """Zero-shot accuracy or retrieval recall of a checkpoint, in CLIP_benchmark's JSON format (torchrun: sharded)."""
@@ -77,7 +79,7 @@ def eval_command(
     try:
         with bar:
             record = evaluate_checkpoint(checkpoint, spec, model, None if model_config is None else str(model_config),
-                                         precision.value, batch_size, workers, progress)
+                                         precision.value, batch_size, workers, progress, averaged=ema)
     except ValidationError as exc:
         stop(_validation_line(exc))
     except (ModelError, CheckpointError, DatasetError) as exc:
@@ -88,7 +90,8 @@ def eval_command(
     for note in task.notes(record):
         console.print(f"[yellow]![/yellow] {escape(note)}", highlight=False, soft_wrap=True)
     counted = f"{samples} images" + (f", {texts} captions" if texts is not None else "")
-    table = Table(title=escape(f"{task.title} {record['dataset']}: {record['model']} ({counted})"))
+    weights = " (its moving average)" if ema else ""
+    table = Table(title=escape(f"{task.title} {record['dataset']}: {record['model']}{weights} ({counted})"))
     columns, rows = task.table(record["metrics"])
     for column in columns:
         table.add_column(column, justify="right" if column else "left")
@@ -137,19 +140,23 @@ def export(
     export_format: ExportFormat = typer.Option(ExportFormat.open_clip, "--format",
                                                help="open_clip, or hf: a transformers CLIPModel directory."),
     force: bool = typer.Option(False, "--force", help="Overwrite what OUT holds."),
+    ema: bool = typer.Option(False, "--ema", help="The moving average of the weights (the run's `ema` block) "
+                                                  "instead of the weights trained."),
 ) -> None:
     """Write a sharded checkpoint as one OpenCLIP checkpoint (a weights file, with the model config OpenCLIP
     registers beside it where OpenCLIP does not know the model, or a local-dir) or as a transformers CLIPModel
     directory (--format hf), and the Python that loads it."""
     if export_format is ExportFormat.hf:
-        return _export_hf(checkpoint, out, force)
-    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
+        return _export_hf(checkpoint, out, force, ema)
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, required_averages, resolve_checkpoint
     from fsdpclip.checkpoint.whole import (WEIGHTS_SUFFIXES, export_checkpoint, exported_files, holds_model_config,
                                           open_clip_name)
     from fsdpclip.model.build import model_from_config
 
     try:
         source = resolve_checkpoint(checkpoint)
+        if ema:
+            required_averages(source)
         for path in exported_files(out, safetensors):  # before the checkpoint is read
             check_destination(path, overwrite=force)
         meta = read_meta(source)
@@ -160,13 +167,13 @@ def export(
             if not holds_model_config(path, config):
                 check_destination(path, overwrite=force)
         written = export_checkpoint(source, model_from_config(config, device="meta"), out, config,
-                                    safetensors=safetensors, config_name=config_name)
+                                    safetensors=safetensors, config_name=config_name, averaged=ema)
     except CheckpointError as exc:
         stop(str(exc))
     except OSError as exc:
         stop(f"cannot write {out}: {exc.strerror or exc}")
-    done = f"{source} (step {meta['step']}) → {written}" + (f", its model config {name}.json beside it"
-                                                           if config_name else "")
+    done = f"{source} (step {meta['step']}{AVERAGE_NOTE if ema else ''}) → {written}" + (
+        f", its model config {name}.json beside it" if config_name else "")
     console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
     if out.suffix not in WEIGHTS_SUFFIXES:
         steps = [f"create_model_and_transforms({repr(f'local-dir:{out.resolve()}')})"]
@@ -178,10 +185,13 @@ def export(
     console.print(f"in Python: {escape(load)}", highlight=False, soft_wrap=True)
 
 
-def _export_hf(checkpoint: Path, out: Path, force: bool) -> None:
-    """`export --format hf`: the checkpoint's model as a transformers CLIPModel directory, or one line saying which
-    key of its model config CLIPModel has no place for."""
-    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint
+AVERAGE_NOTE = ", its moving average"  # what the line of an export says of --ema
+
+
+def _export_hf(checkpoint: Path, out: Path, force: bool, ema: bool) -> None:
+    """`export --format hf`: the checkpoint's model (`ema`: its moving average) as a transformers CLIPModel
+    directory, or one line saying which key of its model config CLIPModel has no place for."""
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, required_averages, resolve_checkpoint
     from fsdpclip.checkpoint.whole import WEIGHTS_SUFFIXES, read_model_state
     from fsdpclip.interop.hf_clip import HF_WEIGHTS, hf_files, hf_refusal, write_hf
     from fsdpclip.model.build import OpenClip, model_from_config
@@ -190,6 +200,8 @@ def _export_hf(checkpoint: Path, out: Path, force: bool) -> None:
         stop(f"--format hf writes a directory, not {out.name}: give OUT without {out.suffix}")
     try:
         source = resolve_checkpoint(checkpoint)
+        if ema:
+            required_averages(source)
         meta = read_meta(source)
         config = meta["model"]["open_clip_config"]
         refusal = hf_refusal(config)
@@ -199,12 +211,12 @@ def _export_hf(checkpoint: Path, out: Path, force: bool) -> None:
         files, notes = hf_files(config, model.visual.preprocess_cfg)
         for name in (*files, HF_WEIGHTS):  # before the checkpoint is read
             check_destination(out / name, overwrite=force)
-        write_hf(out, read_model_state(source, model), config, files)
+        write_hf(out, read_model_state(source, model, averaged=ema), config, files)
     except CheckpointError as exc:
         stop(str(exc))
     except OSError as exc:
         stop(f"cannot write {out}: {exc.strerror or exc}")
-    done = f"{source} (step {meta['step']}) → {out} (transformers CLIPModel)"
+    done = f"{source} (step {meta['step']}{AVERAGE_NOTE if ema else ''}) → {out} (transformers CLIPModel)"
     console.print(f"[green]✓[/green] {escape(done)}", highlight=False, soft_wrap=True)
     for note in notes:
         console.print(f"  {escape(note)}", highlight=False, soft_wrap=True)

@@ -42,9 +42,11 @@ class ModelSource:
     job: Optional["Job"] = None
 
 
-def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optional[str]) -> ModelSource:
-    """What `path` holds: a run or checkpoint directory of fsdpclip, an exported file, or an open_clip local-dir."""
-    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resolve_checkpoint, run_job
+def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optional[str],
+                      averaged: bool = False) -> ModelSource:
+    """What `path` holds: a run or checkpoint directory of fsdpclip (`averaged`: its moving average's weights), an
+    exported file, or an open_clip local-dir."""
+    from fsdpclip.checkpoint.layout import CheckpointError, read_meta, required_averages, resolve_checkpoint, run_job
     from fsdpclip.checkpoint.whole import read_model_state
     from fsdpclip.model.build import model_config as spec_config
     from fsdpclip.model.weights import load_model_weights
@@ -60,10 +62,15 @@ def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optio
         if model_name is not None or model_config is not None:
             raise ModelError(f"{path} is an fsdpclip checkpoint, which names its own model: --model and "
                              "--model-config are for exported weights files")
+        if averaged:
+            required_averages(checkpoint)  # on every rank, before any waits for rank 0's weights
         meta = read_meta(checkpoint)
         return ModelSource(meta["model"]["open_clip_config"], meta["model"]["label"],
-                           lambda model: model.load_state_dict(read_model_state(checkpoint, model)),
+                           lambda model: model.load_state_dict(read_model_state(checkpoint, model, averaged)),
                            run_job(checkpoint))
+    if averaged:
+        raise ModelError(f"{path} is not an fsdpclip checkpoint: --ema reads the moving average a run's checkpoint "
+                         "holds")
     if path.is_dir() and (path / "open_clip_config.json").is_file():
         weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
         if weights is None:
@@ -108,10 +115,12 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
 
 def evaluate_checkpoint(path: Path, spec, model_name: Optional[str],
                         model_config: Optional[str], precision: str, batch_size: int, workers: Optional[int],
-                        progress: Callable[[str, Optional[int]], Callable[[int], None]]) -> Optional[dict]:
-    """The metrics of a checkpoint on the set `spec` describes (its task's), as CLIP_benchmark records them (with the
-    counts of images and captions), on one process or sharded over the ranks torchrun started (every rank calls
-    it; the record comes back on rank 0, None elsewhere).
+                        progress: Callable[[str, Optional[int]], Callable[[int], None]],
+                        averaged: bool = False) -> Optional[dict]:
+    """The metrics of a checkpoint (`averaged`: of its moving average's weights, the record saying "weights": "ema")
+    on the set `spec` describes (its task's), as CLIP_benchmark records them (with the counts of images and
+    captions), on one process or sharded over the ranks torchrun started (every rank calls it; the record comes
+    back on rank 0, None elsewhere).
 
     `progress(set name, images or None)` is called once and returns a callback taking images done."""
     import os
@@ -120,7 +129,7 @@ def evaluate_checkpoint(path: Path, spec, model_name: Optional[str],
     from fsdpclip.parallel.distributed import init_distributed
 
     task = task_of(spec)
-    source = checkpoint_source(path, model_name, model_config)
+    source = checkpoint_source(path, model_name, model_config, averaged)
     workers = min(4, os.cpu_count() or 1) if workers is None else workers
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     env = init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s=1800) if distributed else None
@@ -140,6 +149,6 @@ def evaluate_checkpoint(path: Path, spec, model_name: Optional[str],
         return None
     name = {"imagenet": "imagenet1k"}.get(dataset.name) or dataset.name
     record = clip_benchmark_record(task.task, name, source.label, str(path), metrics)
-    record |= {k: metrics[k] for k in COUNTS if k in metrics}
+    record |= {k: metrics[k] for k in COUNTS if k in metrics} | ({"weights": "ema"} if averaged else {})
     folder_classes = getattr(dataset, "folder_classes", None)
     return record | ({"folder_classes": folder_classes} if folder_classes else {})
