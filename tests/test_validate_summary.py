@@ -166,6 +166,36 @@ def test_host_memory_of_the_first_node(cli, tmp_path, monkeypatch):
     assert out["summary"]["host_memory_gib"]["offloaded_state"] == 0
 
 
+def test_the_moving_average_and_the_host_copy_in_the_estimates(cli, tmp_path):
+    """An `ema` block adds its fp32 averages of the trained shards to each GPU's estimate and its peak: 4 bytes a
+    trainable parameter over the shard degree (ViT-B-32's text tower and temperature here, the image tower frozen;
+    on the host with CPU offload). Asynchronous saves (checkpoint.async_save true, with periodic saves) add each
+    rank's host copy to the first node's host memory: its fp32 shards, AdamW's two moments and the averages."""
+    frozen = {"image": {"blocks": ":", "embeddings": True, "head": True}}
+    path = write_job(tmp_path, _vit_job("ViT-B-32", freeze=frozen, launch={"gpus_per_node": 8}))
+    ema = 'ema={"decay": 0.9999}'
+    plain = cli.validate_json(path)[1]["summary"]
+    averaged = cli.validate_json(path, "--set", ema)[1]["summary"]
+    parameters, trainable = plain["parameters"]["parameters"], plain["parameters"]["trainable"]
+    assert 0 < trainable < parameters / 2
+    before, after = plain["memory_gib"], averaged["memory_gib"]
+    assert before["ema"] == 0 and after["ema"] == pytest.approx(4 * trainable / 8 / 2 ** 30, abs=0.001)
+    assert after["total"] == pytest.approx(before["total"] + after["ema"], abs=0.002)
+    assert {k: v for k, v in after.items() if k not in ("ema", "total")} == \
+        {k: v for k, v in before.items() if k not in ("ema", "total")}
+    offloaded = cli.validate_json(path, "--set", ema, "--set", "fsdp.cpu_offload=true")[1]["summary"]["memory_gib"]
+    assert offloaded["ema"] == 0 and offloaded["host"] == pytest.approx(16 * trainable / 8 / 2 ** 30 + before[
+        "parameters"], abs=0.002)
+
+    saves = '--set=checkpoint={"every_steps": 100, "async_save": true}'
+    host = cli.validate_json(path, "--set", ema, saves)[1]["summary"]["host_memory_gib"]
+    assert plain["host_memory_gib"]["checkpoint_staging"] == averaged["host_memory_gib"]["checkpoint_staging"] == 0
+    assert host["checkpoint_staging"] == pytest.approx((4 * parameters + 12 * trainable) / 2 ** 30, rel=0.01)
+    assert host["total"] == pytest.approx(averaged["host_memory_gib"]["total"] + host["checkpoint_staging"], abs=0.01)
+    unsaved = cli.validate_json(path, "--set", ema, "--set", 'checkpoint={"async_save": true}')[1]
+    assert unsaved["summary"]["host_memory_gib"]["checkpoint_staging"] == 0  # no periodic save: none in the background
+
+
 def test_the_data_workers_and_the_rate_the_gpus_ask_of_them(cli, tmp_path, monkeypatch):
     """validate's summary: the workers a rank starts (data.workers 'auto' settled for this machine's cores and the
     ranks of a node) and, on CUDA, the samples/s each GPU asks of them at the plan's step time (its sustained rate

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.data.transform import DECODED_WHERE
-from fsdpclip.plan.memory import GIB
+from fsdpclip.plan.memory import GIB, host_parts
 
 if TYPE_CHECKING:
     from fsdpclip.plan.mesh import Plan
@@ -46,14 +46,12 @@ def summary_tables(summary: dict) -> list:
 
     memory = summary["memory_gib"]
     mem = Table(title="Estimated memory per GPU (GiB)")
-    columns = ("parameters", "gradients", "optimizer", "unsharded", "activations", "inputs", "total", "host")
+    columns = ("parameters", "gradients", "optimizer", *(("ema",) if memory["ema"] else ()), "unsharded",
+               "activations", "inputs", "total", "host")
     for key in columns:
         mem.add_column(key, justify="right")
     mem.add_row(*(f"{memory[k]:.2f}" for k in columns))
-    host = summary["host_memory_gib"]
-    mem.caption = (f"host memory of the first node: {host['total']:.1f} GiB ({host['ranks']} rank processes "
-                   f"{host['processes']:.1f}, offloaded state {host['offloaded_state']:.1f}, initial weights "
-                   f"{host['initial_weights']:.1f})")
+    mem.caption = f"host memory of the first node: {host_parts(summary['host_memory_gib'])}"
 
     batch = summary["batch"]
     steps = f"{batch['steps']:,}" if batch["steps"] is not None else "?"
@@ -176,7 +174,7 @@ def plan_model_line(plan: "Plan", intra_gbps: float, inter_gbps: float) -> str:
             f"a node and {inter_gbps:g} across nodes; a step is max(compute, communication) + {EXPOSED_FRACTION:g} × "
             f"communication (docs/architecture.md, 'The mesh and the plan model'). 'auto' takes the smallest shard "
             f"group of at least a node that fits {plan.gpu_memory_gib:g} GiB with a {MEMORY_MARGIN:.0%} margin. Host "
-            f"memory of the first node (rank processes, offloaded state, initial weights): "
+            f"memory of the first node (rank processes, offloaded state, checkpoint staging, initial weights): "
             f"{', '.join(sorted({f'{row.host_gib_per_node:.1f}' for row in plan.rows}, key=float))} GiB.")
 
 

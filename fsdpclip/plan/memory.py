@@ -30,16 +30,19 @@ class MemoryEstimate:
     parameters: float  # fp32 master shards
     gradients: float  # fp32 gradient shards (trainable only)
     optimizer: float  # AdamW moments (trainable only)
+    ema: float  # the `ema` block's fp32 averages of the trainable shards
     unsharded: float  # gathered parameters and gradients of the units in flight
     activations: float  # kept for backward (a rough figure), and the contrastive logits
     inputs: float  # the step's micro batches on the device, and the features cached for accumulation
     host: float  # sharded state held in CPU memory when offloaded
+    staging: float  # in CPU memory: the host copy of asynchronous saves (checkpoint.async_save true)
 
     @property
     def total(self) -> float:
         """The peak: gradients are freed each step, so they grow in backward as activations are
         released; the peak is at the turn from forward to backward (or at the end of backward)."""
-        return self.parameters + self.optimizer + self.unsharded + self.inputs + max(self.activations, self.gradients)
+        return self.parameters + self.optimizer + self.ema + self.unsharded + self.inputs + \
+            max(self.activations, self.gradients)
 
     def as_gib(self) -> dict:
         out = {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in ("world_size", "shard_degree")}
@@ -51,27 +54,39 @@ class MemoryEstimate:
 @dataclass
 class HostEstimate:
     """Bytes of host memory one node needs: its ranks' processes, the state they hold there with CPU
-    offload, and the whole fp32 model the first rank builds its initial weights in before they are sharded."""
+    offload, the host copies of asynchronous saves, and the whole fp32 model the first rank builds its initial
+    weights in before they are sharded."""
 
     ranks: int
     processes: float
     offloaded_state: float
+    checkpoint_staging: float
     initial_weights: float
+
+    PARTS = ("processes", "offloaded_state", "checkpoint_staging", "initial_weights")
 
     @property
     def total(self) -> float:
-        return self.processes + self.offloaded_state + self.initial_weights
+        return sum(getattr(self, part) for part in self.PARTS)
 
     def as_gib(self) -> dict:
-        out = {k: round(getattr(self, k) / GIB, 3) for k in ("processes", "offloaded_state", "initial_weights")}
+        out = {k: round(getattr(self, k) / GIB, 3) for k in self.PARTS}
         return {"ranks": self.ranks, **out, "total": round(self.total / GIB, 3)}
+
+
+def host_parts(gib: dict) -> str:
+    """A host estimate as `HostEstimate.as_gib` gives it, in words: its total and its parts."""
+    staged = f", checkpoint staging {gib['checkpoint_staging']:.1f}" if gib["checkpoint_staging"] else ""
+    return (f"{gib['total']:.1f} GiB ({gib['ranks']} rank processes {gib['processes']:.1f}, offloaded state "
+            f"{gib['offloaded_state']:.1f}{staged}, initial weights {gib['initial_weights']:.1f})")
 
 
 def estimate_host_memory(estimate: MemoryEstimate, parameters: int, ranks_per_node: int) -> HostEstimate:
     """The host memory of the node with the first rank (the one that needs most), from the per-GPU
-    `estimate` (its `host` part is a rank's offloaded state) and the model's parameter count."""
+    `estimate` (its `host` part is a rank's offloaded state, its `staging` a rank's host copy) and the model's
+    parameter count."""
     return HostEstimate(ranks_per_node, ranks_per_node * RANK_PROCESS_BYTES, ranks_per_node * estimate.host,
-                        4.0 * parameters)
+                        ranks_per_node * estimate.staging, 4.0 * parameters)
 
 
 def traced_forward(model: nn.Module, blocks: list[str]) -> tuple[dict[str, int], tuple[int, int]]:
@@ -133,6 +148,10 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     trainable_fraction = [u.trainable / u.numel if u.numel else 0.0 for u in units]
     grads = sum(u.shard_numel(degree) * f for u, f in zip(units, trainable_fraction)) * 4
     optimizer = 2 * grads
+    ema = grads if job.moving_average is not None else 0.0
+    # A periodic save's host copy holds the rank's state (fp32 shards, moments, averages); 'auto' takes one only
+    # where a node's fit in a quarter of its memory (checkpoint.staging.asynchronous_saves).
+    staging = params + optimizer + ema if job.checkpoint.async_save is True and job.checkpoint.periodic else 0.0
     root, blocks = units[-1], units[:-1]
     largest = max((u.numel for u in blocks), default=0)
     gathered_blocks = sum(u.numel for u in blocks) if not reshards else 2 * largest
@@ -142,5 +161,6 @@ def estimate_memory(job: Job, units: list[Unit], activations_per_sample: float, 
     inputs = micro * accum * input_bytes_per_sample + (2 * micro * accum * feature_width * 4 if accum > 1 else 0)
     host = 0.0
     if fsdp.cpu_offload:
-        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    return MemoryEstimate(world_size, degree, params, grads, optimizer, unsharded, activations, inputs, host)
+        host, params, grads, optimizer, ema = params + grads + optimizer + ema, 0.0, 0.0, 0.0, 0.0
+    return MemoryEstimate(world_size, degree, params, grads, optimizer, ema, unsharded, activations, inputs, host,
+                          staging)

@@ -187,7 +187,7 @@ class Strategy:
     degree: int
     replicas: int
     memory_gib: float
-    host_gib_per_node: float  # the first node's: its rank processes, offloaded state, the initial weights
+    host_gib_per_node: float  # the first node's (`memory.HostEstimate`)
     traffic: Traffic
     compute_s: float
     communication_s: float

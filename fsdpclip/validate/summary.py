@@ -11,7 +11,7 @@ from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count, training_flops
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.units import Unit
 from fsdpclip.node import host_memory, usable_cores
-from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory
+from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory, host_parts
 from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, memory_model, strategy, sustained_tflops, \
     valid_shard_degrees
 from fsdpclip.plan.resolved import Node, RunPlan, plan_for_node, unit_layout
@@ -158,10 +158,9 @@ def _check_host_memory(job: Job, host: HostEstimate, report: Report, this_machin
     if severity == "warning":
         hint += "; where the nodes are other machines, set launch.host_memory_gib to their memory"
     (report.error if severity == "error" else report.warn)(
-        location, f"estimated host memory of the first node {gib['total']:.1f} GiB ({gib['ranks']} rank "
-                 f"processes {gib['processes']:.1f}, offloaded state {gib['offloaded_state']:.1f}, initial weights "
-                 f"{gib['initial_weights']:.1f}) exceeds {where} {limit:.1f} GiB", job.launch.host_memory_gib,
-                 hint=hint)
+        location, f"estimated host memory of the first node {host_parts(gib)} exceeds {where} {limit:.1f} GiB",
+        job.launch.host_memory_gib, hint=hint)
+
 
 
 def _supply(job: Job, data: dict, report: Report, asked: Optional[float]) -> Optional[dict]:
