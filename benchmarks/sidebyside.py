@@ -2,7 +2,10 @@
 of its fsdp block) on device-resident synthetic data.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/sidebyside.py --model ViT-B-32 --batch 256 \\
-        --variants '{"default": {}, "per-block": {"unit_size": 1}}' --out rows.jsonl [--profile per-block]
+        --variants '{"default": {}, "per-block": {"unit_size": 1}, "ema": {"ema.decay": 0.9999}}' \\
+        --out rows.jsonl [--profile per-block]
+
+A variant is the spec's fsdp block, but for its dotted keys, which set other fields as `fsdpclip launch --set` does.
 
 Each side: build, warm-up steps, N timed steps (device synchronised), samples/s/GPU, MFU
 (FLOPs per sample counted on the meta device, against --peak-tflops) and peak memory; rank 0
@@ -30,19 +33,31 @@ from throughput import matmul_peak_tflops  # noqa: E402
 
 from fsdpclip.model.build import build_model, training_flops_per_sample  # noqa: E402
 from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
-from fsdpclip.spec.job import ModelSpec  # noqa: E402
-from fsdpclip.spec.jobfile import parse_job  # noqa: E402
+from fsdpclip.spec.job import Job, ModelSpec  # noqa: E402
+from fsdpclip.spec.jobfile import apply_overrides, parse_job  # noqa: E402
 from fsdpclip.train import trainer as trainer_module  # noqa: E402
 from fsdpclip.train.metrics import Window  # noqa: E402
 from fsdpclip.train.trainer import Trainer  # noqa: E402
 
 
-def trainer_rate(model: str, batch: int, fsdp: dict, warmup: int, steps: int, env, run_root: str,
+def variant_job(model: str, batch: int, variant: dict, world_size: int, run_root: str) -> Job:
+    """The trainer's job of a variant: its keys are the fsdp block's, but dotted ones, which set other fields as
+    `fsdpclip launch --set` does (e.g. "ema.decay": 0.9999)."""
+    raw, refused = apply_overrides(
+        {"run": {"name": "variant", "output_dir": run_root}, "model": {"name": model},
+         "fsdp": {key: value for key, value in variant.items() if "." not in key},
+         "schedule": {"kind": "constant", "steps": 10 ** 6}, "data": {"source": "synthetic"},
+         "batch": {"per_gpu": batch}, "checkpoint": {"resume": None, "at_end": False},
+         "launch": {"gpus_per_node": world_size}},
+        [f"{key}={json.dumps(value)}" for key, value in variant.items() if "." in key])
+    if refused:
+        raise ValueError("; ".join(map(str, refused)))
+    return parse_job(raw)
+
+
+def trainer_rate(model: str, batch: int, variant: dict, warmup: int, steps: int, env, run_root: str,
                  profile: bool, parts: bool) -> dict:
-    job = parse_job({"run": {"name": "variant", "output_dir": run_root}, "model": {"name": model}, "fsdp": fsdp,
-                     "schedule": {"kind": "constant", "steps": 10 ** 6}, "data": {"source": "synthetic"},
-                     "batch": {"per_gpu": batch}, "checkpoint": {"resume": None, "at_end": False},
-                     "launch": {"gpus_per_node": env.world_size}})
+    job = variant_job(model, batch, variant, env.world_size, run_root)
     # Variants with different inductor options (fsdp.compile_options) compile the same forwards (a tower's
     # `Transformer.forward`, two shapes) into new cache entries: without a reset the fifth such variant meets
     # dynamo's recompile limit (8 per code object) and runs those modules eager.
@@ -139,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--variants", required=True, help="JSON: name -> fsdp block")
+    parser.add_argument("--variants", required=True, help="JSON: name -> fsdp block (dotted keys: other fields)")
     parser.add_argument("--reference", default="compile",
                         help="comma list of plain OpenCLIP steps beside it: eager, compile (DDP-wrapped only at "
                              "more than one GPU), none")
@@ -181,13 +196,13 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as run_root:
-        for name, fsdp in json.loads(args.variants).items():
+        for name, variant in json.loads(args.variants).items():
             try:
-                result = trainer_rate(args.model, args.batch, fsdp, args.warmup, args.steps, env, run_root,
+                result = trainer_rate(args.model, args.batch, variant, args.warmup, args.steps, env, run_root,
                                       profile=name == args.profile, parts=args.parts)
             except Exception as exc:  # one broken variant must not hide the others
                 result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            report({"variant": name, "fsdp": fsdp, **result})
+            report({"variant": name, "fsdp": variant, **result})
     dist.destroy_process_group()
 
 

@@ -41,3 +41,24 @@ def test_the_results_hold_only_the_rows_the_docs_cite():
     uncited = sorted(present - cited - OWN_FILES)
     assert not uncited, f"benchmarks/results holds files no table cites: {uncited[:10]}"
     assert len(present) <= 80
+
+
+def test_a_sidebyside_variant_sets_its_fsdp_block_and_dotted_fields(tmp_path):
+    """benchmarks/sidebyside.py's variants: an fsdp block whose dotted keys set other fields as `--set` does, so that
+    one process runs the trainer with and without a moving average (the `ema` block) side by side."""
+    import sys
+
+    import pytest
+
+    from fsdpclip.problems import SpecError
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("sidebyside", REPO / "benchmarks" / "sidebyside.py")
+    sidebyside = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sidebyside)
+    plain = sidebyside.variant_job("ViT-L-14", 128, {}, 1, str(tmp_path))
+    averaged = sidebyside.variant_job("ViT-L-14", 128, {"unit_size": 1, "ema.decay": 0.9999}, 1, str(tmp_path))
+    assert plain.moving_average is None and plain.fsdp.unit_size == "auto"
+    assert averaged.moving_average.decay == 0.9999 and averaged.fsdp.unit_size == 1
+    with pytest.raises(SpecError):
+        sidebyside.variant_job("ViT-L-14", 128, {"ema.decay": 2}, 1, str(tmp_path))
