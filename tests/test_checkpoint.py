@@ -580,6 +580,19 @@ def test_export_of_a_pruned_checkpoint_lists_those_that_exist(tmp_path, cli):
     assert squeezed(f"{checkpoints} holds no complete checkpoint") in squeezed(result.output)
 
 
+def test_export_ema_of_a_checkpoint_whose_metadata_is_damaged_says_so(tmp_path, cli):
+    """`--ema` reads which tensors a checkpoint averages from its DCP metadata: where that cannot be read, one line
+    says so and nothing is written."""
+    checkpoint = tmp_path / "runs" / "r" / "checkpoints" / "step-00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "model": {}}))
+    (checkpoint / ".metadata").write_bytes(b"not a pickle")
+    result = cli("export", checkpoint, tmp_path / "out.pt", "--ema")
+    assert result.exit_code != 0
+    assert squeezed(f"{checkpoint} cannot be read: its DCP metadata") in squeezed(result.output)
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_export_refuses_to_overwrite_without_force(tmp_path, cli):
     """An existing weights file, or a local-dir folder holding a config or weights, is kept (it was overwritten
     silently), as `init` keeps an existing spec; refused before the checkpoint is read."""

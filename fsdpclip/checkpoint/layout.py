@@ -127,8 +127,12 @@ def read_rank_state(path: Path) -> dict:
 
 def averaged_names(checkpoint: Path) -> list[str]:
     """The model's names of the tensors whose moving average `checkpoint` holds (`train.ema`): none where its run
-    kept none. Its DCP metadata is read as `checkpoint_problem` reads it."""
-    metadata = read_dcp_metadata(checkpoint / ".metadata", where=".metadata")
+    kept none. Its DCP metadata is read as `checkpoint_problem` reads it; CheckpointError where it cannot be."""
+    try:
+        metadata = read_dcp_metadata(checkpoint / ".metadata", where=".metadata")
+    except Exception as exc:  # a missing or damaged .metadata file, in whichever form it fails
+        raise CheckpointError(f"{checkpoint} cannot be read: its DCP metadata: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}") from None
     prefix = AVERAGES + "."
     return [key.removeprefix(prefix) for key in metadata.state_dict_metadata if key.startswith(prefix)]
 

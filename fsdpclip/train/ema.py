@@ -91,8 +91,9 @@ class ShardedEma:
     @torch.no_grad()
     def swapped_in(self) -> Iterator[None]:
         """The model's trained tensors replaced by their averages inside the block (an evaluation of the
-        average), and put back after it, once FSDP's gathered copies of the averages are dropped (`reshard`);
-        one spare copy of the rank's shards meanwhile."""
+        average), and put back after it; FSDP's gathered copies are dropped (`reshard`) on the way in and out, so
+        that each forward gathers the shards as they are. One spare copy of the rank's shards meanwhile."""
+        reshard(self.model)
         kept = {name: local(tensor).clone() for name, tensor in self.sources.items()}
         for name, tensor in self.sources.items():
             local(tensor).copy_(local(self.averages[name]))
