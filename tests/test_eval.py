@@ -481,3 +481,13 @@ def test_the_resolved_preprocess_is_what_eval_export_and_resume_read(tiny_job):
     changes = checkpoint_changes(meta, job, training_config(job), lambda: None)
     assert {c.field for c in changes} == {f"data.preprocess.{key}" for key in preprocess}
     assert not any(is_fixed(c) for c in changes) and keeps_data_position(changes)
+
+
+def test_eval_ema_is_for_the_checkpoints_of_a_run(tmp_path, cli, digits_dir):
+    """`eval --ema` evaluates the moving average a run's checkpoint holds: an exported weights file has none, and one
+    line says so before anything is read."""
+    result = cli("eval", tmp_path / "model.pt", "--model", "ViT-B-32", "--zeroshot", "digits", "--data",
+                 digits_dir / "test", "--ema")
+    assert result.exit_code == 2, result.output
+    assert squeezed(f"{tmp_path / 'model.pt'} is not an fsdpclip checkpoint: --ema reads the moving average a run's "
+                    "checkpoint holds") in squeezed(result.output)
