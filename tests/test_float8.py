@@ -205,13 +205,16 @@ def test_validate_names_the_extra_where_torchao_is_missing(cli, tmp_path, monkey
     assert "torchao" in error["message"] and error["hint"] == "pip install 'fsdpclip[float8]'", error
 
 
-def test_validate_passes_float8_auto_and_true_on_gpus(cli, tmp_path):
+def test_validate_passes_float8_auto_and_true_on_gpus_and_shows_the_plans(cli, tmp_path):
     pytest.importorskip("torchao")
     for float8 in ("auto", True):
         job = _float8_job(tmp_path, float8=float8)
         job["launch"]["device"] = "cuda"
         code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
         assert code == 0, out["errors"]
+        assert out["summary"]["plan"]["layout"]["float8"] is (float8 is True)
+        shown = cli("validate", write_job(tmp_path, job), "--no-check-paths")
+        assert f"float8 {float8 is True}," in " ".join(shown.stdout.split()), shown.stdout
 
 
 @pytest.mark.parametrize("capabilities, refused", [([(8, 0)], True), ([(9, 0), (8, 6)], True), ([(9, 0)], False),
