@@ -98,6 +98,18 @@ def test_vit_bigg_14_gets_both_mlp_layers_in_float8_and_frozen_blocks_stay():
                                                                              "c_fc", "c_proj")
 
 
+def test_a_custom_blocks_attention_out_projection_is_taken_too(tmp_path):
+    """OpenCLIP's CustomResidualAttentionBlock calls its attention's out-projection (a plain nn.Linear) as a module:
+    it runs in float8 beside the MLP where its size gains (1040 × 1040: N > 1024); the in-projection, a bare
+    parameter, never."""
+    wide = {**WIDE, "vision_cfg": {**WIDE["vision_cfg"], "block_type": "custom"}}
+    model = build_model(ModelSpec(config=str(_config(tmp_path, wide))))
+    block = "visual.transformer.resblocks.0"
+    assert type(model.get_submodule(block)).__name__ == "CustomResidualAttentionBlock"
+    assert float8_linears(model, find_towers(model), "tensorwise") == [f"{block}.attn.out_proj", f"{block}.mlp.c_fc",
+                                                                      f"{block}.mlp.c_proj"]
+
+
 def test_a_small_model_gets_none():
     """The tiny demo model's layers (width 64) are all below the sizes where float8 gains."""
     from conftest import TINY_CONFIG

@@ -1,13 +1,15 @@
-"""Float8 matmuls for the MLPs of OpenCLIP's transformer blocks, through torchao's float8 training (`fsdp.float8`).
+"""Float8 matmuls for the linear layers of OpenCLIP's transformer blocks, through torchao's float8 training
+(`fsdp.float8`).
 
 `float8_linears` picks the layers by their original names, on any device (the meta device included) and without
-torchao: the trainable `nn.Linear`s inside the towers' OpenCLIP blocks (each MLP's `c_fc` and `c_proj`) whose
-two dims are multiples of 16, as float8 GEMMs need, and large enough that torchao measured float8 faster for its
-recipe. Attention stays in param_dtype: `nn.MultiheadAttention`'s in-projection is a bare parameter, and its
-out-projection (a subclass of `nn.Linear`) has its weight read directly wherever the module's own forward runs,
-which a weight gathered in float8 cannot serve. The projection heads, the patch embedding and the logit scale lie
-outside the blocks; frozen layers keep their bf16 GEMMs (float8's backward computes a weight gradient they do not
-need). Other libraries' blocks (timm, Hugging Face) stay as they are until measured.
+torchao: the trainable `nn.Linear`s inside the towers' OpenCLIP blocks (each MLP's `c_fc` and `c_proj`; in a
+`CustomResidualAttentionBlock` also its attention's `out_proj`) whose two dims are multiples of 16, as float8 GEMMs
+need, and large enough that torchao measured float8 faster for its recipe. Attention's in-projection is a bare
+parameter, and `nn.MultiheadAttention`'s out-projection (a subclass of `nn.Linear`) has its weight read directly
+wherever the module's own forward runs, which a weight gathered in float8 cannot serve: both stay in param_dtype.
+The projection heads, the patch embedding and the logit scale lie outside the blocks; frozen layers keep their
+bf16 GEMMs (float8's backward computes a weight gradient they do not need). Other libraries' blocks (timm, Hugging
+Face) stay as they are until measured.
 
 `convert_to_float8` swaps those layers for torchao's `Float8Linear` (the same parameters under the same names)
 before compile and `fully_shard`. With the tensorwise recipe and a shard group of several ranks
@@ -24,7 +26,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpclip.model.build import Tower

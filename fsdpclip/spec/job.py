@@ -298,11 +298,11 @@ class FsdpSpec(Section):
                                   "the same function, parameters and names, faster on the GPU (docs/performance.md).")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
     float8: Union[bool, Literal["auto"]] = Field(
-        default="auto", description="Run the matmuls of the MLPs of OpenCLIP's transformer blocks in float8 through "
-                                    "torchao (`pip install 'fsdpclip[float8]'`; CUDA GPUs of compute capability 8.9 "
-                                    "or later), where their shapes are large enough to gain; the other layers, "
-                                    "frozen ones included, stay in param_dtype, and MFU stays counted against the "
-                                    "bf16 peak. 'auto' leaves it off until it is measured faster on GPUs.")
+        default="auto", description="Run the linear layers of OpenCLIP's transformer blocks (their MLPs) in float8 "
+                                    "through torchao (`pip install 'fsdpclip[float8]'`; CUDA GPUs of compute "
+                                    "capability 8.9 or later), where their shapes are large enough to gain; the other "
+                                    "layers, frozen ones included, stay in param_dtype, and MFU stays counted against "
+                                    "the bf16 peak. 'auto' leaves it off until it is measured faster on GPUs.")
     float8_recipe: Literal["tensorwise", "rowwise"] = Field(
         default="tensorwise", description="torchao's float8 scaling: 'tensorwise' (one scale per tensor; sharded "
                                           "weights are all-gathered in float8) or 'rowwise' (a scale per row, more "

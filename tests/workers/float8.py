@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=2 tests/workers/float8.py train RUN_ROOT MODEL_CONFIG
         2 CPU ranks (gloo), the real Trainer, bf16 and then float8 from the same weights on the same synthetic
-        batches; the float8 run's checkpoint resumed in float8, then without
+        batches; the float8 run's checkpoint (saved asynchronously) resumed in float8, then (saved again) without
     python tests/workers/float8.py parallelize MODEL_CONFIG
         `parallelize` on the meta device over a fake process group of 2, compiled, with each recipe: the layers
         swapped, those whose weights are gathered in float8, the inductor options of each torch.compile call
@@ -61,7 +61,8 @@ def trained(run_root: str, config: str) -> None:
         result[f"losses_{float8}"] = train(trainer, env)
         if float8:
             result["layers"], result["precomputing"] = float8_weights(trainer.model), trainer.float8_scales
-            trainer.save()
+            trainer.save(asynchronous=True)  # its host copy written on a thread
+            trainer.finish_saving(wait=True)
         trainer.close()
     for steps, float8 in ((STEPS + 2, True), (STEPS + 4, False)):  # its checkpoint resumed, then the next without
         trainer = Trainer(job(run_root, config, "float8-True", float8, steps=steps, resume="latest"), env)
