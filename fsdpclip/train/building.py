@@ -14,6 +14,7 @@ from fsdpclip.model.trainable import trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.node import cores_per_local_rank, usable_cores
 from fsdpclip.parallel.distributed import shard_mesh
+from fsdpclip.parallel.float8 import float8_problem, gathers_in_float8
 from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, \
     save_compile_cache
 from fsdpclip.plan.memory import GIB
@@ -50,6 +51,8 @@ class ModelBuilding(TrainerState):
         dist.broadcast_object_list(decided, src=0)
         if isinstance(decided[0], str):
             raise Stop(EXIT_SPEC, decided[0])
+        if decided[0].layout.float8 and (problem := float8_problem(env.device)):
+            raise Stop(EXIT_SPEC, f"fsdp.float8 true: {problem}")
         return decided[0]
 
     def _build_model(self, model: torch.nn.Module, towers) -> torch.nn.Module:
@@ -81,6 +84,7 @@ class ModelBuilding(TrainerState):
             if loaded and env.is_main:
                 log.info("compile cache: %d artifacts from %s", loaded, job.run_dir / COMPILE_CACHE)
         parallelize(model, job.fsdp, plan.layout, self.mesh, job.model.block_classes)
+        self.float8_scales = gathers_in_float8(job.fsdp, plan.layout, self.mesh) and not plan.cuda_graph
         self.startup.mark("parallelized")
         materialize(model, env.device, job.fsdp.cpu_offload, source)
         if job.fsdp.cpu_offload:  # AdamW, clipping and the loss scaler's checks run on the host: give them the cores
