@@ -71,8 +71,8 @@ def run_lock(job: Job, env: Dist):
 
 class StopChecks:
     """The stop checks of a training loop that starts after `step`: paced (`due`), agreed by the ranks (`check`).
-    `signals` tells of a stop signal (`received`; None: none is watched); a stop saves through `checkpoints`, and
-    the checks also carry its agreements (a write failed, checkpoint.every_minutes passed)."""
+    `signals` tells of a stop signal (`received`; None: none is watched). A stop saves through `checkpoints`, whose
+    own agreements the same collective carries (an asynchronous write failed, checkpoint.every_minutes passed)."""
 
     def __init__(self, job: Job, env: Dist, signals: Any, checkpoints: CheckpointManager, step: int):
         self.job, self.env, self.signals, self.checkpoints = job, env, signals, checkpoints
