@@ -342,6 +342,24 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     assert forking_environment(cpu, True) == forking_environment(gpu, False) == {}
 
 
+
+def test_the_agent_that_forks_gpu_ranks_counts_them_without_the_driver(monkeypatch):
+    """torchrun's agent counts accelerators for its default NUMA binding; through the CUDA runtime (torch 2.11's
+    `torch.accelerator.device_count`) that leaves its forked ranks unable to use CUDA: the agent that forks
+    counts as torch.cuda does (NVML first), on a torch built with CUDA, and only there."""
+    import torch
+
+    from fsdpclip.launch.torchrun import count_gpus_without_the_driver
+
+    poisoning = object()
+    monkeypatch.setattr(torch.accelerator, "device_count", poisoning)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    count_gpus_without_the_driver()
+    assert torch.accelerator.device_count is poisoning  # a CPU build: nothing to change
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    count_gpus_without_the_driver()
+    assert torch.accelerator.device_count is torch.cuda.device_count
+
 _FORKED_RANK = """
 import os, signal, sys, torch
 from fsdpclip.train.entry import adopt_rank_environment

@@ -189,6 +189,33 @@ def nvml_gpu_count() -> Optional[int]:
         return None
 
 
+def nvml_compute_capabilities() -> Optional[list[tuple[int, int]]]:
+    """The compute capability of each GPU this process may use (CUDA_VISIBLE_DEVICES applied), asked from NVML
+    without the CUDA driver (see `nvml_gpu_count`); None where NVML cannot tell."""
+    from ctypes import CDLL, byref, c_int, c_void_p
+
+    import torch
+
+    count = nvml_gpu_count()
+    if not count or count < 0:
+        return None
+    try:
+        indices = [torch.cuda._get_nvml_device_index(i) for i in range(count)]  # a private torch function
+        nvml = CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        capabilities = []
+        for index in indices:
+            handle, major, minor = c_void_p(), c_int(), c_int()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, byref(handle)) != 0 or \
+                    nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) != 0:
+                return None
+            capabilities.append((major.value, minor.value))
+        return capabilities
+    except Exception:  # noqa: BLE001  (no NVML library, or a torch without these functions)
+        return None
+
+
 def job_environment(job: Job) -> dict[str, str]:
     """The environment every rank starts with: ours, the spec's, and when the launch began."""
     env = dict(os.environ)

@@ -50,9 +50,23 @@ class DeliberateExitsUnlogged(logging.Filter):
                     and record.args and record.args[0] in DELIBERATE)
 
 
+def count_gpus_without_the_driver() -> None:
+    """Make torchrun's agent count accelerators as `torch.cuda.device_count` does, through NVML first. The agent
+    asks `torch.accelerator.device_count()` whether to bind ranks to NUMA nodes by default (torch >= 2.9), and
+    in some releases (2.11) that asks the CUDA runtime, which initialises the driver in the agent: ranks forked
+    from it (`--start-method=fork`) then fail at their first CUDA call with "initialization error"."""
+    import torch
+
+    if torch.backends.cuda.is_built() and hasattr(torch, "accelerator"):
+        torch.accelerator.device_count = torch.cuda.device_count
+
+
 def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    if "--start-method=fork" in sys.argv:
+        count_gpus_without_the_driver()
 
     torchrun_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     torchrun_log.addFilter(ExitCodeWithoutTraceback())

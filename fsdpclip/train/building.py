@@ -16,6 +16,7 @@ from fsdpclip.model.trainable import DecayGroup, trainable_decay_groups
 from fsdpclip.model.weights import initial_model
 from fsdpclip.node import cores_per_local_rank, usable_cores
 from fsdpclip.parallel.distributed import Dist, shard_mesh
+from fsdpclip.parallel.float8 import float8_problem, gathers_in_float8
 from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, \
     save_compile_cache
 from fsdpclip.plan.memory import GIB
@@ -32,12 +33,14 @@ log = logging.getLogger("fsdpclip")
 @dataclass(frozen=True)
 class BuiltModel:
     """The sharded model with its initial weights, and what building it settled: the decay groups (taken on the
-    original names), the training FLOPs per sample, and the run plan with compile 'auto' decided from them."""
+    original names), the training FLOPs per sample, the run plan with compile 'auto' decided from them, and whether
+    the float8 layers' weights are gathered in float8 (`float8_scales`: their scales precomputed after each step)."""
 
     model: OpenClip
     decay_groups: list[DecayGroup]
     flops_per_sample: float
     plan: RunPlan
+    float8_scales: bool
 
 
 def plan_run(job: Job, env: Dist, model: torch.nn.Module, towers,
@@ -61,6 +64,8 @@ def plan_run(job: Job, env: Dist, model: torch.nn.Module, towers,
     dist.broadcast_object_list(decided, src=0)
     if isinstance(decided[0], str):
         raise Stop(EXIT_SPEC, decided[0])
+    if decided[0].layout.float8 and (problem := float8_problem(env.device)):
+        raise Stop(EXIT_SPEC, f"fsdp.float8 true: {problem}")
     return decided[0]
 
 
@@ -92,13 +97,14 @@ def build_model(job: Job, env: Dist, plan: RunPlan, model: torch.nn.Module, towe
         if loaded and env.is_main:
             log.info("compile cache: %d artifacts from %s", loaded, job.run_dir / COMPILE_CACHE)
     parallelize(model, job.fsdp, plan.layout, mesh, job.model.block_classes)
+    float8_scales = gathers_in_float8(job.fsdp, plan.layout, mesh) and not plan.cuda_graph
     startup.mark("parallelized")
     materialize(model, env.device, job.fsdp.cpu_offload, source)
     if job.fsdp.cpu_offload:  # AdamW, clipping and the loss scaler's checks run on the host: give them the cores
         torch.set_num_threads(cores_per_local_rank())
         if env.is_main:
             log.info("cpu offload: the host's optimizer step on %d threads per rank", torch.get_num_threads())
-    return BuiltModel(model, decay_groups, flops[0], plan)
+    return BuiltModel(model, decay_groups, flops[0], plan, float8_scales)
 
 
 def log_auto_layout(job: Job, plan: RunPlan) -> None:

@@ -24,6 +24,7 @@ from fsdpclip.model.build import OpenClip, build_tokenizer, training_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
 from fsdpclip.parallel.distributed import Dist, all_mean
+from fsdpclip.parallel.float8 import precompute_float8_scales
 from fsdpclip.parallel.parallelize import average_replicated_gradients, replicated_parameters
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK
 from fsdpclip.run.lock import StartupClock, launch_time, launcher_reports
@@ -166,6 +167,8 @@ class Trainer:
                                            f"stopped; the last good checkpoint is {last}")
             self.optimizer.step(found_inf=found_inf)  # a non-finite step is skipped on the device
         self.scheduler.step()
+        if self.built.float8_scales:
+            precompute_float8_scales(self.model)
         if not self.plan.cuda_graph:  # a graphed step's gradients stay where its graph writes them
             self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
