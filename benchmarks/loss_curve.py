@@ -104,7 +104,8 @@ def fsdpclip_curve(name: str, batch: int, steps: int, seed: int, count: int, lr:
                      "checkpoint": {"resume": None, "at_end": False},
                      "launch": {"gpus_per_node": env.world_size, "device": env.device.type}})
     trainer = Trainer(job, env)
-    trainer.batch_iter = itertools.cycle(fixed_batches(trainer.model, name, batch, seed, env.rank, count, env.device))
+    trainer.feed.batch_iter = itertools.cycle(fixed_batches(trainer.model, name, batch, seed, env.rank, count,
+                                                            env.device))
     window, losses = Window(), []
     for _ in range(steps):
         loss, _ = trainer.train_step(window)

@@ -39,7 +39,7 @@ def job(run_root: str, config: str, name: str, float8: bool, steps: int = STEPS,
 
 def train(trainer: Trainer, env) -> list[float]:
     window, losses = Window(), []
-    while trainer.step < trainer.total_steps:
+    while trainer.progress.step < trainer.total_steps:
         loss, _ = trainer.train_step(window)
         losses.append(all_mean([loss.item()], env.device)[0])
     return losses
@@ -60,15 +60,15 @@ def trained(run_root: str, config: str) -> None:
         trainer = Trainer(job(run_root, config, f"float8-{float8}", float8), env)
         result[f"losses_{float8}"] = train(trainer, env)
         if float8:
-            result["layers"], result["precomputing"] = float8_weights(trainer.model), trainer.float8_scales
-            trainer.save(asynchronous=True)  # its host copy written on a thread
-            trainer.finish_saving(wait=True)
+            result["layers"], result["precomputing"] = float8_weights(trainer.model), trainer.built.float8_scales
+            trainer.checkpoints.save(asynchronous=True)  # its host copy written on a thread
+            trainer.checkpoints.finish_saving(wait=True)
         trainer.close()
     for steps, float8 in ((STEPS + 2, True), (STEPS + 4, False)):  # its checkpoint resumed, then the next without
         trainer = Trainer(job(run_root, config, "float8-True", float8, steps=steps, resume="latest"), env)
-        result[f"resumed_{float8}"] = {"at": trainer.step, "losses": train(trainer, env),
+        result[f"resumed_{float8}"] = {"at": trainer.progress.step, "losses": train(trainer, env),
                                        "layers": len(float8_weights(trainer.model))}
-        trainer.save()
+        trainer.checkpoints.save()
         trainer.close()
     dist.destroy_process_group()
     if env.is_main:
