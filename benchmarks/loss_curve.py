@@ -10,8 +10,10 @@ open_clip_train's weight-decay split and cosine schedule, ClipLoss with local lo
 gradients) with seed A, again with seed A (the spread of one seed: nondeterministic kernels), and
 with seed B (the spread between seeds); fsdpclip's trainer (bf16 parameters, fp32 reduction) with
 seed A; with --compile also fsdpclip with each fsdp.compile given ('auto', the default: whole towers
-compiled on CUDA where each tower holds ≤ 1B parameters; 'true': every block). A seed fixes the initial weights (OpenCLIP's
-CPU init) and the batches. Rank 0 writes every run's per-step losses and a summary of the differences.
+compiled on CUDA where each tower holds ≤ 1B parameters; 'true': every block); with --float8 also fsdpclip with
+fsdp.float8 in each recipe given (the spread its curve must stay within: DDP seed A against B). A seed fixes the
+initial weights (OpenCLIP's CPU init) and the batches. Rank 0 writes every run's per-step losses and a summary of
+the differences.
 """
 
 from __future__ import annotations
@@ -93,16 +95,17 @@ def ddp_curve(name: str, batch: int, steps: int, seed: int, count: int, lr: floa
 
 
 def fsdpclip_curve(name: str, batch: int, steps: int, seed: int, count: int, lr: float, warmup: int, env,
-                   run_root: str, compile_: bool | str) -> list[float]:
-    job = parse_job({"run": {"name": f"curve-{compile_}", "output_dir": run_root, "seed": seed},
-                     "model": {"name": name}, "fsdp": {"compile": compile_},
+                   run_root: str, run_name: str, fsdp: dict) -> list[float]:
+    job = parse_job({"run": {"name": run_name, "output_dir": run_root, "seed": seed},
+                     "model": {"name": name}, "fsdp": fsdp,
                      "optimizer": {"lr": lr, "weight_decay": WD, "betas": list(BETAS), "eps": EPS},
                      "schedule": {"kind": "cosine", "warmup_steps": warmup, "steps": steps},
                      "data": {"source": "synthetic"}, "batch": {"per_gpu": batch},
                      "checkpoint": {"resume": None, "at_end": False},
                      "launch": {"gpus_per_node": env.world_size, "device": env.device.type}})
     trainer = Trainer(job, env)
-    trainer.batch_iter = itertools.cycle(fixed_batches(trainer.model, name, batch, seed, env.rank, count, env.device))
+    trainer.feed.batch_iter = itertools.cycle(fixed_batches(trainer.model, name, batch, seed, env.rank, count,
+                                                            env.device))
     window, losses = Window(), []
     for _ in range(steps):
         loss, _ = trainer.train_step(window)
@@ -159,6 +162,8 @@ def main() -> None:
     parser.add_argument("--repeat", action="store_true", help="also DDP with seed A a second time")
     parser.add_argument("--compile", nargs="+", default=[], choices=["auto", "true"],
                         help="also fsdpclip with these fsdp.compile settings (eager is always run)")
+    parser.add_argument("--float8", nargs="+", default=[], choices=["tensorwise", "rowwise"],
+                        help="also fsdpclip with fsdp.float8 true and these recipes (compile 'auto', the default)")
     parser.add_argument("--out", help="where to write the curves (JSON)")
     parser.add_argument("--plot-only", help="redraw the plot of a saved JSON (no GPU)")
     parser.add_argument("--png", help="with --plot-only: the picture to write")
@@ -176,11 +181,14 @@ def main() -> None:
         plan.append(("DDP seed A again", lambda: ddp_curve(*common, seed_a, *shape)))
     plan.append(("DDP seed B", lambda: ddp_curve(*common, seed_b, *shape)))
     with tempfile.TemporaryDirectory() as root:
-        plan.append(("fsdpclip seed A", lambda: fsdpclip_curve(*common, seed_a, *shape, env, root, False)))
-        for setting in args.compile:
-            value = True if setting == "true" else setting
-            plan.append((f"fsdpclip compile {setting} seed A",
-                         lambda value=value: fsdpclip_curve(*common, seed_a, *shape, env, root, value)))
+        variants = {"fsdpclip seed A": {"compile": False}}
+        variants.update((f"fsdpclip compile {setting} seed A", {"compile": True if setting == "true" else setting})
+                        for setting in args.compile)
+        variants.update((f"fsdpclip float8 {recipe} seed A", {"float8": True, "float8_recipe": recipe})
+                        for recipe in args.float8)
+        plan += [(label, lambda i=i, fsdp=fsdp: fsdpclip_curve(*common, seed_a, *shape, env, root, f"curve-{i}",
+                                                               fsdp))
+                 for i, (label, fsdp) in enumerate(variants.items())]
         for name, run in plan:
             began = time.perf_counter()
             runs[name] = run()

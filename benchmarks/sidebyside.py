@@ -8,13 +8,17 @@ of its fsdp block) on device-resident synthetic data.
 A variant is the spec's fsdp block, but for its dotted keys, which set other fields as `fsdpclip launch --set` does.
 
 Each side: build, warm-up steps, N timed steps (device synchronised), samples/s/GPU, MFU
-(FLOPs per sample counted on the meta device, against --peak-tflops) and peak memory; rank 0
-appends one JSON line per side.
+(FLOPs per sample counted on the meta device, against --peak-tflops, a bf16 rate: for variants with
+fsdp.float8 it is bf16-equivalent, and labelled so) and peak memory; rank 0 appends one JSON line per side.
+Variants named in --float8-any-shape run every MLP layer of OpenCLIP's blocks whose dims are multiples of 16 in
+float8, not only those of the sizes torchao measured faster (parallel.float8.gains_from_float8): what measures
+that rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -32,6 +36,7 @@ from reference_step import reference_rate  # noqa: E402
 from throughput import matmul_peak_tflops  # noqa: E402
 
 from fsdpclip.model.build import build_model, training_flops_per_sample  # noqa: E402
+from fsdpclip.parallel import float8  # noqa: E402
 from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
 from fsdpclip.spec.job import Job, ModelSpec  # noqa: E402
 from fsdpclip.spec.jobfile import apply_overrides, parse_job  # noqa: E402
@@ -76,7 +81,8 @@ def trainer_rate(model: str, batch: int, variant: dict, warmup: int, steps: int,
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - began
     result = {"samples_per_s_per_gpu": batch * steps / elapsed, "build_s": build_s,
-              "peak_memory_gib": torch.cuda.max_memory_allocated(env.device) / 2 ** 30}
+              "peak_memory_gib": torch.cuda.max_memory_allocated(env.device) / 2 ** 30,
+              "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules())}
     if parts:
         result["parts_s"] = step_parts(trainer, window, steps)
     if profile:
@@ -92,6 +98,18 @@ def trainer_rate(model: str, batch: int, variant: dict, warmup: int, steps: int,
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+@contextlib.contextmanager
+def float8_any_shape(chosen: bool):
+    """Inside: float8 takes every MLP layer whose dims are multiples of 16, whatever its size (where `chosen`)."""
+    rule = float8.gains_from_float8
+    if chosen:
+        float8.gains_from_float8 = lambda out_features, in_features, recipe: not (out_features % 16 or in_features % 16)
+    try:
+        yield
+    finally:
+        float8.gains_from_float8 = rule
 
 
 def step_parts(trainer: Trainer, window: Window, steps: int) -> dict[str, float]:
@@ -163,6 +181,8 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="variant name to profile")
     parser.add_argument("--parts", action="store_true",
                         help="after the timed steps, time each step's parts over as many steps (parts_s)")
+    parser.add_argument("--float8-any-shape", nargs="*", default=[],
+                        help="variant names whose float8 takes every MLP layer of dims multiple of 16")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bf16 peak of one GPU, for MFU (default: the bf16 matmul rate measured here)")
     parser.add_argument("--out", required=True)
@@ -185,7 +205,7 @@ def main() -> None:
         base = rows[0]
         ratio = f"{rate / base['samples_per_s_per_gpu']:.2f}× {base['variant']}" \
             if rate and base.get("samples_per_s_per_gpu") else ""
-        share = f"{mfu:.1%} MFU" if mfu else ""
+        share = f"{mfu:.1%} MFU{' (bf16-eq.)' if row.get('mfu_bf16_equivalent') else ''}" if mfu else ""
         print(f"{args.model} bs{args.batch} {row['variant']:<28} {rate or 0:8.1f} /s/GPU {share:>10} "
               f"{row.get('peak_memory_gib', 0):6.1f} GiB build {row.get('build_s', 0):5.1f} s {ratio} "
               f"{row.get('error', '')}{row.get('parts_s', '')}", flush=True)
@@ -198,11 +218,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_root:
         for name, variant in json.loads(args.variants).items():
             try:
-                result = trainer_rate(args.model, args.batch, variant, args.warmup, args.steps, env, run_root,
-                                      profile=name == args.profile, parts=args.parts)
+                with float8_any_shape(name in args.float8_any_shape):
+                    result = trainer_rate(args.model, args.batch, variant, args.warmup, args.steps, env, run_root,
+                                          profile=name == args.profile, parts=args.parts)
             except Exception as exc:  # one broken variant must not hide the others
                 result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            report({"variant": name, "fsdp": variant, **result})
+            report({"variant": name, "fsdp": variant, **result, "mfu_bf16_equivalent": variant.get("float8") is True,
+                    "float8_any_shape": name in args.float8_any_shape})
     dist.destroy_process_group()
 
 

@@ -210,9 +210,8 @@ def test_a_probe_leaves_the_batch_norms_running_statistics(tmp_path, monkeypatch
     moved = []
     model.visual.bn1.register_forward_hook(lambda *_: moved.append(model.visual.bn1.running_mean.clone()))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    trainer = SimpleNamespace(job=job, env=SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1),
-                              model=model, decay_groups=trainable_decay_groups(model, job.optimizer))
-    assert BatchSizing._probe_step(trainer, 4)
+    sizing = BatchSizing(job, SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1))
+    assert sizing.probe_step(model, trainable_decay_groups(model, job.optimizer), 4)
     assert moved and not torch.equal(moved[0], before["visual.bn1.running_mean"])
     assert before["visual.bn1.num_batches_tracked"] == 0
     after = {name: t for name, t in [*model.named_buffers(), *model.named_parameters()]}

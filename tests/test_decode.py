@@ -846,35 +846,35 @@ def test_data_wait_is_what_the_step_waits_for(device):
     from types import SimpleNamespace
 
     from fsdpclip.run.lock import StartupClock
+    from fsdpclip.train.feeding import DataFeed
     from fsdpclip.train.metrics import Window
-    from fsdpclip.train.trainer import Trainer
 
     def slow_batches():
         while True:
             time.sleep(0.3)
             yield torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.long)
 
-    trainer = Trainer.__new__(Trainer)  # just its data path
-    trainer.env, trainer.images, trainer.data_spans = SimpleNamespace(device=torch.device(device)), None, deque()
-    trainer.batch_iter, trainer.startup = slow_batches(), StartupClock()
+    feed = DataFeed.__new__(DataFeed)  # its path to the device, over batches of its own
+    feed.env, feed.images, feed.data_spans = SimpleNamespace(device=torch.device(device)), None, deque()
+    feed.batch_iter, feed.startup = slow_batches(), StartupClock()
 
     def waited(window: Window) -> float:
         """The window's data wait once the device has passed every span (those not yet seen done too)."""
         if device == "cuda":
             torch.cuda.synchronize()
-        return window.data_wait + sum(start.elapsed_time(end) / 1e3 for start, end in trainer.data_spans)
+        return window.data_wait + sum(start.elapsed_time(end) / 1e3 for start, end in feed.data_spans)
 
     idle = Window()
-    trainer._next_batch(idle)
+    feed.next_batch(idle)
     assert 0.29 <= waited(idle) <= 0.5, waited(idle)
     if device == "cuda":
-        trainer.data_spans.clear()
+        feed.data_spans.clear()
         busy, work = Window(), torch.randn(8192, 8192, device=device)
         torch.cuda.synchronize()
         began = time.perf_counter()
         for _ in range(60):
             work = work @ work / 8192
-        trainer._next_batch(busy)
+        feed.next_batch(busy)
         assert waited(busy) < 0.05, waited(busy)
         assert time.perf_counter() - began > 0.6  # the device was busy for longer than the fetch took
 

@@ -6,6 +6,7 @@ Set FSDPCLIP_UPDATE_GOLDEN=1 to rewrite the golden files after an intended chang
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import subprocess
@@ -333,6 +334,14 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     assert cuda_forbids_forked_ranks(gpu) == "NVML sees no GPU" and cuda_forbids_forked_ranks(cpu) is None
     monkeypatch.delattr(torch.cuda, "_device_count_nvml")  # a torch without the private function
     assert cuda_forbids_forked_ranks(gpu) == "this torch cannot ask NVML for the GPUs"
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2, raising=False)
+    assert cuda_forbids_forked_ranks(gpu) is None  # no CUDA driver on this machine: nothing initialised it
+    driver = FakeDriver(initialised=True)  # a library the launcher loaded called cuInit: torch cannot tell
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else None)
+    assert cuda_forbids_forked_ranks(gpu) == "this process has initialised the CUDA driver"
+    assert cuda_forbids_forked_ranks(cpu) is None  # CPU ranks do not use it
+    driver.initialised = False
+    assert cuda_forbids_forked_ranks(gpu) is None
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the launcher itself used CUDA
     assert cuda_forbids_forked_ranks(cpu) == "this process has initialised CUDA"
     # forked GPU ranks' torchrun runs (and is printed) behind the NVML check; CPU ranks' needs nothing
@@ -341,6 +350,30 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
         "PYTORCH_NVML_BASED_CUDA_CHECK=1 py -m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone --run-path ")
     assert forking_environment(cpu, True) == forking_environment(gpu, False) == {}
 
+
+class FakeDriver:
+    """libcuda as ctypes loads it: cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3) before cuInit."""
+
+    def __init__(self, initialised: bool):
+        self.initialised = initialised
+
+    def cuDeviceGetCount(self, count) -> int:
+        return 0 if self.initialised else 3
+
+
+def test_a_gpu_launcher_checks_for_gpus_through_nvml(tmp_path, monkeypatch):
+    """Ranks forked from a GPU job's launcher: its own checks ask NVML whether there is a GPU (torch.cuda.is_available
+    through the driver would leave the forks unable to use CUDA)."""
+    from fsdpclip.launch.local import prepare_forked_ranks
+    from fsdpclip.spec.jobfile import load_job
+
+    (tmp_path / "gpu").mkdir()
+    gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
+    monkeypatch.setattr("fsdpclip.model.build.import_open_clip_as_the_ranks_do", lambda *args: None)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.delitem(sys.modules, "torch")  # as in a launcher that has not imported torch yet
+    assert prepare_forked_ranks(cpu) is None and "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    assert prepare_forked_ranks(gpu) is None and os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
 
 _FORKED_RANK = """
 import os, signal, sys, torch

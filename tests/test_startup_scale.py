@@ -210,7 +210,7 @@ from fsdpclip.parallel.distributed import init_distributed
 from fsdpclip.spec.jobfile import load_job
 
 env = init_distributed("cpu", 60)
-originals = (trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.Trainer._build_model)
+originals = (trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.build_model)
 seen = {}
 for case, path in zip(%r, sys.argv[1:]):
     job, seen[case] = load_job(Path(path)), {}
@@ -225,12 +225,12 @@ for case, path in zip(%r, sys.argv[1:]):
     if case == "late":
         trainer.build_optimizer = fail
     else:
-        trainer.Trainer._build_model = fail
+        trainer.build_model = fail
     try:
         trainer.Trainer(job, env)
     except RuntimeError as exc:  # its traceback still holds the trainer: the workers are stopped, not collected
         seen[case]["error"], seen[case]["after"] = str(exc), len(multiprocessing.active_children())
-    trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.Trainer._build_model = originals
+    trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.build_model = originals
 print(json.dumps(seen))
 """ % (CASES,)
 

@@ -80,7 +80,8 @@ def plan_line(plan: dict) -> str:
     pending = f" (settled again at start: {', '.join(plan['pending'])})" if plan["pending"] else ""
     return (f"plan: shard degree {plan['shard_degree']}, {plan['per_gpu']} per GPU × {plan['grad_accum']}, "
             f"init {plan['init']}, units {units}, reshard_after_forward {layout['reshard_after_forward']}, "
-            f"compile {layout['compile']}, cuda_graph {plan['cuda_graph']}, grad_scaler {plan['grad_scaler']}, "
+            f"compile {layout['compile']}, float8 {layout.get('float8', False)}, cuda_graph {plan['cuda_graph']}, "
+            f"grad_scaler {plan['grad_scaler']}, "
             f"async_save {plan['async_save']}{data}{pending}")
 
 

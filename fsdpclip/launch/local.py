@@ -126,7 +126,8 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
     cannot be forked (None: they can): the spec asks for new interpreters (launch.fork_ranks false), torch
     was imported already (what it reads at import would not hold), or the spec sets one of
     LOAD_TIME_VARIABLES. Otherwise it takes the job's launch.env, so that the ranks start as new
-    interpreters with that environment would, and imports OpenCLIP as they do (without the libraries it
+    interpreters with that environment would (and for a GPU job FORK_SAFE_CUDA_CHECK, so that its own checks for a
+    GPU leave the driver alone), and imports OpenCLIP as they do (without the libraries it
     would import for nothing: `model.build.left_out_of_open_clip`). What torchrun gives
     each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
     (fsdpclip.train.entry.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
@@ -139,6 +140,7 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
     if loading:
         return f"launch.env sets {', '.join(loading)}, read when a process loads"
     os.environ.update(job.launch.env)
+    os.environ.update(forking_environment(job, True))  # this launcher's own checks for a GPU ask NVML too
     from fsdpclip.model.build import import_open_clip_as_the_ranks_do
 
     import_open_clip_as_the_ranks_do(job.model, job.logging.wandb is not None)
@@ -163,19 +165,38 @@ def shown_command(command: list[str], environment: dict[str, str]) -> str:
 
 
 def cuda_forbids_forked_ranks(job: Job) -> Optional[str]:
-    """Why ranks forked from this launcher could not use CUDA (None: they can): it has initialised CUDA, or
-    for a GPU job NVML sees no GPU (with one, the agent's check under FORK_SAFE_CUDA_CHECK stays away from
-    the driver)."""
+    """Why ranks forked from this launcher could not use CUDA (None: they can): it has initialised CUDA (torch's
+    or, for a GPU job, the driver itself, as a library it loaded may have done), or for a GPU job NVML sees no GPU
+    (with one, the agent's check under FORK_SAFE_CUDA_CHECK stays away from the driver)."""
     import torch
 
     if torch.cuda.is_initialized():
         return "this process has initialised CUDA"
     if job.launch.device != "cuda":
         return None
+    if cuda_driver_initialised():
+        return "this process has initialised the CUDA driver"
     gpus = nvml_gpu_count()
     if gpus is None:
         return "this torch cannot ask NVML for the GPUs"
     return None if gpus > 0 else "NVML sees no GPU"
+
+
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether this process has initialised the CUDA driver (cuInit), after which no process forked from it can use
+    CUDA ("initialization error" at its first call); asked without initialising it: before cuInit, every driver
+    call answers CUDA_ERROR_NOT_INITIALIZED. False where there is no driver."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def nvml_gpu_count() -> Optional[int]:
@@ -186,6 +207,33 @@ def nvml_gpu_count() -> Optional[int]:
     try:
         return torch.cuda._device_count_nvml()
     except Exception:  # a private torch function
+        return None
+
+
+def nvml_compute_capabilities() -> Optional[list[tuple[int, int]]]:
+    """The compute capability of each GPU this process may use (CUDA_VISIBLE_DEVICES applied), asked from NVML
+    without the CUDA driver (see `nvml_gpu_count`); None where NVML cannot tell."""
+    from ctypes import CDLL, byref, c_int, c_void_p
+
+    import torch
+
+    count = nvml_gpu_count()
+    if not count or count < 0:
+        return None
+    try:
+        indices = [torch.cuda._get_nvml_device_index(i) for i in range(count)]  # a private torch function
+        nvml = CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        capabilities = []
+        for index in indices:
+            handle, major, minor = c_void_p(), c_int(), c_int()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, byref(handle)) != 0 or \
+                    nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) != 0:
+                return None
+            capabilities.append((major.value, minor.value))
+        return capabilities
+    except Exception:  # noqa: BLE001  (no NVML library, or a torch without these functions)
         return None
 
 

@@ -1,8 +1,8 @@
 """Turn a built model into the sharded one, and give the sharded model its weights.
 
 `parallelize` is the one place that applies the plan of `fsdpclip.parallel.units`, in torchtitan's order:
-activation checkpointing, then per-unit compile, then `fully_shard` on every unit innermost first
-and the root last. The trainer, evaluation and the benchmarks all go through it.
+float8 layers (`fsdpclip.parallel.float8`), activation checkpointing, then per-unit compile, then `fully_shard`
+on every unit innermost first and the root last. The trainer, evaluation and the benchmarks all go through it.
 `materialize` then gives the meta-device result real storage and rank 0's weights.
 """
 
@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpclip.model.build import SHARED_PARAMETERS, find_towers
 from fsdpclip.model.fast_modules import use_direct_attention, use_direct_patch_embedding
+from fsdpclip.parallel.float8 import convert_to_float8, float8_linears, gathers_in_float8
 from fsdpclip.parallel.units import Layout, Unit, checkpointed_modules, plan_units
 from fsdpclip.run.files import write_atomically
 from fsdpclip.spec.job import FsdpSpec
@@ -28,18 +29,27 @@ log = logging.getLogger("fsdpclip")
 
 def parallelize(model: nn.Module, fsdp: FsdpSpec, layout: Layout, mesh: DeviceMesh,
                 block_classes: Optional[dict[str, Optional[list[str]]]] = None) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp` asks, with its
-    units, resharding and compile as `layout` settles them (`plan.resolved`), sharding over `mesh`; returns it.
-    Parameter names stay the original ones."""
+    """Apply float8 layers, activation checkpointing, compile and FSDP2 to `model` (on the meta device) as `fsdp`
+    asks, with its units, resharding, compile and float8 as `layout` settles them (`plan.resolved`), sharding over
+    `mesh`; returns it. Parameter names stay the original ones."""
     towers = find_towers(model, block_classes)
     checkpointed, units = checkpointed_modules(model, towers, fsdp), plan_units(model, towers, layout)
     if fsdp.direct_attention:  # after the plan: it names classes as validation saw them (Conv2d, MultiheadAttention)
         use_direct_attention(model)
     if fsdp.direct_patch_embedding:
         use_direct_patch_embedding(model)
+    options = fsdp.compile_options
+    if layout.float8:
+        names = float8_linears(model, towers, fsdp.float8_recipe)
+        convert_to_float8(model, names, fsdp.float8_recipe, gathers_in_float8(fsdp, layout, mesh),
+                          emulate=mesh.device_type != "cuda")
+        log.info("fsdp.float8 (%s): %d linear layers in float8; MFU stays counted against the bf16 peak "
+                 "(bf16-equivalent)", fsdp.float8_recipe, len(names))
+        if names and fsdp.float8_recipe == "rowwise":  # torchtitan's: compiled casts round as eager's (pytorch#150859)
+            options = {"emulate_precision_casts": True, **options}
     apply_activation_checkpointing(model, checkpointed)
     if layout.compile:
-        apply_compile(model, units, fsdp.compile_options)
+        apply_compile(model, units, options)
     apply_fsdp(model, units, fsdp, layout.reshard_after_forward, mesh)
     return model
 

@@ -55,12 +55,14 @@ class Unit:
 class Layout:
     """The FSDP units of a model and how they run, with `fsdp`'s 'auto' settled (`plan.resolved`): per tower,
     the classes that become units (None: its blocks) and how many of them one unit holds; whether units free
-    their gathered parameters after forward, and whether they are compiled."""
+    their gathered parameters after forward, whether they are compiled, and whether the linear layers of their blocks
+    run in float8 (`parallel.float8`)."""
 
     wrap: dict[str, Optional[tuple[str, ...]]]
     unit_size: dict[str, int]
     reshard_after_forward: bool = True
     compile: bool = False
+    float8: bool = False
 
 
 def wrap_classes(wrap: Optional[Sequence[str]], tower: Tower) -> list[str]:

@@ -99,7 +99,8 @@ def plan_for_node(job: Job, model: nn.Module, towers: dict[str, Tower], node: No
     else where the search starts (the memory estimate's largest batch for `node.gpu_bytes`; 1 where that is not
     known). Raises `plan.mesh.ShardDegreeError` for a shard degree that does not fit the world."""
     fsdp, world, device = job.fsdp, node.world_size, node.device
-    layout = unit_layout(fsdp, model, towers, device)
+    # float8 'auto' stays off until float8 is measured faster on GPUs with a loss curve that holds.
+    layout = replace(unit_layout(fsdp, model, towers, device), float8=fsdp.float8 is True)
 
     @cache
     def measured() -> MemoryModel:

@@ -297,6 +297,16 @@ class FsdpSpec(Section):
         default=True, description="Run a ViT's patch embedding (a Conv2d whose stride is its kernel) as one matmul: "
                                   "the same function, parameters and names, faster on the GPU (docs/performance.md).")
     grad_scaler: GradScalerSpec = Field(default_factory=GradScalerSpec, description="Loss scaling (fp16).")
+    float8: Union[bool, Literal["auto"]] = Field(
+        default="auto", description="Run the linear layers of OpenCLIP's transformer blocks (their MLPs) in float8 "
+                                    "through torchao (`pip install 'fsdpclip[float8]'`; CUDA GPUs of compute "
+                                    "capability 8.9 or later), where their shapes are large enough to gain; the other "
+                                    "layers, frozen ones included, stay in param_dtype, and MFU stays counted against "
+                                    "the bf16 peak. 'auto' leaves it off until it is measured faster on GPUs.")
+    float8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        default="tensorwise", description="torchao's float8 scaling: 'tensorwise' (one scale per tensor; sharded "
+                                          "weights are all-gathered in float8) or 'rowwise' (a scale per row, more "
+                                          "accurate; weights gathered in param_dtype).")
 
     @property
     def scales_loss(self) -> bool:
@@ -686,7 +696,8 @@ class LoggingSpec(Section):
         default=10, gt=0, description="Write metrics.jsonl (and TensorBoard) every N optimizer steps.")
     tensorboard: bool = Field(default=False, description="Also write TensorBoard event files (needs `tensorboard`).")
     peak_tflops: Optional[float] = Field(
-        default=None, gt=0, description="Peak dense TFLOP/s of one device for MFU; default: a table of known GPUs.")
+        default=None, gt=0, description="Peak dense bf16 TFLOP/s of one device for MFU (with fsdp.float8 too: its "
+                                        "MFU is bf16-equivalent); default: a table of known GPUs.")
     wandb: Optional[WandbSpec] = Field(
         default=None, description="Also log to Weights & Biases (rank 0; needs `pip install 'fsdpclip[wandb]'`).")
 

@@ -154,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             if full and isinstance(exc, OSError):  # before the crash report: where only one more file fits, exit.json
                 # names the checkpoint
-                report_no_space(job, env.rank, exc, getattr(trainer, "step", None))
+                report_no_space(job, env.rank, exc, trainer.progress.step if trainer is not None else None)
             write_crash_report(job.run_dir, env.rank, exc)
         finally:
             stop_child_processes()

@@ -1,62 +1,77 @@
-"""The trainer's data hooks: the rank's batches from the registered data source, and the time a step waits
-for them."""
+"""The trainer's data (`DataFeed`): the rank's batches from the registered data source, the time a step waits
+for them, and their position and counts for checkpoints."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from fsdpclip.node import local_ranks, usable_cores
 from fsdpclip.data.source import DATA_SOURCES, RankData
+from fsdpclip.parallel.distributed import Dist, all_sum
+from fsdpclip.run.lock import StartupClock
+from fsdpclip.spec.job import Job
 from fsdpclip.train.metrics import Window
-from fsdpclip.train.state import TrainerState
 
 
-class DataFeed(TrainerState):
-    """The part of `Trainer` that feeds it micro batches."""
+class DataFeed:
+    """This rank's micro batches for `model` (its shapes and preprocessing; the meta-device model will do) from the
+    spec's data source (`data.source.DataSource`, with the block's `settled` 'auto' of the run plan), their
+    workers started where `start` (a fresh run's fill their queues while the model is built; a resumed run's
+    restart at its position). `next_batch` puts one on the device and counts the step's wait for it; `close`
+    stops the workers. `data_ranks`: how many data ranks' streams the run reads (the world size, or that of the
+    ranks whose data a resumed run goes on with); `waiting_hints`: what would feed a step that waits for them."""
 
-    def _open_batches(self, model: torch.nn.Module, start: bool, data_ranks: Optional[int] = None) -> None:
-        """`batches` and `batch_iter` for `model` (`_batches`), the data workers started where `start` (a fresh
-        run's fill their queues while the model is built; a resumed run's restart at its position). With more
-        `data_ranks` than ranks (a run resumed on fewer ranks, going on with the data of those that saved it),
-        this rank reads the streams of `data_ranks ÷ world size` of them in turn (`HostedStreams`)."""
-        world = self.env.world_size
-        self.data_ranks = data_ranks or world
-        hosted = self.data_ranks // world
-        if hosted == 1:
-            self.batches = self._batches(model, self.env.rank)
-        else:
-            streams = range(self.env.rank * hosted, (self.env.rank + 1) * hosted)
-            self.batches = HostedStreams({s: self._batches(model, s) for s in streams},
-                                         self.job.batch.grad_accum // hosted)
-        self.batch_iter = iter(self.batches)
+    def __init__(self, job: Job, env: Dist, model: torch.nn.Module, tokenizer: Callable, settled: dict,
+                 startup: StartupClock, start: bool):
+        self.job, self.env, self.model, self.tokenizer, self.settled = job, env, model, tokenizer, settled
+        self.startup = startup
+        source = DATA_SOURCES[job.data.source]
+        self.waiting_hints = source.waiting_hints(job.data, env.world_size, local_ranks(), usable_cores())
+        self.counted: tuple[int, dict[str, int]] = (0, {})  # samples counted before a resume that restarted it
+        self._open(env.world_size)
         if start:
             self.batches.start()
 
-    def _close_batches(self) -> None:
-        """Stop the data workers, where the batches were opened."""
-        if self.batches is not None:
-            self.batch_iter.close()
-            self.batches.close()
+    def _open(self, data_ranks: int) -> None:
+        """`batches` and `batch_iter` for the model (`_batches`). With more `data_ranks` than ranks (a run resumed
+        on fewer ranks, going on with the data of those that saved it), this rank reads the streams of
+        `data_ranks ÷ world size` of them in turn (`HostedStreams`)."""
+        world = self.env.world_size
+        self.data_ranks = data_ranks
+        hosted = data_ranks // world
+        self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see next_batch
+        self.batches: Any  # the data source's batches, or HostedStreams over several
+        if hosted == 1:
+            self.batches = self._batches(self.env.rank)
+        else:
+            streams = range(self.env.rank * hosted, (self.env.rank + 1) * hosted)
+            self.batches = HostedStreams({s: self._batches(s) for s in streams}, self.job.batch.grad_accum // hosted)
+        self.batch_iter: Any = iter(self.batches)  # a generator: closed with the batches
 
-    def _batches(self, model: torch.nn.Module, stream: int):
-        """The batches of data rank `stream` from the spec's data source (`data.source.DataSource`) for `model`
-        (its shapes and preprocessing; the meta-device model will do); also sets `images` (what turns a micro
-        batch's images into the model's input on the device, e.g. transform.TrainImages; None where they are that
-        already) and `waiting_hints` (what would feed a step that waits for them)."""
+    def _batches(self, stream: int):
+        """The batches of data rank `stream`; also sets `images`: what turns a micro batch's images into the
+        model's input on the device (e.g. transform.TrainImages; None where they are that already)."""
         job, env = self.job, self.env
-        self.data_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # see _next_batch
-        rank = RankData(model, self.tokenizer, job.batch.settled_per_gpu, stream, self.data_ranks, job.run.seed,
-                        env.device, env.is_main, self.plan.data)
-        source = DATA_SOURCES[job.data.source]
-        batches, self.images = source.batches(job.data, rank)
-        self.waiting_hints = source.waiting_hints(job.data, env.world_size, local_ranks(), usable_cores())
+        rank = RankData(self.model, self.tokenizer, job.batch.settled_per_gpu, stream, self.data_ranks, job.run.seed,
+                        env.device, env.is_main, self.settled)
+        batches, self.images = DATA_SOURCES[job.data.source].batches(job.data, rank)
         return batches
 
-    def _next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
+    def reopen(self, data_ranks: int) -> None:
+        """The streams of `data_ranks` data ranks instead (a resume that goes on with theirs), not started."""
+        self.close()
+        self._open(data_ranks)
+
+    def close(self) -> None:
+        """Stop the data workers."""
+        self.batch_iter.close()
+        self.batches.close()
+
+    def next_batch(self, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
         """The next micro batch, on the device; `window.data_wait` gets how long the step waited for it.
 
         On CUDA that is the span on the training stream from just before the batch is asked for to the
@@ -80,7 +95,7 @@ class DataFeed(TrainerState):
             window.data_wait += start.elapsed_time(end) / 1e3
         return batch
 
-    def _judge_supply(self, window: Window) -> None:
+    def judge_supply(self, window: Window) -> None:
         """Tell batches that adapt to it (`supply_waited`: the JPEG engines' share) how long the step waited for
         the window's micro batches."""
         judge = getattr(self.batches, "supply_waited", None)
@@ -93,6 +108,34 @@ class DataFeed(TrainerState):
         if self.images is not None:
             images = self.images(images)
         return images, texts.to(self.env.device, non_blocking=True)
+
+    @property
+    def jpeg_engine_share(self) -> Optional[float]:
+        """This rank's share of the decoding on the GPU's JPEG engines, where the batches have them."""
+        return getattr(self.batches, "jpeg_engine_share", None)
+
+    def sample_counts(self) -> tuple[int, dict[str, int]]:
+        """Broken samples skipped and a mixture's samples by source so far, over all ranks (collectives: every rank
+        calls it), with those counted before a resume whose data started again (`restart`)."""
+        by_source = getattr(self.batches, "source_samples", {})
+        broken, *totals = all_sum([self.batches.broken, *by_source.values()], self.env.device)
+        broken_before, sources_before = self.counted
+        return int(broken) + broken_before, {name: int(total) + sources_before.get(name, 0)
+                                             for name, total in zip(by_source, totals)}
+
+    def state_dict(self) -> dict:
+        """The position of this rank's streams (a checkpoint's rank state)."""
+        return self.batches.state_dict()
+
+    def load_state_dict(self, position: dict) -> None:
+        """Go on from a saved position (`state_dict`'s)."""
+        self.batches.load_state_dict(position)
+
+    def restart(self, micro_batches: int, epoch: int, counted: tuple[int, dict[str, int]]) -> None:
+        """Start the streams again at `epoch`, `micro_batches` into the run (a saved position that no longer
+        holds); the sample counts go on from `counted` (broken samples, samples by source)."""
+        self.batches.restart(micro_batches, epoch)
+        self.counted = counted
 
 
 class HostedStreams:

@@ -26,72 +26,89 @@ import gc
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from fsdpclip.model.build import image_shape, text_shape
+from fsdpclip.model.build import OpenClip, image_shape, text_shape
+from fsdpclip.model.trainable import DecayGroup
+from fsdpclip.parallel.distributed import Dist
 from fsdpclip.plan.batch import (
     PEAK_MARGIN, BatchRecord, BatchSearchFailed, Probe, micro_batches_probed, recorded_batch, search_basis,
     settled_batch,
 )
 from fsdpclip.plan.memory import GIB
-from fsdpclip.plan.resolved import settle_at_start
+from fsdpclip.plan.resolved import RunPlan, settle_at_start
 from fsdpclip.run.directory import EXIT_SPEC
+from fsdpclip.spec.job import Job
+from fsdpclip.train.building import BuiltModel
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.optim import build_optimizer
 from fsdpclip.train.stops import Stop
-from fsdpclip.train.state import TrainerState
 
 log = logging.getLogger("fsdpclip")
 
 
-class BatchSizing(TrainerState):
-    """The part of `Trainer` that settles `batch.per_gpu: "auto"`: `_recorded_batch` for the run plan,
-    `_settle_batch` once the model is built."""
+@dataclass(frozen=True)
+class SettledBatch:
+    """What per_gpu 'auto' settled: the run plan with the batch (its `per_gpu` and `grad_accum`), and on rank 0 the
+    first log record's account of it (`auto_batch`: the batch, the search's seconds, whether a record was reused);
+    None on the other ranks."""
 
-    batch_record: Optional[BatchRecord] = None  # rank 0's: an earlier launch's record that applies
+    plan: RunPlan
+    report: Optional[dict]
 
-    def _recorded_batch(self) -> Optional[tuple[int, int]]:
+
+class BatchSizing:
+    """`batch.per_gpu: "auto"` on this rank: the batch an earlier launch recorded (`recorded`, which the run plan
+    starts from), then the batch settled once the model is built (`settle`)."""
+
+    def __init__(self, job: Job, env: Dist):
+        self.job, self.env = job, env
+        self.basis: dict = {}  # rank 0's: what a record applies to (`plan.batch.search_basis`)
+        self.record: Optional[BatchRecord] = None  # rank 0's: an earlier launch's record that applies
+
+    def recorded(self) -> Optional[tuple[int, int]]:
         """On rank 0, with per_gpu 'auto': the batch an earlier launch of this run recorded for the same spec, world
-        and GPU (kept in `batch_record`), else None."""
+        and GPU (kept in `record`), else None."""
         job, env = self.job, self.env
         if not job.batch.searched:
             return None
         properties = torch.cuda.get_device_properties(env.device)
-        self.batch_basis = search_basis(job, env.world_size, f"{properties.name}, {properties.total_memory} bytes")
-        self.batch_record = recorded_batch(job.run_dir, self.batch_basis)
-        return (self.batch_record.per_gpu, self.batch_record.grad_accum) if self.batch_record else None
+        self.basis = search_basis(job, env.world_size, f"{properties.name}, {properties.total_memory} bytes")
+        self.record = recorded_batch(job.run_dir, self.basis)
+        return (self.record.per_gpu, self.record.grad_accum) if self.record else None
 
-    def _settle_batch(self) -> None:
-        """The plan with the batch settled: the recorded one, else searched now from where the plan starts it
-        (and recorded by rank 0)."""
-        job, env, plan = self.job, self.env, self.plan
+    def settle(self, built: BuiltModel) -> SettledBatch:
+        """The built model's plan with the batch settled: the recorded one, else searched now from where the plan
+        starts it (and recorded by rank 0)."""
+        job, env, plan = self.job, self.env, built.plan
         searched = "per_gpu" in plan.pending
-        record = self.batch_record
+        record = self.record
         if searched:
             began, probes = time.perf_counter(), []
-            budget = None if hasattr(self.model, "reset_iter_state") else self._peak_budget()
+            budget = None if hasattr(built.model, "reset_iter_state") else self._peak_budget()
             try:
-                per_gpu, accum = settled_batch(lambda per_gpu: self._fits(per_gpu, probes), job, env.world_size,
-                                               plan.per_gpu, budget)
+                per_gpu, accum = settled_batch(lambda per_gpu: self._fits(built, per_gpu, probes), job,
+                                               env.world_size, plan.per_gpu, budget)
             except BatchSearchFailed as failed:
                 raise Stop(EXIT_SPEC, str(failed)) from None
             record = BatchRecord(per_gpu, accum, round(time.perf_counter() - began, 1), plan.per_gpu,
-                                 self.batch_basis if env.is_main else {}, probes)
+                                 self.basis if env.is_main else {}, probes)
             if env.is_main:
                 record.save(job.run_dir)
-            self.plan = settle_at_start(plan, job, {}, batch=(per_gpu, accum))
-        self.startup.mark("batch_search")
-        if env.is_main:
-            assert record is not None  # searched now or recorded earlier: per_gpu 'auto' settles one or the other
-            how = f"searched in {record.searched_s:.1f} s from {record.start}: " + ", ".join(
-                f"{p.per_gpu} {'fits' if p.fits else 'out of memory'}" for p in record.probes) \
-                if searched else "recorded by an earlier launch of this run"
-            log.info("batch.per_gpu 'auto': %d per GPU × %d accumulation (%s)", record.per_gpu, record.grad_accum, how)
-            self.batch_search = {"per_gpu": record.per_gpu, "grad_accum": record.grad_accum,
-                                 "searched_s": record.searched_s, "reused": not searched}
+            plan = settle_at_start(plan, job, {}, batch=(per_gpu, accum))
+        if not env.is_main:
+            return SettledBatch(plan, None)
+        assert record is not None  # searched now or recorded earlier: per_gpu 'auto' settles one or the other
+        how = f"searched in {record.searched_s:.1f} s from {record.start}: " + ", ".join(
+            f"{p.per_gpu} {'fits' if p.fits else 'out of memory'}" for p in record.probes) \
+            if searched else "recorded by an earlier launch of this run"
+        log.info("batch.per_gpu 'auto': %d per GPU × %d accumulation (%s)", record.per_gpu, record.grad_accum, how)
+        return SettledBatch(plan, {"per_gpu": record.per_gpu, "grad_accum": record.grad_accum,
+                                   "searched_s": record.searched_s, "reused": not searched})
 
     def _peak_budget(self) -> float:
         """The bytes a probe's predicted peak may reach: PEAK_MARGIN of the memory this process's allocator can
@@ -103,13 +120,13 @@ class BatchSizing(TrainerState):
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
         return budget.item()
 
-    def _fits(self, per_gpu: int, probes: list[Probe]) -> tuple[bool, float]:
+    def _fits(self, built: BuiltModel, per_gpu: int, probes: list[Probe]) -> tuple[bool, float]:
         """Whether a step of `per_gpu` fits on every rank, and its largest peak over the ranks in bytes (one probe
         each, agreed)."""
         env = self.env
         began = time.perf_counter()
         torch.cuda.reset_peak_memory_stats(env.device)
-        fits = self._probe_step(per_gpu)
+        fits = self.probe_step(built.model, built.decay_groups, per_gpu)
         agreed = torch.tensor([float(fits), -float(torch.cuda.max_memory_allocated(env.device))], device=env.device,
                               dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # fits on every rank, the largest peak
@@ -117,10 +134,11 @@ class BatchSizing(TrainerState):
         probes.append(Probe(per_gpu, fits, round(peak / GIB, 2), round(time.perf_counter() - began, 2)))
         return fits, peak
 
-    def _probe_step(self, per_gpu: int) -> bool:
-        """One step at `per_gpu` on random inputs, the weights unchanged; False on running out of memory."""
-        job, env, model = self.job, self.env, self.model
-        optimizer = build_optimizer(model, self.decay_groups, job.optimizer)
+    def probe_step(self, model: OpenClip, decay_groups: list[DecayGroup], per_gpu: int) -> bool:
+        """One step of `model` at `per_gpu` on random inputs, the weights unchanged; False on running out of
+        memory."""
+        job, env = self.job, self.env
+        optimizer = build_optimizer(model, decay_groups, job.optimizer)
         for group in optimizer.param_groups:
             group["lr"] = 0.0  # AdamW's update and its decoupled weight decay both scale with it
         context, vocabulary = text_shape(model)

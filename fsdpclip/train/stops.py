@@ -1,5 +1,5 @@
-"""When a run stops early: stop requests agreed by the ranks at paced checks, Stop and its exit codes, the run
-directory's lock while the job runs, and the exit report."""
+"""When a run stops early: stop requests agreed by the ranks at paced checks (`StopChecks`), Stop and its exit
+codes, the run directory's lock while the job runs, and the exit report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import math
 import signal
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -17,7 +17,9 @@ from fsdpclip.run.directory import EXIT_PREEMPTED, EXIT_SPEC
 from fsdpclip.run.lock import HeldLock, RunLocked, launch_time, launcher_gone, lock_token
 from fsdpclip.run.reports import stop_requested, write_exit_report
 from fsdpclip.spec.job import Job
-from fsdpclip.train.state import TrainerState
+
+if TYPE_CHECKING:
+    from fsdpclip.train.saving import CheckpointManager
 
 STOP_REQUEST = 1000  # in the stop agreement (a maximum over ranks): a stop asked for through RUN_DIR/stop
 
@@ -67,10 +69,21 @@ def run_lock(job: Job, env: Dist):
             lock.__exit__(None, None, None)
 
 
-class StopChecks(TrainerState):
-    """The part of `Trainer` that checks for a stop and reports how the run ended."""
+class StopChecks:
+    """The stop checks of a training loop that starts after `step`: paced (`due`), agreed by the ranks (`check`).
+    `signals` tells of a stop signal (`received`; None: none is watched). A stop saves through `checkpoints`, whose
+    own agreements the same collective carries (an asynchronous write failed, checkpoint.every_minutes passed)."""
 
-    def _stop_if_asked(self) -> None:
+    def __init__(self, job: Job, env: Dist, signals: Any, checkpoints: CheckpointManager, step: int):
+        self.job, self.env, self.signals, self.checkpoints = job, env, signals, checkpoints
+        self.interval, self.checked = STOP_CHECK_STEPS, (step, time.perf_counter())
+        self.first = step + 1  # a check after it sets the pace (its time includes the start-up's compiling)
+
+    def due(self, step: int) -> bool:
+        """Whether the ranks check for a stop after `step`."""
+        return step % self.interval == 0 or step == self.first
+
+    def check(self, step: int) -> None:
         """Agree with the other ranks on a stop (a signal to any rank, a request file seen by rank 0, or a
         rank's launcher gone); if there is one, checkpoint and stop with EXIT_PREEMPTED. Otherwise set the
         interval to the next check from the slowest rank's step time since this one's last (the same on
@@ -81,25 +94,26 @@ class StopChecks(TrainerState):
         if launcher_gone():
             asked = LAUNCHER_GONE
         now = time.perf_counter()
-        step_ms = 1000 * (now - self.checked[1]) / max(1, self.step - self.checked[0])
+        step_ms = 1000 * (now - self.checked[1]) / max(1, step - self.checked[0])
         reason, slowest_ms, writes, minutes_passed = all_max(
-            [asked, math.ceil(step_ms), self.checkpointer.write_status(), self._minutes_passed()], self.env.device)
-        self.checked, self.stop_interval = (self.step, now), stop_check_interval(slowest_ms / 1000)
-        self._raise_if_write_failed(writes)
+            [asked, math.ceil(step_ms), self.checkpoints.write_status(), self.checkpoints.minutes_passed()],
+            self.env.device)
+        self.checked, self.interval = (step, now), stop_check_interval(slowest_ms / 1000)
+        self.checkpoints.raise_if_write_failed(writes)
         if minutes_passed:
-            self.save_due = self.save_due or self.step
+            self.checkpoints.mark_due()
         if not reason:
             return
-        path = self.save()
+        path = self.checkpoints.save()
         cause = {STOP_REQUEST: "a stop was requested", LAUNCHER_GONE: "the launcher (fsdpclip launch) has ended"}.get(
             reason) or f"{signal.Signals(reason).name} received"
-        raise Stop(EXIT_PREEMPTED, f"{cause}: stopped after step {self.step}; checkpoint saved at {path}; start the "
+        raise Stop(EXIT_PREEMPTED, f"{cause}: stopped after step {step}; checkpoint saved at {path}; start the "
                                    f"job again in {self.job.run_dir} to resume")
 
-    def _report_exit(self, code: int, message: str) -> None:
-        """Rank 0 writes exit.json; every rank waits for it, so that none ends (and has torchrun stop the
-        others) before the report is written."""
-        if self.env.is_main:
-            write_exit_report(self.job.run_dir, code, message, self.step,
-                              str(latest_checkpoint(self.job.run_dir) or ""))
-        dist.barrier()
+
+def report_exit(job: Job, env: Dist, code: int, message: str, step: int) -> None:
+    """Rank 0 writes exit.json; every rank waits for it, so that none ends (and has torchrun stop the
+    others) before the report is written."""
+    if env.is_main:
+        write_exit_report(job.run_dir, code, message, step, str(latest_checkpoint(job.run_dir) or ""))
+    dist.barrier()

@@ -55,7 +55,7 @@ def check_job(job: Job, world_size: Optional[int] = None, gpus_per_node: Optiona
     if world_size > MAX_WORLD_SIZE:  # nodes × GPUs of flags each within it; every check below counts through ranks
         report.error("launch", world_size_problem(world_size))
         return report
-    for check in (_check_precision, _check_cuda_graph, _check_compile_options, _check_eval):
+    for check in (_check_precision, _check_cuda_graph, _check_float8, _check_compile_options, _check_eval):
         if_parsed(check, job, report)
     steps, searched, auto, spec_job = None, if_parsed(lambda job: job.batch.searched, job), None, job
     if world_size and searched:
@@ -444,6 +444,20 @@ def _check_cuda_graph(job: Job, report: Report) -> None:
     if fsdp.scales_loss:
         report.error("fsdp.cuda_graph", "not supported with fp16 loss scaling", True,
                      hint="leave it 'auto' or use bf16")
+
+
+def _check_float8(job: Job, report: Report) -> None:
+    """What `fsdp.float8: true` needs that the spec tells: CUDA GPUs, bf16 parameters and torchao (the GPUs'
+    compute capability is a check of the node they are on: `validate.preflight`, and the ranks')."""
+    fsdp = job.fsdp
+    if fsdp.float8 is not True:
+        return
+    if job.launch.device != "cuda":
+        report.error("fsdp.float8", "float8 GEMMs need CUDA GPUs; launch.device is 'cpu'", True, hint="leave it 'auto'")
+    if fsdp.param_dtype != "bf16":
+        report.error("fsdp.float8", f"float8 layers train with bf16 parameters, not {fsdp.param_dtype}", True,
+                     hint="set fsdp.param_dtype to bf16, or leave fsdp.float8 'auto'")
+    _check_importable("torchao", "fsdp.float8", report, extra="float8")
 
 
 def _check_compile_options(job: Job, report: Report) -> None:

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.launch.local import nvml_gpu_count
+from fsdpclip.launch.local import nvml_compute_capabilities, nvml_gpu_count
 from fsdpclip.problems import Report
 from fsdpclip.spec.job import Job
 
@@ -25,6 +25,8 @@ def preflight(job: Job, node_rank: int = 0, static_rendezvous: bool = False) -> 
     report = Report(launch.world_size, launch.gpus_per_node)
     if launch.device == "cuda":
         _check_gpus(launch.gpus_per_node, report)
+        if job.fsdp.float8 is True:
+            _check_float8_gpus(report)
     if static_rendezvous and node_rank == 0:
         _check_port(launch.master_port, report)
     return report
@@ -54,6 +56,15 @@ def _check_gpus(ranks: int, report: Report) -> None:
     elif 0 < count < ranks:
         report.error("launch.gpus_per_node", f"{ranks} ranks on this node, one per GPU, and {source} GPU(s)", ranks,
                      hint=f"set launch.gpus_per_node (or --gpus-per-node) to at most {count}")
+
+
+def _check_float8_gpus(report: Report) -> None:
+    """`fsdp.float8: true`: this node's GPUs have float8 GEMMs (where NVML tells their compute capability)."""
+    from fsdpclip.parallel.float8 import FLOAT8_CAPABILITY, capability_problem
+
+    oldest = min(nvml_compute_capabilities() or [FLOAT8_CAPABILITY])
+    if oldest < FLOAT8_CAPABILITY:
+        report.error("fsdp.float8", capability_problem("this node's GPU", oldest), True, hint="leave it 'auto'")
 
 
 def _check_port(port: int, report: Report) -> None:

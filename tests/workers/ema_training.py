@@ -70,16 +70,16 @@ def main(job_file: str, skipped_step: str) -> None:
     weights = {name: reference.state_dict()[name] for name in averages}
 
     inside: dict[str, torch.Tensor] = {}
-    evaluate = trainer.evaluate
+    evaluate = trainer.evaluator.evaluate
 
     def watched() -> dict:
         inside.update(gathered(trainer.model))
         return evaluate()
 
-    trainer.evaluate = watched
+    trainer.evaluator.evaluate = watched
     before = gathered(trainer.model)
     metrics = MetricsLog(job.run_dir, trainer.total_steps, tensorboard=False, enabled=env.is_main)
-    trainer._evaluate_and_report(metrics)
+    trainer.evaluator.report(metrics, trainer.progress.step)
     metrics.close()
     after = gathered(trainer.model)
     trainer.close()
@@ -89,7 +89,7 @@ def main(job_file: str, skipped_step: str) -> None:
             "names": sorted(averages), "difference": largest_difference(averages, expected),
             "apart_from_unskipped": largest_difference(averages, unskipped),
             "moved": largest_difference(expected, weights), "skipped_step_left_the_weights": left,
-            "skipped_steps": int(trainer.skipped_steps.item()),
+            "skipped_steps": int(trainer.progress.skipped_steps.item()),
             "evaluated_the_averages": all(torch.equal(inside[name], averages[name]) for name in averages),
             "evaluated_frozen_as_trained": all(torch.equal(inside[name], before[name])
                                                for name in before if name not in averages),

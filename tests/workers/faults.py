@@ -30,7 +30,7 @@ import torch
 
 from fsdpclip.checkpoint import layout, remote, sharded as checkpoint, staging
 from fsdpclip.spec.jobfile import load_job
-from fsdpclip.train import entry as train, metrics, trainer
+from fsdpclip.train import entry as train, evaluating, metrics, trainer
 
 
 def main(job: str, faults: str) -> int:
@@ -50,7 +50,7 @@ def inject(fault: str, rank: int, job: str) -> None:
 
         trainer.Trainer.train_step = slow_step
     elif kind == "eval-crash":
-        evaluate = trainer.Trainer.evaluate
+        evaluate = evaluating.Evaluator.evaluate
 
         def failing_evaluate(self):
             def encode_image(*args, **kwargs):
@@ -59,14 +59,14 @@ def inject(fault: str, rank: int, job: str) -> None:
             self.model.encode_image = encode_image
             return evaluate(self)
 
-        trainer.Trainer.evaluate = failing_evaluate
+        evaluating.Evaluator.evaluate = failing_evaluate
     elif kind == "signal":
         target, at = int(args[0]), int(args[1])
         step = trainer.Trainer.train_step
 
         def train_step(self, window):
             out = step(self, window)
-            if self.step == at and rank == target:
+            if self.progress.step == at and rank == target:
                 os.kill(os.getpid(), signal.SIGUSR1)
             return out
 

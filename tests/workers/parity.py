@@ -43,7 +43,7 @@ class Poisoned(torch.nn.Module):
 
     def forward(self, *outputs):
         loss = self.loss_fn(*outputs)
-        hit = self.trainer.step + 1 == self.step and self.trainer.env.rank == self.rank
+        hit = self.trainer.progress.step + 1 == self.step and self.trainer.env.rank == self.rank
         return loss * float("inf") if hit else loss
 
 
@@ -96,7 +96,7 @@ def run_case(name: str, case: dict, env, out: Path) -> None:
     initial = {k: v.clone() for k, v in get_model_state_dict(trainer.model, options=FULL).items()}
     window, result = Window(), {"losses": [], "norms": []}
     for _ in range(trainer.total_steps):
-        poisoned = poison is not None and trainer.step + 1 == poison[0]
+        poisoned = poison is not None and trainer.progress.step + 1 == poison[0]
         if poisoned:
             before, result["scale_before_poison"] = local_state(trainer), trainer.scaler.get_scale()
         loss, norm = trainer.train_step(window)

@@ -30,7 +30,7 @@ def main(mode: str, out: str, job_file: str) -> None:
     result = {"losses": losses}
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if mode == "export":
-        trainer.save()
+        trainer.checkpoints.save()
         torch.manual_seed(123)
         images = torch.randn(5, 3, 32, 32)
         with torch.no_grad():
