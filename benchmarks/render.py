@@ -9,7 +9,7 @@ table are only ever written from here, so a number changes in one place: its row
 
 Row kinds: "sidebyside" (benchmarks/sidebyside.py's and throughput.py's JSON lines: one per side, the
 ratio taken against the table's `reference` side of the same model and batch; `labels` shortens a
-row's `variant` on the page), "run" (a run's metrics.jsonl: rates averaged over the log steps after the
+row's `variant` on the page, `omit` leaves variants off it), "run" (a run's metrics.jsonl: rates averaged over the log steps after the
 first), "columns" (the fields `columns` names, one line per row) and "loss_curves"
 (benchmarks/loss_curve.py's JSON).
 """
@@ -51,7 +51,8 @@ def label(table: dict, variant: str) -> str:
 
 
 def table_rows(table: dict) -> list[dict]:
-    return [row for name in table["rows"] for row in read_rows(name)]
+    """The rows of the table's files, but for the sides its `omit` leaves off the page (superseded designs)."""
+    return [row for name in table["rows"] for row in read_rows(name) if row.get("variant") not in table.get("omit", ())]
 
 
 def sidebyside(table: dict) -> tuple[list[str], list[list[str]]]:
@@ -131,8 +132,8 @@ def render_page(index: dict) -> str:
     for table in index["tables"]:
         header, lines = KINDS[table["kind"]](table)
         rows = ", ".join(f"`benchmarks/results/{name}`" for name in table["rows"])
-        parts.append(f"## {table['title']}\n\n{table['about']}\n\n```sh\n{table['command']}\n```\n\n"
-                     f"Machine: {table['machine']}; torch {table['torch']}; rows of {table['date']}: {rows}.\n\n"
+        parts.append(f"## {table['title']}\n\n{table['about']} Machine: {table['machine']}; torch {table['torch']}; "
+                     f"rows of {table['date']}: {rows}.\n\n```sh\n{table['command']}\n```\n\n"
                      f"{markdown_table(header, lines)}\n")
         if table.get("notes"):
             parts.append(table["notes"] + "\n")

@@ -14,7 +14,7 @@ from fsdpclip.plan.batch import (
     PEAK_MARGIN, BatchRecord, BatchSearchFailed, Probe, kept_batch, largest_fitting, recorded_batch, search_basis,
     settled_batch,
 )
-from fsdpclip.spec.job import Job
+from fsdpclip.spec.job import EmaSpec, Job
 from fsdpclip.validate.checks import check_job
 
 TINY = str(TINY_CONFIG)
@@ -141,8 +141,10 @@ def test_a_record_is_reused_only_for_the_same_spec_world_and_gpu(tmp_path):
     reused = recorded_batch(tmp_path, basis)
     assert (reused.per_gpu, reused.grad_accum, reused.probes[1].fits) == (96, 1, True)
     other_model = job.model_copy(update={"freeze": job.freeze.model_copy(update={"logit_scale": True})})
+    averaged = job.model_copy(update={"ema": EmaSpec()})  # its float32 shards take memory every step
     for changed in (search_basis(job, 4, "H200, 150000000000 bytes"), search_basis(job, 2, "H100, 80 bytes"),
-                    search_basis(other_model, 2, "H200, 150000000000 bytes")):
+                    search_basis(other_model, 2, "H200, 150000000000 bytes"),
+                    search_basis(averaged, 2, "H200, 150000000000 bytes")):
         assert recorded_batch(tmp_path, changed) is None
     (tmp_path / "auto_batch.json").write_text("{not json")
     assert recorded_batch(tmp_path, basis) is None

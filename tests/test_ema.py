@@ -21,6 +21,26 @@ def test_the_decay_of_each_step_is_timms(decay, start, warmup):
         assert ema_decay(step, decay, start, warmup) == pytest.approx(reference.get_decay(step), abs=0, rel=1e-15)
 
 
+def test_the_first_update_copies_the_weights_where_updates_come_every_few_steps():
+    """Updates every 4th step from step 0: the one after step 4 copies the weights (timm's rule would blend in the
+    weights from before training with d), the one after step 8 averages with d."""
+    import torch
+
+    from fsdpclip.train.ema import ShardedEma
+
+    assert [ema_decay(step, 0.9, 0, False, 4) for step in (4, 8)] == [0.0, 0.9]
+    assert ema_decay(8, 0.9, 0, True, 4) == pytest.approx(1 - 8 ** (-2 / 3))
+    model = nn.Linear(2, 2)
+    ema = ShardedEma(model, 0.9, every_steps=4)
+    with torch.no_grad():
+        for step in range(1, 9):
+            model.weight.add_(1.0)
+            ema.update(step)
+            if step == 4:
+                assert torch.equal(ema.averages["weight"], model.weight)
+    assert torch.allclose(ema.averages["weight"], 0.9 * (model.weight - 4) + 0.1 * model.weight)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("decay, every, start, warmup, steps", [(0.9, 1, 0, 0, 6), (0.99, 2, 3, 1, 9)])
 def test_a_sharded_ema_on_two_ranks_is_timms_on_the_whole_model(decay, every, start, warmup, steps):

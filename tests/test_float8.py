@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import sys
 
 import pytest
@@ -145,6 +146,34 @@ def test_swapped_layers_train_in_float8_under_the_same_names(recipe, tmp_path):
         assert grad is not None and grad.abs().sum() > 0, name
 
 
+def test_a_checkpoints_float8_weights_are_saved_as_plain_tensors_and_their_scales_can_be_dropped(tmp_path):
+    """Weights gathered in float8 are torchao's wrappers: the state a checkpoint writes holds the plain tensors
+    they wrap (the same storage), which a machine without torchao loads; the scales
+    precomputed from the weights are dropped on request."""
+    pytest.importorskip("torchao")
+    from fsdpclip.parallel.float8 import convert_to_float8, forget_float8_scales, without_float8_wrappers
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    convert_to_float8(model, ["0"], "tensorwise", gather_in_float8=True, emulate=True)
+    wrapped = model[0].weight
+    assert type(wrapped).__name__ == "WeightWithDynamicFloat8CastTensor"
+    state = without_float8_wrappers({"model": model.state_dict(), "step": 3})
+    assert {type(t) for t in state["model"].values()} == {torch.Tensor} and state["step"] == 3
+    assert state["model"]["0.weight"].data_ptr() == wrapped._tensor.data_ptr()
+    torch.save(model.state_dict(), tmp_path / "wrapped.pt")
+    torch.save(state, tmp_path / "plain.pt")
+    load = ("import sys\nsys.modules['torchao'] = None  # a machine without torchao\nimport torch\n"
+            "print(torch.load(sys.argv[1], weights_only=True)['model']['0.weight'].sum().item())")
+    without_torchao = [subprocess.run([sys.executable, "-c", load, str(tmp_path / name)], capture_output=True,
+                                      text=True, timeout=120) for name in ("wrapped.pt", "plain.pt")]
+    assert "WeightWithDynamicFloat8CastTensor" in without_torchao[0].stderr
+    assert without_torchao[1].returncode == 0, without_torchao[1].stderr
+    assert float(without_torchao[1].stdout) == pytest.approx(wrapped._tensor.sum().item())
+    wrapped._precomputed_scale = torch.tensor(2.0)
+    forget_float8_scales(model)
+    assert wrapped._precomputed_scale is None
+
+
 @pytest.mark.slow
 def test_parallelize_swaps_the_layers_and_gathers_tensorwise_weights_in_float8(tmp_path):
     """On the meta device over a fake process group of 2: tensorwise swaps c_fc and c_proj of the wide block and
@@ -183,6 +212,8 @@ def test_a_float8_run_trains_as_bf16_does_and_its_checkpoints_resume_either_way(
     assert (result["resumed_False"]["at"], result["resumed_False"]["layers"]) == (6, 0)
     for resumed in (result["resumed_True"], result["resumed_False"]):
         assert len(resumed["losses"]) == 2 and all(0 < loss < 10 for loss in resumed["losses"])
+    written = sorted((tmp_path / "runs" / "float8-True").rglob(".metadata"))
+    assert written and not [path for path in written if b"torchao" in path.read_bytes()]  # loads without torchao
 
 
 def _float8_job(tmp_path, **fsdp) -> dict:

@@ -31,6 +31,7 @@ from fsdpclip.checkpoint.remote import RemoteFolder, Uploads, fetch_resume
 from fsdpclip.checkpoint.staging import (
     HostCopy, copy_state, device_bytes, local_shard, local_tensors, spare_device_memory, write_dcp, write_staged,
 )
+from fsdpclip.parallel.float8 import without_float8_wrappers
 from fsdpclip.run.files import disk_free, no_space_message
 from fsdpclip.spec.job import CheckpointSpec
 
@@ -97,7 +98,8 @@ class Checkpointer:
         final = self.root / checkpoint_name(step)
         partial = self.root / (final.name + PARTIAL_SUFFIX)
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state, **({AVERAGES: averages} if averages is not None else {})}
+        state = without_float8_wrappers(
+            {"model": model_state, "optim": optim_state, **({AVERAGES: averages} if averages is not None else {})})
         clock.lap("state_dict")
         needed = self._check_space(final, state)
         if self.rank == 0:

@@ -370,10 +370,11 @@ class ForkedTorchrun:
         return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every process under it (Linux: their parents read from /proc). The tree is
-    stopped first (SIGSTOP, until a scan finds no member it has not stopped), so that a process forked between
-    a scan and the kill (a rank's next data workers, say) cannot outlive its killed parent as an orphan."""
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL a process and every process under it (Linux: their parents read from /proc) and wait, up to
+    `timeout` seconds, until none of them runs any more. The tree is stopped first (SIGSTOP, until a scan finds no
+    member it has not stopped), so that a process forked between a scan and the kill (a rank's next data workers,
+    say) cannot outlive its killed parent as an orphan."""
     stopped: set[int] = set()
     while True:
         members = [member for member in _tree(pid) if member not in stopped]
@@ -384,6 +385,18 @@ def kill_tree(pid: int) -> None:
             stopped.add(member)
     for member in stopped:
         _signal(member, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(map(_running, stopped)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # SIGKILL acts asynchronously: a loaded machine may take a moment to end each member
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in "ZX"
 
 
 def _tree(pid: int) -> list[int]:

@@ -17,16 +17,22 @@ before compile and `fully_shard`. With the tensorwise recipe and a shard group o
 agreed over the shard group: inside each all-gather, or for all of them at once after each optimizer step
 (`precompute_float8_scales`; not in a CUDA-graphed step, whose graph keeps the scale tensors it captured). On a
 CPU (tests), torchao emulates the float8 GEMMs.
+
+Such a weight is a DTensor whose local shard is torchao's wrapper of the plain tensor: checkpoints and the moving
+average take the plain tensor (`without_float8_wrappers`), so that a checkpoint loads without torchao.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import sys
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from fsdpclip.model.build import Tower
 from fsdpclip.parallel.units import Layout
@@ -85,6 +91,42 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _weight_wrapper() -> Optional[type]:
+    """torchao's class of the weights FSDP gathers in float8, where torchao is loaded (else no weight is one)."""
+    module = sys.modules.get("torchao.float8.fsdp_utils")
+    return getattr(module, "WeightWithDynamicFloat8CastTensor", None) if module is not None else None
+
+
+def without_float8_wrapper(tensor: Any) -> Any:
+    """`tensor` as the plain tensor it wraps, the same storage (a DTensor keeps its mesh and placements), where it
+    is a weight gathered in float8; anything else as it is."""
+    wrapper = _weight_wrapper()
+    if wrapper is None:
+        return tensor
+    if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, wrapper):
+        plain = tensor._local_tensor.__dict__["_tensor"].detach()
+        return DTensor.from_local(plain, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                                  stride=tensor.stride())
+    return tensor.__dict__["_tensor"].detach() if isinstance(tensor, wrapper) else tensor
+
+
+def without_float8_wrappers(state: Any) -> Any:
+    """A (nested) state dict with `without_float8_wrapper` applied to every tensor in it."""
+    return tree_map(without_float8_wrapper, state)
+
+
+def forget_float8_scales(model: nn.Module) -> None:
+    """Drop the precomputed float8 scales of `model`'s weights (after their values were replaced, as an evaluation
+    of the moving average does): the next all-gathers compute them from the values as they are."""
+    wrapper = _weight_wrapper()
+    if wrapper is None:
+        return
+    for parameter in model.parameters():
+        shard = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
+        if isinstance(shard, wrapper):
+            shard._precomputed_scale = None  # pyright: ignore[reportAttributeAccessIssue]  (torchao's attribute)
 
 
 def float8_problem(device: torch.device) -> Optional[str]:

@@ -194,7 +194,7 @@ def search_basis(job: Job, world: int, device: str) -> dict:
     """What makes a recorded batch reusable: the spec's sections that change a step's memory, the world size
     and the GPU (its name and memory)."""
     spec = json.loads(job.to_json())
-    return {"spec": {key: spec[key] for key in ("model", "freeze", "fsdp", "loss", "batch")},
+    return {"spec": {key: spec[key] for key in ("model", "freeze", "fsdp", "loss", "batch", "ema")},
             "data_samples": spec["data"].get("samples"), "world_size": world, "device": device}
 
 

@@ -531,7 +531,7 @@ class EmaSpec(Section):
                                      "is not rescaled).")
     start_step: int = Field(
         default=0, ge=0, description="The updates up to optimizer step start_step + 1 copy the weights (d = 0), as "
-                                     "timm's `update_after_step`.")
+                                     "timm's `update_after_step`; so does the first update after start_step.")
     warmup: bool = Field(
         default=False, description="timm's `use_warmup`: d ramps as 1 - (1 + n)^(-2/3) over the n-th step after "
                                    "`start_step`, capped at `decay`.")

@@ -18,16 +18,19 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from fsdpclip.parallel.float8 import forget_float8_scales, without_float8_wrapper
 from fsdpclip.parallel.parallelize import reshard
 from fsdpclip.spec.job import EmaSpec
 from fsdpclip.train.optim import local
 
 
-def ema_decay(step: int, decay: float, start_step: int = 0, warmup: bool = False) -> float:
+def ema_decay(step: int, decay: float, start_step: int = 0, warmup: bool = False, every_steps: int = 1) -> float:
     """The decay of the update after optimizer step `step` (counted from 1): timm's `ModelEmaV3.get_decay`
-    (0, a plain copy, up to `start_step` + 1; with `warmup`, its 1 - (1 + n)^(-2/3) ramp, capped at `decay`)."""
-    n = max(0, step - start_step - 1)
-    if n <= 0:
+    (0, a plain copy, up to `start_step` + 1; with `warmup`, its 1 - (1 + n)^(-2/3) ramp, capped at `decay`). Where
+    updates come every few steps, the first of them copies too: no update falls on step `start_step` + 1 then, and
+    the average would start from the weights as they were before training."""
+    n = step - start_step - 1
+    if n <= 0 or step <= start_step + every_steps:
         return 0.0
     return min(1 - (1 + n) ** (-2 / 3), decay) if warmup else decay
 
@@ -52,7 +55,8 @@ class ShardedEma:
                  warmup: bool = False):
         self.model, self.decay, self.every_steps, self.start_step, self.warmup = \
             model, decay, every_steps, start_step, warmup
-        self.sources = averaged_tensors(model)
+        # the plain tensors under weights gathered in float8: what the average reads and an evaluation overwrites
+        self.sources = {name: without_float8_wrapper(t) for name, t in averaged_tensors(model).items()}
         with torch.no_grad():
             self.averages = {name: t.detach().to(torch.float32, copy=True) for name, t in self.sources.items()}
 
@@ -64,7 +68,7 @@ class ShardedEma:
         its own kernel, where the fused one takes a number."""
         if step % self.every_steps:
             return
-        weight = 1.0 - ema_decay(step, self.decay, self.start_step, self.warmup)
+        weight = 1.0 - ema_decay(step, self.decay, self.start_step, self.warmup, self.every_steps)
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for name, average in self.averages.items():  # CPU offload: the shards on the host, the rest on the device
             shard = local(average)
@@ -91,18 +95,21 @@ class ShardedEma:
     @torch.no_grad()
     def swapped_in(self) -> Iterator[None]:
         """The model's trained tensors replaced by their averages inside the block (an evaluation of the
-        average), and put back after it; FSDP's gathered copies are dropped (`reshard`) on the way in and out, so
-        that each forward gathers the shards as they are. One spare copy of the rank's shards meanwhile."""
+        average), and put back after it; FSDP's gathered copies and the float8 scales precomputed from the weights
+        are dropped on the way in and out, so that each forward gathers the shards as they are. One spare copy of
+        the rank's shards meanwhile."""
         reshard(self.model)
         kept = {name: local(tensor).clone() for name, tensor in self.sources.items()}
         for name, tensor in self.sources.items():
             local(tensor).copy_(local(self.averages[name]))
+        forget_float8_scales(self.model)
         try:
             yield
         finally:
             reshard(self.model)
             for name, tensor in self.sources.items():
                 local(tensor).copy_(kept[name])
+            forget_float8_scales(self.model)
 
 
 def moving_average(model: nn.Module, spec: Optional[EmaSpec]) -> Optional[ShardedEma]:

@@ -76,6 +76,8 @@ class Trainer:
         the resumed state, and the schedule over the run's length."""
         self.built: BuiltModel = build_model(self.job, self.env, self.plan, meta_model, towers, self.startup)
         self.plan, self.batch_report = self.built.plan, None
+        # the average's float32 shards are held through every step: the batch search below finds them taken
+        self.ema = moving_average(self.built.model, self.job.moving_average)
         if self.job.batch.searched:
             settled = sizing.settle(self.built)
             self.startup.mark("batch_search")
@@ -91,7 +93,6 @@ class Trainer:
         # The trained parameters, and those every rank holds whole, listed once (not walked each step).
         self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.replicated = [p for p in replicated_parameters(model) if p.requires_grad]
-        self.ema = moving_average(model, job.moving_average)
         self.plan = settle_async_saves(job, env, self.plan, towers, self.checkpointer,
                                        host_copy_bytes(model, self.trained,
                                                        self.ema.state_dict() if self.ema is not None else None))
