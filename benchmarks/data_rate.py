@@ -45,13 +45,13 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from fsdpclip.data.batches import PREFETCH, webdataset_batches
-from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.jobspec.source import DATA_SOURCES
 from fsdpclip.data.resize import resized_crops
 from fsdpclip.data.transform import CroppedBatch, EncodedBatch, _decode_jpegs, decoded_pixels, padded, unpacked
 from fsdpclip.model.build import build_tokenizer, image_transform, model_config, model_from_config
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
-from fsdpclip.node import usable_cores
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
+from fsdpclip.run.node import usable_cores
+from fsdpclip.jobspec.job import ModelSpec
 
 
 class EmulatedStep:

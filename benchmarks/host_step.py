@@ -23,7 +23,7 @@ import torch
 from torch.nn.utils import get_total_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fsdpclip.train.optim import squared_norm  # noqa: E402
+from fsdpclip.optim.adamw import squared_norm  # noqa: E402
 
 TENSOR = 13_000_000  # elements per tensor, about a ViT-bigG-14 block's largest
 

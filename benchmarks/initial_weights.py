@@ -14,8 +14,8 @@ import json
 import time
 
 from fsdpclip.model.weights import initial_model
-from fsdpclip.node import usable_cores
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.run.node import usable_cores
+from fsdpclip.jobspec.job import ModelSpec
 
 
 def main() -> None:

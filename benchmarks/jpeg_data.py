@@ -217,7 +217,7 @@ def ceiling_side(urls: str, args) -> dict:
     from fsdpclip.data.resize import resized_crops
     from fsdpclip.data.tarshards import shard_samples
     from fsdpclip.data.transform import padded
-    from fsdpclip.data.urls import shard_urls
+    from fsdpclip.jobspec.urls import shard_urls
 
     blobs = []
     for url in shard_urls(urls):

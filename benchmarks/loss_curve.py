@@ -35,8 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fsdpclip.model.weights import initial_model  # noqa: E402
 from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
-from fsdpclip.spec.job import ModelSpec  # noqa: E402
-from fsdpclip.spec.jobfile import parse_job  # noqa: E402
+from fsdpclip.jobspec.job import ModelSpec  # noqa: E402
+from fsdpclip.jobspec.jobfile import parse_job  # noqa: E402
 from fsdpclip.train.metrics import Window  # noqa: E402
 from fsdpclip.train.trainer import Trainer  # noqa: E402
 

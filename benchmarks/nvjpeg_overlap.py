@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_rate import EmulatedStep, kept_busy  # noqa: E402
 
 from fsdpclip.data.tarshards import shard_samples  # noqa: E402
-from fsdpclip.data.urls import shard_urls  # noqa: E402
+from fsdpclip.jobspec.urls import shard_urls  # noqa: E402
 
 HARDWARE, DEFAULT, OUTPUT_RGB, MAX_COMPONENT = 3, 0, 3, 4
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from fsdpclip.plan.resolved import plan_job
-from fsdpclip.spec.jobfile import load_job
+from fsdpclip.jobspec.jobfile import load_job
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = {"ViT-B-32": REPO / "examples" / "vit-b-32-laion400m.json", "ViT-bigG-14": REPO / "examples" / "vit-bigg-14.json"}

@@ -11,7 +11,7 @@ Each side: build, warm-up steps, N timed steps (device synchronised), samples/s/
 (FLOPs per sample counted on the meta device, against --peak-tflops, a bf16 rate: for variants with
 fsdp.float8 it is bf16-equivalent, and labelled so) and peak memory; rank 0 appends one JSON line per side.
 Variants named in --float8-any-shape run every MLP layer of OpenCLIP's blocks whose dims are multiples of 16 in
-float8, not only those of the sizes torchao measured faster (parallel.float8.gains_from_float8): what measures
+float8, not only those of the sizes torchao measured faster (model.float8.gains_from_float8): what measures
 that rule.
 """
 
@@ -36,10 +36,10 @@ from reference_step import reference_rate  # noqa: E402
 from throughput import matmul_peak_tflops  # noqa: E402
 
 from fsdpclip.model.build import build_model, training_flops_per_sample  # noqa: E402
-from fsdpclip.parallel import float8  # noqa: E402
+from fsdpclip.model import float8  # noqa: E402
 from fsdpclip.parallel.distributed import init_distributed  # noqa: E402
-from fsdpclip.spec.job import Job, ModelSpec  # noqa: E402
-from fsdpclip.spec.jobfile import apply_overrides, parse_job  # noqa: E402
+from fsdpclip.jobspec.job import Job, ModelSpec  # noqa: E402
+from fsdpclip.jobspec.jobfile import apply_overrides, parse_job  # noqa: E402
 from fsdpclip.train import trainer as trainer_module  # noqa: E402
 from fsdpclip.train.metrics import Window  # noqa: E402
 from fsdpclip.train.trainer import Trainer  # noqa: E402

@@ -95,11 +95,11 @@ def test_the_launcher_and_the_spec_load_without_torch():
 def test_the_modules_the_registries_load_do_not_load_the_job_spec():
     """The job spec is declared from the registries when it loads, which loads their built-in modules: one of them
     (or a module it imports) that imported the job spec as it loads would meet it half declared."""
-    registries = {"data.source": "DATA_SOURCES", "model.family": "TOWER_FAMILIES", "eval.task": "EVAL_TASKS",
-                  "launch.backend": "LAUNCHER_BACKENDS", "train.losses": "LOSSES"}
+    registries = {"jobspec.source": "DATA_SOURCES", "jobspec.family": "TOWER_FAMILIES", "jobspec.task": "EVAL_TASKS",
+                  "jobspec.backend": "LAUNCHER_BACKENDS", "jobspec.losses": "LOSSES"}
     code = "import importlib, sys; " + "; ".join(
         f"from fsdpclip.{module} import {name}; [importlib.import_module(m) for m in {name}.built_in]"
-        for module, name in registries.items()) + "; print('fsdpclip.spec.job' in sys.modules)"
+        for module, name in registries.items()) + "; print('fsdpclip.jobspec.job' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert (result.returncode, result.stdout.strip()) == (0, "False"), \
-        f"a built-in module of a registry imports fsdpclip.spec.job when it loads: {result.stderr[-2000:]}"
+        f"a built-in module of a registry imports fsdpclip.jobspec.job when it loads: {result.stderr[-2000:]}"

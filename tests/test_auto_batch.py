@@ -14,7 +14,7 @@ from fsdpclip.plan.batch import (
     PEAK_MARGIN, BatchRecord, BatchSearchFailed, Probe, kept_batch, largest_fitting, recorded_batch, search_basis,
     settled_batch,
 )
-from fsdpclip.spec.job import EmaSpec, Job
+from fsdpclip.jobspec.job import EmaSpec, Job
 from fsdpclip.validate.checks import check_job
 
 TINY = str(TINY_CONFIG)
@@ -184,7 +184,7 @@ def test_the_benchmark_reports_the_cpu_refusal(tmp_path):
 def test_a_relaunch_does_not_report_the_settled_batch_as_a_change(tmp_path):
     """The checkpoint records the batch the search settled; the spec still says 'auto' (the trainer compares what
     it settles, reusing the record)."""
-    from fsdpclip.spec.resume import spec_changes
+    from fsdpclip.jobspec.resume import spec_changes
 
     job = auto_job(tmp_path)
     saved = json.loads(job.with_batch(96, 1).to_json())

@@ -50,7 +50,7 @@ def test_a_sidebyside_variant_sets_its_fsdp_block_and_dotted_fields(tmp_path):
 
     import pytest
 
-    from fsdpclip.problems import SpecError
+    from fsdpclip.jobspec.problems import SpecError
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location("sidebyside", REPO / "benchmarks" / "sidebyside.py")

@@ -16,7 +16,7 @@ import torch
 from conftest import PREEMPTIBLE_STEPS, TINY_CONFIG, assert_same_losses, preemptible_job, squeezed, write_job
 from ranks import run_group, torchrun
 from fsdpclip.checkpoint.layout import complete_checkpoints, latest_checkpoint
-from fsdpclip.spec.resume import Change
+from fsdpclip.jobspec.resume import Change
 
 STEPS = 12
 
@@ -261,8 +261,8 @@ def test_what_a_relaunch_on_other_ranks_keeps_and_what_it_changes(tmp_path):
     32 × 2; 1 × 32 × 2 on 2 ranks: 32 × 1), else the largest per_gpu that does (3 ranks × 8 → 2 ranks: 12 → 6 ×
     2); 'auto' gets global_batch; a global_batch asked for, or ranks that do not divide it, are left to be
     refused. A finished constant schedule lengthened goes on at its LR (no consequence); a cosine's jumps."""
-    from fsdpclip.spec.jobfile import parse_job
-    from fsdpclip.spec.resume import consequences, kept_batch
+    from fsdpclip.jobspec.jobfile import parse_job
+    from fsdpclip.jobspec.resume import consequences, kept_batch
 
     def job(ranks: int, per_gpu, accum: int = 1, **blocks):
         spec = _plain_job(tmp_path, batch={"per_gpu": per_gpu, "grad_accum": accum}, launch={"gpus_per_node": ranks})
@@ -302,7 +302,7 @@ def test_a_wsd_run_stopped_and_lengthened_goes_on_at_its_peak(tmp_path):
     """A wsd run of 16 steps (its decay the last quarter) stopped in its stable phase (at step 5 or 10, SIGUSR1) and
     relaunched with 24 steps resumes without `accept_changes`: the LR where it resumes is the same, the decay moves
     to the new end, and every step ran at the LR of a run of 24 steps from the start."""
-    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.jobspec.jobfile import parse_job
 
     job = _plain_job(tmp_path, "wsd", schedule={"kind": "wsd", "steps": 16, "decay_fraction": 0.25},
                      launch={"gpus_per_node": 1})
@@ -539,7 +539,7 @@ def _starts_from(exported, weights: dict, tmp_path) -> None:
     """A new run's initial model from `model.pretrained` (the whole exported file) is those weights; from
     `model.image.pretrained` / `model.text.pretrained` (keys relative to the tower) only that tower's."""
     from fsdpclip.model.weights import initial_model
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     def state(**spec) -> dict:
         return {k: v.reshape(weights[k].shape) for k, v in
@@ -662,10 +662,10 @@ def test_values_and_weights_that_would_run_code_are_refused(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from conftest import RunsCode
-    from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
+    from fsdpclip.model.pickles import SafeLoadPlanner, SafeReader
     from fsdpclip.model.build import model_from_config
     from fsdpclip.model.weights import load_model_weights, read_state_dict
-    from fsdpclip.problems import ModelError
+    from fsdpclip.jobspec.problems import ModelError
 
     marker, system = tmp_path / "code-ran", f"{os.system.__module__}.system"
     saved = {"lr": 0.25, "betas": (0.9, 0.98), "step": torch.ones(2)}
@@ -736,7 +736,7 @@ def test_every_minutes_is_a_positive_number():
     periodic, as every_steps does."""
     from pydantic import ValidationError
 
-    from fsdpclip.spec.job import CheckpointSpec
+    from fsdpclip.jobspec.job import CheckpointSpec
 
     assert CheckpointSpec(every_minutes=0.5).periodic and CheckpointSpec(every_steps=3).periodic
     assert not CheckpointSpec().periodic
@@ -765,8 +765,8 @@ def test_the_host_copy_holds_the_moving_average_in_what_it_reserves():
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from fsdpclip.checkpoint.staging import HostCopy, host_copy_bytes
-    from fsdpclip.train.ema import ShardedEma
-    from fsdpclip.train.optim import ShardedAdamW
+    from fsdpclip.optim.ema import ShardedEma
+    from fsdpclip.optim.adamw import ShardedAdamW
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.BatchNorm1d(500), torch.nn.Linear(500, 7))
@@ -792,7 +792,7 @@ def test_asynchronous_saves_auto_where_the_host_copies_fit(monkeypatch):
     take at most a quarter of its memory; off on CPU devices, where the state already lives on the host; true
     and false are kept."""
     from fsdpclip.checkpoint import staging
-    from fsdpclip.spec.job import CheckpointSpec
+    from fsdpclip.jobspec.job import CheckpointSpec
 
     monkeypatch.setattr(staging, "host_memory", lambda: 128 * 2 ** 30)
     assert CheckpointSpec().async_save == "auto"

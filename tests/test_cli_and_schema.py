@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpclip.spec.job import Job, json_schema
-from fsdpclip.spec.jobfile import load_job
+from fsdpclip.jobspec.job import Job, json_schema
+from fsdpclip.jobspec.jobfile import load_job
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.json"))

@@ -10,7 +10,7 @@ import torch
 
 from ranks import json_result, REPO, run_group
 
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.jobspec.job import ModelSpec
 
 
 def test_auto_graphs_one_gpu_steps_of_open_clip_blocks_that_need_no_host():
@@ -56,7 +56,7 @@ def planned(fsdp: dict, model, towers, device: str, world_size: int, flops=None)
     """The run plan of a job of `model`'s towers with `fsdp` on `world_size` ranks of `device` (one per node:
     its shard degree is the world's), 1 sample per GPU, FLOPs per sample `flops`."""
     from fsdpclip.plan.resolved import Node, plan_for_node
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
     job = Job(**{"model": {"name": "ViT-B-32"}, "data": {"source": "synthetic"}, "batch": {"per_gpu": 1},
                  "fsdp": {"shard_degree": world_size, **fsdp}, "launch": {"device": device}})
@@ -90,7 +90,7 @@ def test_a_trainer_without_cuda_refuses_cuda_graph_true(tiny_job, tmp_path):
     job = {**tiny_job, "fsdp": {**tiny_job.get("fsdp", {}), "cuda_graph": True}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
-    result = run_group([sys.executable, "-m", "fsdpclip.train.entry", str(path)], timeout=120)
+    result = run_group([sys.executable, "-m", "fsdpclip.launch.entry", str(path)], timeout=120)
     assert result.returncode == EXIT_SPEC, result.stdout[-2000:]
     assert "fsdp.cuda_graph true needs CUDA devices" in result.stdout
     assert "Traceback" not in result.stdout

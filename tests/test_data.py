@@ -21,7 +21,7 @@ from ranks import run_group
 from fsdpclip.checkpoint.layout import CheckpointError
 from fsdpclip.data import stream as data_module
 from fsdpclip.data.batches import StreamPosition, WebDatasetBatches
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.digits import CLASSNAMES, load_sklearn_digits, to_jpeg
 
@@ -408,7 +408,7 @@ def test_auto_workers_are_the_ranks_cores_less_one_and_no_more_than_its_shards()
 def test_auto_workers_resume_with_the_count_the_checkpoint_was_saved_with(tmp_path):
     """A run whose 'auto' settles another count on the node it resumes on (other cores) keeps the count its data
     position was saved with, so the stream carries on exactly as the uninterrupted one; a number written in the
-    spec is applied as written (its change restarts the epoch, as `spec.resume` says)."""
+    spec is applied as written (its change restarts the epoch, as `jobspec.resume` says)."""
     urls = write_shards(tmp_path, [9, 12, 7, 11])
     with closing(iter(_stream(urls, batch=4, workers=2, samples=39, shuffle_buffer=5))) as reference:
         want = [next(reference)[0] for _ in range(12)]
@@ -429,7 +429,7 @@ def test_auto_workers_resume_with_the_count_the_checkpoint_was_saved_with(tmp_pa
     assert written.workers == 3
     # A position saved before 'auto' (no count of its own) goes on with the count its spec wrote.
     from fsdpclip.data.batches import with_worker_count
-    from fsdpclip.spec.resume import Change, keeps_data_position
+    from fsdpclip.jobspec.resume import Change, keeps_data_position
 
     old = {key: value for key, value in saved.items() if key != "worker_count"}
     assert with_worker_count(old, {"data": {"workers": 2}})["worker_count"] == 2

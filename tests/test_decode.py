@@ -20,8 +20,8 @@ from PIL import Image
 from conftest import TINY_CONFIG, write_job
 from fsdpclip.data import transform as decode
 from fsdpclip.data.batches import WebDatasetBatches
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
-from fsdpclip.spec.preprocess import ColorJitterSpec, PreprocessSpec
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
+from fsdpclip.jobspec.preprocess import ColorJitterSpec, PreprocessSpec
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
 from fsdpclip.data.augment import coloured, crop_box
@@ -85,7 +85,7 @@ def test_the_split_transform_is_open_clips_bit_for_bit():
     Normalize then give exactly what the whole transform gives, for the same seed (crops of several
     sizes, grayscale, upscaled)."""
     from fsdpclip.model.build import build_model, image_transform
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     transform = image_transform(build_model(ModelSpec(config=str(TINY_CONFIG))), train=True)
     split = TrainImages(transform, "cpu", torch.device("cpu"))
@@ -414,7 +414,7 @@ def preprocessed_transforms():
     from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
 
     from fsdpclip.model.build import image_transform, model_config, model_from_config
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     model = model_from_config(model_config(ModelSpec(config=str(TINY_CONFIG), image={"image_size": SIZE}), PREPROCESS))
     with warnings.catch_warnings():  # OpenCLIP calls the jitter's and grayscale's keys unused, and uses them
@@ -884,8 +884,8 @@ def test_changing_where_images_are_decoded_keeps_the_data_position(tiny_job):
     crops); another shuffle buffer restarts the epoch."""
     import json
 
-    from fsdpclip.spec.jobfile import parse_job
-    from fsdpclip.spec.resume import keeps_data_position, spec_changes
+    from fsdpclip.jobspec.jobfile import parse_job
+    from fsdpclip.jobspec.resume import keeps_data_position, spec_changes
 
     saved = json.loads(parse_job(dict(tiny_job, data={**tiny_job["data"], "decode": "cpu"})).to_json())
     for changed, keeps in (({"decode": "gpu"}, True), ({"shuffle_buffer": 7}, False)):

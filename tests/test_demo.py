@@ -35,7 +35,7 @@ def test_demo_job_learns_digits(demo_run):
     # MFU from the FLOPs per sample the last rank counted and sent to rank 0
     from fsdpclip.model.build import model_config, training_flops_per_sample
     from fsdpclip.model.trainable import frozen_meta_model
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
 
     job = load_job(run_dir / "job.json")
     flops = training_flops_per_sample(frozen_meta_model(model_config(job.model), job)[0])

@@ -10,7 +10,7 @@ from torch import nn
 from fsdpclip.model.fast_modules import (DirectAttention, DirectPatchEmbedding, is_patch_embedding, use_direct_attention,
                              use_direct_patch_embedding)
 from fsdpclip.model.weights import initial_model
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.jobspec.job import ModelSpec
 from conftest import TINY_CONFIG
 
 
@@ -200,9 +200,9 @@ def test_compile_auto_and_eager_evaluation(monkeypatch):
     Then a compiled unit module trains compiled and evaluates eager."""
     from fsdpclip.model.build import build_model, find_towers
     from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, apply_compile
-    from fsdpclip.parallel.units import Unit, plan_units
+    from fsdpclip.model.units import Unit, plan_units
     from fsdpclip.plan.resolved import Node, plan_for_node, unit_layout
-    from fsdpclip.spec.job import FsdpSpec, Job, ModelSpec
+    from fsdpclip.jobspec.job import FsdpSpec, Job, ModelSpec
 
     large, small = 2 * COMPILE_MIN_BLOCK_TFLOP * 1e12, COMPILE_MIN_BLOCK_TFLOP * 1e12 / 2
     b32 = build_model(ModelSpec(name="ViT-B-32"))

@@ -9,7 +9,7 @@ from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from conftest import TINY_CONFIG, synthetic_job, write_job
-from fsdpclip.train.ema import ema_decay
+from fsdpclip.optim.ema import ema_decay
 from ranks import torchrun
 
 
@@ -26,7 +26,7 @@ def test_the_first_update_copies_the_weights_where_updates_come_every_few_steps(
     weights from before training with d), the one after step 8 averages with d."""
     import torch
 
-    from fsdpclip.train.ema import ShardedEma
+    from fsdpclip.optim.ema import ShardedEma
 
     assert [ema_decay(step, 0.9, 0, False, 4) for step in (4, 8)] == [0.0, 0.9]
     assert ema_decay(8, 0.9, 0, True, 4) == pytest.approx(1 - 8 ** (-2 / 3))
@@ -84,8 +84,8 @@ def test_the_trainers_average_skips_a_skipped_step_and_its_evaluation_puts_the_w
 def test_the_ema_block_is_off_by_default_and_on_once_given(tmp_path):
     """`ema` is 'auto' (no average) unless given; `--set ema.decay=...` gives the block with timm's other defaults
     (every step, from the first, no warmup); 'auto' turns it off again; job.json keeps it as it was read."""
-    from fsdpclip.spec.job import EmaSpec, Job
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.job import EmaSpec, Job
+    from fsdpclip.jobspec.jobfile import load_job
 
     path = write_job(tmp_path, synthetic_job(tmp_path))
     assert load_job(path).ema == "auto" and load_job(path).moving_average is None

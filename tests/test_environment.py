@@ -86,7 +86,7 @@ def test_a_rank_takes_its_share_of_the_node_cores(monkeypatch):
     """What an offloaded optimizer step and a checkpoint's writer threads use: the node's usable cores over its
     ranks, never less than one."""
     from fsdpclip.checkpoint.staging import write_threads
-    from fsdpclip.node import cores_per_local_rank
+    from fsdpclip.run.node import cores_per_local_rank
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 16)

@@ -209,7 +209,7 @@ def test_bad_inputs_are_clear(trained, digits_dir, tmp_path, cli):
 def test_each_tasks_flags_are_read_back_as_its_set():
     """The options a finished launch prints to evaluate a set again (`EvalTask.flags`) give that set back."""
     from fsdpclip.eval.retrieval import RetrievalSpec
-    from fsdpclip.eval.task import task_of
+    from fsdpclip.jobspec.task import task_of
     from fsdpclip.eval.zeroshot import ZeroShotSpec
 
     for spec in (ZeroShotSpec(dataset="folder", path="/d", classnames="/n.txt", templates="simple", max_samples=5),
@@ -414,10 +414,10 @@ def test_a_failure_mid_set_stops_the_data_workers(digits_dir, kind):
     import multiprocessing
 
     from fsdpclip.eval.retrieval import RetrievalSpec
-    from fsdpclip.eval.task import evaluate_set, load_eval_set
+    from fsdpclip.jobspec.task import evaluate_set, load_eval_set
     from fsdpclip.eval.zeroshot import ZeroShotSpec
     from fsdpclip.model.build import build_model, build_tokenizer, image_transform, model_config
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     spec = ModelSpec(config=str(TINY_CONFIG))
     model = build_model(spec, device="cpu")
@@ -465,8 +465,8 @@ def test_the_resolved_preprocess_is_what_eval_export_and_resume_read(tiny_job):
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
     from fsdpclip.model.build import image_transform, model_config, model_from_config, training_config
-    from fsdpclip.spec.job import Job, ModelSpec
-    from fsdpclip.spec.resume import checkpoint_changes, is_fixed, keeps_data_position
+    from fsdpclip.jobspec.job import Job, ModelSpec
+    from fsdpclip.jobspec.resume import checkpoint_changes, is_fixed, keeps_data_position
 
     siglip = model_config(ModelSpec(name="ViT-B-16-SigLIP", pretrained="webli"))["preprocess_cfg"]
     assert siglip["mean"] == siglip["std"] == [0.5, 0.5, 0.5]

@@ -690,7 +690,8 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_nothing_behind(tmp_
 # and then crashes; prints what `train.main` raised and how many children were left. argv: the job file.
 _CRASH_WITH_A_CHILD = """
 import json, multiprocessing, signal, sys, time
-from fsdpclip.train import entry as train, trainer
+from fsdpclip.launch import entry as train
+from fsdpclip.train import trainer
 
 def stubborn():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

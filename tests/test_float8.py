@@ -16,9 +16,9 @@ from ranks import REPO, json_result, run_group, torchrun_command
 
 from fsdpclip.model.build import build_model, find_towers, model_config
 from fsdpclip.model.trainable import frozen_meta_model
-from fsdpclip.parallel.float8 import float8_linears, gains_from_float8
+from fsdpclip.model.float8 import float8_linears, gains_from_float8
 from fsdpclip.plan.resolved import Node, plan_for_node
-from fsdpclip.spec.job import FsdpSpec, Job, ModelSpec
+from fsdpclip.jobspec.job import FsdpSpec, Job, ModelSpec
 
 # A small CLIP whose image MLPs float8 takes with the tensorwise recipe (c_fc: 2048 × 128), its text tower too small.
 SMALL = {"embed_dim": 64,
@@ -125,7 +125,7 @@ def test_swapped_layers_train_in_float8_under_the_same_names(recipe, tmp_path):
     outputs near bf16's but not equal (float8's rounding), gradients in every trained weight."""
     pytest.importorskip("torchao")
     from fsdpclip.model.build import model_from_config
-    from fsdpclip.parallel.float8 import convert_to_float8
+    from fsdpclip.model.float8 import convert_to_float8
 
     config = model_config(ModelSpec(config=str(_config(tmp_path, SMALL))))
     torch.manual_seed(0)
@@ -151,7 +151,7 @@ def test_a_checkpoints_float8_weights_are_saved_as_plain_tensors_and_their_scale
     they wrap (the same storage), which a machine without torchao loads; the scales
     precomputed from the weights are dropped on request."""
     pytest.importorskip("torchao")
-    from fsdpclip.parallel.float8 import convert_to_float8, forget_float8_scales, without_float8_wrappers
+    from fsdpclip.model.float8 import convert_to_float8, forget_float8_scales, without_float8_wrappers
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
     convert_to_float8(model, ["0"], "tensorwise", gather_in_float8=True, emulate=True)
@@ -296,7 +296,7 @@ def test_launch_shows_the_nodes_float8_row(cli, tmp_path, monkeypatch):
 
 def test_a_rank_without_float8_gemms_is_told_why():
     """What the ranks check of their own device before building (`train.building`)."""
-    from fsdpclip.parallel.float8 import capability_problem, float8_problem
+    from fsdpclip.model.float8 import capability_problem, float8_problem
 
     pytest.importorskip("torchao")
     assert "CUDA GPU" in float8_problem(torch.device("cpu"))
@@ -311,7 +311,7 @@ def test_a_cpu_trainer_refuses_float8_true(tmp_path):
     from fsdpclip.run.directory import EXIT_SPEC
 
     job = _float8_job(tmp_path)
-    result = run_group([sys.executable, "-m", "fsdpclip.train.entry", str(write_job(tmp_path, job))], timeout=120)
+    result = run_group([sys.executable, "-m", "fsdpclip.launch.entry", str(write_job(tmp_path, job))], timeout=120)
     assert result.returncode == EXIT_SPEC, result.stdout[-2000:]
     assert "fsdp.float8 true: float8 GEMMs need a CUDA GPU" in result.stdout
     assert "Traceback" not in result.stdout

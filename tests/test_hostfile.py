@@ -22,7 +22,7 @@ from conftest import (
 )
 from ranks import finish_launch, start_launch
 from fsdpclip.launch.hostfile import pick_hosts, read_hostfile
-from fsdpclip.launch.backend import LaunchError
+from fsdpclip.jobspec.backend import LaunchError
 from fsdpclip.run.lock import process_alive, start_ticks
 
 SSHD = REPO / "cluster" / "local-sshd.sh"

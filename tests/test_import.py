@@ -100,7 +100,7 @@ def continuation(output_dir) -> dict:
 
 def continued_samples(job: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The second epoch's samples: the micro batches fsdpclip's 2 ranks draw from step STEPS on, rank by rank."""
-    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.jobspec.jobfile import parse_job
 
     batch = batch_source(parse_job(job), 2)
     parts = [batch(rank, STEPS + i) for i in range(STEPS) for rank in range(2)]

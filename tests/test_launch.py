@@ -22,7 +22,7 @@ from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.launch.launcher import render, resolve_paths
 from fsdpclip.launch.local import torchrun_command
 from fsdpclip.launch.slurm import sbatch_script
-from fsdpclip.spec.jobfile import load_job
+from fsdpclip.jobspec.jobfile import load_job
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("FSDPCLIP_UPDATE_GOLDEN") == "1"
@@ -109,7 +109,7 @@ def test_sbatch_content():
     assert "export NCCL_SOCKET_IFNAME='^lo,docker0'" in lines and "export GLOO_SOCKET_IFNAME=eth0" in lines
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60" in lines
     assert '--rdzv-backend=c10d --rdzv-endpoint="$head_addr:29511" --rdzv-id="$SLURM_JOB_ID"' in script
-    assert "-m fsdpclip.train.entry /project/runs/tiny-cpu/job.json &" in script
+    assert "-m fsdpclip.launch.entry /project/runs/tiny-cpu/job.json &" in script
 
     quiet = _render(*CASES["no-requeue-quoted-paths"])
     assert "--requeue" not in quiet and "trap '" not in quiet and "scontrol requeue" not in quiet
@@ -121,7 +121,7 @@ def test_sbatch_content():
 def test_the_batch_script_refuses_what_would_break_its_lines():
     """The rendering itself (not only the spec) refuses control characters in every value it writes: a job
     built in code, never validated, cannot add lines to the script either."""
-    from fsdpclip.launch.backend import LaunchError
+    from fsdpclip.jobspec.backend import LaunchError
 
     job = resolve_paths(load_job(REPO / CASES["tiny-cpu-two-nodes"][0], CASES["tiny-cpu-two-nodes"][1]),
                         Path("/project"))
@@ -141,10 +141,10 @@ def test_the_batch_script_refuses_what_would_break_its_lines():
 def test_torchrun_commands():
     job = Path("/runs/x/job.json")
     assert render(torchrun_command(job, 2, python="py")) == (
-        "py -m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone -m fsdpclip.train.entry /runs/x/job.json")
+        "py -m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone -m fsdpclip.launch.entry /runs/x/job.json")
     assert render(torchrun_command(job, 8, 4, 3, "10.0.0.1", 29400, python="py")) == (
         "py -m fsdpclip.launch.torchrun --nproc-per-node=8 --nnodes=4 --node-rank=3 --master-addr=10.0.0.1 "
-        "--master-port=29400 -m fsdpclip.train.entry /runs/x/job.json")
+        "--master-port=29400 -m fsdpclip.launch.entry /runs/x/job.json")
 
 
 # A rank of the forked-torchrun tests: writes what it sees, then exits 75 (a deliberate ending) or waits to be killed.
@@ -292,7 +292,8 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
         """The printed command, whether the launcher imported transformers and took launch.env (`fsdpclip launch`
         in-process), and then, with the variable gone and torch imported, what the ranks of a second launch get."""
         code = ("import os, sys\nfrom fsdpclip.cli.commands import app\n"
-                "from fsdpclip.launch.local import prepare_forked_ranks\nfrom fsdpclip.spec.jobfile import load_job\n"
+                "from fsdpclip.launch.local import prepare_forked_ranks\n"
+                "from fsdpclip.jobspec.jobfile import load_job\n"
                 f"sys.argv = ['fsdpclip', 'launch', {str(path)!r}, '--dry-run']\n"
                 "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
                 "print('transformers imported:', 'transformers' in sys.modules)\n"
@@ -305,7 +306,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     # The tiny model has no Hugging Face tower: a launcher the ranks fork from imports OpenCLIP as they do
     forked = dry_run(plain)
     assert squeezed(f"run directory {tmp_path / 'runs' / 't'} {sys.executable} -m fsdpclip.launch.torchrun") in forked
-    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'train' / 'entry.py'} ") in forked
+    assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'launch' / 'entry.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
     assert squeezed("launch.env taken: from the spec") in forked
     assert squeezed("again: this process had imported torch before it could take launch.env None") in forked
@@ -313,7 +314,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
                       (_tiny(tmp_path / "asked", fork_ranks=False), "launch.fork_ranks is false")):
         new_interpreters = dry_run(path)
         assert squeezed(f"the ranks start as new interpreters: {why}") in new_interpreters
-        assert squeezed("-m fsdpclip.train.entry ") in new_interpreters
+        assert squeezed("-m fsdpclip.launch.entry ") in new_interpreters
         assert squeezed("transformers imported: True") in new_interpreters
     assert squeezed("new interpreters") not in forked
 
@@ -323,7 +324,7 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     import torch
 
     from fsdpclip.launch.local import cuda_forbids_forked_ranks, forking_environment, shown_command
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
 
     (tmp_path / "gpu").mkdir()
     gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
@@ -365,7 +366,7 @@ def test_a_gpu_launcher_checks_for_gpus_through_nvml(tmp_path, monkeypatch):
     """Ranks forked from a GPU job's launcher: its own checks ask NVML whether there is a GPU (torch.cuda.is_available
     through the driver would leave the forks unable to use CUDA)."""
     from fsdpclip.launch.local import prepare_forked_ranks
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
 
     (tmp_path / "gpu").mkdir()
     gpu, cpu = load_job(_tiny(tmp_path / "gpu", device="cuda")), load_job(_tiny(tmp_path))
@@ -377,7 +378,7 @@ def test_a_gpu_launcher_checks_for_gpus_through_nvml(tmp_path, monkeypatch):
 
 _FORKED_RANK = """
 import os, signal, sys, torch
-from fsdpclip.train.entry import adopt_rank_environment
+from fsdpclip.launch.entry import adopt_rank_environment
 signal.signal(signal.SIGHUP, lambda *args: None)  # as torchrun's agent catches it
 torch.set_num_threads(2)
 os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank

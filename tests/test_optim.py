@@ -12,8 +12,8 @@ import torch
 
 from conftest import REPO, TINY_CONFIG
 from ranks import json_result
-from fsdpclip.spec.job import ModelSpec, ScheduleSpec
-from fsdpclip.train.optim import Schedule, ShardedAdamW, squared_norm
+from fsdpclip.jobspec.job import ModelSpec, ScheduleSpec
+from fsdpclip.optim.adamw import Schedule, ShardedAdamW, squared_norm
 
 
 def _adam_state(optimizer, param) -> list[torch.Tensor]:
@@ -97,7 +97,7 @@ _CLIP = """
 import json, torch
 from torch.distributed.tensor import Shard, _api, distribute_tensor
 from fsdpclip.parallel.distributed import init_distributed
-from fsdpclip.train.optim import clip_gradients
+from fsdpclip.optim.adamw import clip_gradients
 
 env = init_distributed("cpu", 60)
 torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_layer_lr_scales_are_open_clip_mains(family, image, text, tmp_path):
 
     from fsdpclip.model.build import model_from_config
     from fsdpclip.model.trainable import layer_lr_scales
-    from fsdpclip.spec.job import LayerDecaySpec
+    from fsdpclip.jobspec.job import LayerDecaySpec
 
     model = model_from_config(_family_config(family, tmp_path), device="meta")
     scales = layer_lr_scales(model, LayerDecaySpec(image=image, text=text))
@@ -181,7 +181,7 @@ def test_layer_lr_scales_are_open_clip_mains(family, image, text, tmp_path):
 def test_layer_decay_is_refused_where_main_has_no_groups(tmp_path):
     """A timm trunk without a group_matcher (PoolFormer's MetaFormer) has no layer groups in OpenCLIP main: validate refuses layer decay
     on it in one located line; without layer decay the same job validates."""
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
     from fsdpclip.validate.checks import check_job
 
     spec = tmp_path / "job.json"
@@ -198,8 +198,8 @@ def test_layer_decay_is_refused_where_main_has_no_groups(tmp_path):
 
 def test_layer_decay_is_checked(tmp_path):
     """A decay outside (0, 1] is refused at its location."""
-    from fsdpclip.problems import SpecError
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.problems import SpecError
+    from fsdpclip.jobspec.jobfile import load_job
 
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"run": {"name": "x", "output_dir": str(tmp_path)}, "model": {"config": str(TINY_CONFIG)},

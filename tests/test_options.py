@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG
-from fsdpclip.spec.job import ModelSpec
-from fsdpclip.spec.jobfile import spec_fields, spelled_default
+from fsdpclip.jobspec.job import ModelSpec
+from fsdpclip.jobspec.jobfile import spec_fields, spelled_default
 
 OPTIONS = REPO / "docs" / "options.md"
 ROW = re.compile(r"^\| `(?P<field>[^`]+)` \|.*\| (?P<tests>.*) \|$")

@@ -22,8 +22,8 @@ from PIL import Image
 from conftest import REPO, synthetic_job, write_job
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.tarshards import shard_samples, tar_members
-from fsdpclip.data.urls import shard_urls
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.jobspec.urls import shard_urls
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
 from fsdpclip.data.writer import _file_name, brace_pattern, short_side_for
 
 

@@ -215,7 +215,7 @@ def batch_source(job, rank_count: int):
 
 def reference_for(name: str, job_dict: dict, steps: int = STEPS, **changes):
     """The reference run of a case (`changes` alter the spec, to show what a mistake would cost)."""
-    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.jobspec.jobfile import parse_job
 
     job = parse_job(_merge(job_dict, changes))
     _, _, decay, frozen, poison = CASES[name]
@@ -272,7 +272,7 @@ def test_decay_groups_and_encoders(name, trained):
     grouped = {n: g["weight_decay"] for g in result["groups"] for n in g["names"]}
     assert sorted(grouped) == sorted(trainable)
     assert grouped == {n: decay(n, p) for n, p in trainable.items()}
-    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.jobspec.jobfile import parse_job
 
     scales = main_lr_scales(parse_job(job_dict), plain)
     assert {n: g["lr_scale"] for g in result["groups"] for n in g["names"]} == {n: scales[n] for n in trainable}

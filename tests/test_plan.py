@@ -65,7 +65,7 @@ def test_plan_of_the_vit_b_32_example(cli):
 
 
 def plan_batch(path) -> int:
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
 
     job = load_job(path)
     return job.batch.per_gpu * job.batch.grad_accum

@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 
 from conftest import REPO, write_job
-from fsdpclip.node import usable_cores
-from fsdpclip.data.source import DATA_SOURCES
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.run.node import usable_cores
+from fsdpclip.jobspec.source import DATA_SOURCES
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
 from fsdpclip.train.metrics import MetricsLog, live_progress
 
 

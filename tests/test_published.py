@@ -11,7 +11,7 @@ import pytest
 
 from conftest import write_job
 from fsdpclip.launch.launcher import resolve_paths
-from fsdpclip.spec.job import Job, ModelSpec
+from fsdpclip.jobspec.job import Job, ModelSpec
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_a_rank_whose_cache_lacks_the_weights_stops_in_one_line(hf_home, tmp_pat
                               "launch": {"device": "cpu", "collective_timeout_s": 60}})
     job.save(tmp_path / "job.json")
     proc = run_group([sys.executable, "-m", "fsdpclip.launch.torchrun", "--nproc-per-node=1", "--standalone", "-m",
-                      "fsdpclip.train.entry", str(tmp_path / "job.json")], timeout=300,
+                      "fsdpclip.launch.entry", str(tmp_path / "job.json")], timeout=300,
                      env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == EXIT_SPEC, proc.stdout[-3000:]
     assert "the 'datacomp1b' weights of ViTamin-S are not in the Hugging Face cache" in proc.stdout

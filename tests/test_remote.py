@@ -152,7 +152,7 @@ def test_a_remote_that_cannot_be_read_at_the_start_is_one_error(tmp_path):
     read, instead of starting fresh (its uploads would then replace the remote checkpoints)."""
     from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.checkpoint.remote import fetch_resume
-    from fsdpclip.spec.job import CheckpointSpec
+    from fsdpclip.jobspec.job import CheckpointSpec
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -170,7 +170,7 @@ def test_uploads_downloads_and_resume_urls(tmp_path, s3):
     and names it there, and leaves a run with a checkpoint as new alone; `--check-remote`'s probe leaves nothing."""
     from fsdpclip.checkpoint.layout import latest_checkpoint
     from fsdpclip.checkpoint.remote import RemoteFolder, fetch_resume
-    from fsdpclip.spec.job import CheckpointSpec
+    from fsdpclip.jobspec.job import CheckpointSpec
 
     url = "s3://runs/urls"
     folder = RemoteFolder(url, s3)
@@ -232,7 +232,7 @@ def test_a_remote_latest_is_followed_only_to_a_checkpoint_of_its_folder(tmp_path
 
     from fsdpclip.checkpoint.layout import CheckpointError, latest_checkpoint, resume_candidates
     from fsdpclip.checkpoint.remote import RemoteFolder, fetch_resume
-    from fsdpclip.spec.job import CheckpointSpec
+    from fsdpclip.jobspec.job import CheckpointSpec
 
     caplog.set_level(logging.INFO, logger="fsdpclip.checkpoint.remote")
     fs = fsspec.filesystem("s3", **s3)

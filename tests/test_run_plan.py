@@ -13,7 +13,7 @@ from ranks import run_group
 from fsdpclip.model.build import model_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.plan.resolved import Node, RunPlan, plan_for_node, settle_at_start
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 
 # Each rule that settles an 'auto', and the one module that may call it (besides the one defining it).
 RULES = {"init_kind": "plan/resolved.py", "blocks_per_unit": "plan/resolved.py",

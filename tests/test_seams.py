@@ -13,11 +13,11 @@ import pytest
 from pydantic import Field
 
 from conftest import REPO, write_job
-from fsdpclip.data.source import DATA_SOURCES, DataSource, RankData
-from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
-from fsdpclip.problems import Report
-from fsdpclip.spec.section import Section
-from fsdpclip.train.losses import LOSSES, Loss
+from fsdpclip.jobspec.source import DATA_SOURCES, DataSource, RankData
+from fsdpclip.jobspec.family import TOWER_FAMILIES, TowerFamily
+from fsdpclip.jobspec.problems import Report
+from fsdpclip.jobspec.section import Section
+from fsdpclip.jobspec.losses import LOSSES, Loss
 from plugins import PluginProcess, install
 
 
@@ -122,7 +122,7 @@ def built_small_vit(layers: int) -> tuple[int, int, str]:
     """(blocks of the image tower, its width, the model's label) of the tiny model with a `small_vit` image tower
     of `layers` blocks, built where the plugin is installed."""
     from fsdpclip.model.build import build_model, find_towers
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     spec = ModelSpec(config=str(REPO / "examples/models/tiny-clip.json"), image={"small_vit": {"layers": layers}})
     model = build_model(spec)
@@ -185,8 +185,8 @@ def test_a_registered_loss_is_validated_with_its_checks(plugged, tiny_job, tmp_p
 
 def test_the_package_spec_holds_none_of_them(cli, tiny_job, tmp_path):
     """This process did not install the plugin: its spec is the package's, and no registration changes it now."""
-    from fsdpclip.spec.job import json_schema
-    from fsdpclip.spec.registry import RegistryError
+    from fsdpclip.jobspec.job import json_schema
+    from fsdpclip.jobspec.registry import RegistryError
 
     code, out = cli.validate_json(write_job(tmp_path, _job(tiny_job, level=0.25)))
     assert [(e["location"], e["message"]) for e in out["errors"]] == [("data", "unknown data source 'constant'")]
@@ -196,7 +196,7 @@ def test_the_package_spec_holds_none_of_them(cli, tiny_job, tmp_path):
 
 
 def test_a_registry_refuses_a_name_twice_and_names_what_it_lacks():
-    from fsdpclip.spec.registry import Registry, RegistryError
+    from fsdpclip.jobspec.registry import Registry, RegistryError
 
     sources = Registry("data source", ())
     sources.register(ConstantSource())

@@ -13,9 +13,9 @@ import pytest
 from pydantic import Field
 
 from conftest import TINY_CONFIG, synthetic_job, write_job
-from fsdpclip.eval.task import EVAL_TASKS, EvalTask
-from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.task import EVAL_TASKS, EvalTask
+from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend
+from fsdpclip.jobspec.section import Section
 from plugins import PluginProcess, install
 
 
@@ -109,7 +109,7 @@ def test_a_registered_launcher_backend_is_a_flag_of_launch(plugged, tiny_job, tm
     result = plugged("launch", job, "--script", script, "--no-check-paths")
     assert result.exit_code == 0, result.output
     assert f"wrote {script}" in result.output
-    assert "-m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone -m fsdpclip.train.entry" in script.read_text()
+    assert "-m fsdpclip.launch.torchrun --nproc-per-node=2 --standalone -m fsdpclip.launch.entry" in script.read_text()
     assert str(tmp_path / "runs" / "t" / "job.json") in script.read_text()
     assert script.read_text().startswith("#!/bin/sh\n")
 
@@ -154,7 +154,7 @@ def test_a_registered_eval_task_is_a_flag_of_eval(plugged, tmp_path, digits_dir)
         " ".join(usage.output.split())
     refused = plugged("eval", weights, "--scale", "t", "--data", digits_dir)
     assert refused.exit_code == 2 and "--scale reads no data" in refused.output
-    assert plugged.call("fsdpclip.eval.task:result_line", "scale/temperature", {"scale": 14.3}) == \
+    assert plugged.call("fsdpclip.jobspec.task:result_line", "scale/temperature", {"scale": 14.3}) == \
         "logit scale temperature: 14.30"
 
 

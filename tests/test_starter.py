@@ -85,7 +85,7 @@ def test_init_refuses_in_one_line(cli, tmp_path):
 def test_init_writes_the_specs_defaults_or_says_why_not(cli, tmp_path):
     """Every value `init` writes on a CPU machine, on 8 GPUs, with shards and fine-tuning published weights is the
     spec's default (its weight decay too), or unset by default, or its line says why it differs."""
-    from fsdpclip.spec.starter import described_fields, starter_spec
+    from fsdpclip.jobspec.starter import described_fields, starter_spec
 
     explained = {(0, None): {"run.name", "fsdp.param_dtype", "schedule.warmup_steps", "launch.device"},
                  (8, "openai"): {"run.name", "optimizer.lr", "schedule.warmup_steps", "launch.gpus_per_node"}}

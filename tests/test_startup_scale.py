@@ -87,7 +87,7 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
     once each, in order, on their own thread, and the main thread's import of one meanwhile waits for the
     whole module; a module that fails to import says nothing there (the next one is still imported) and
     fails at the main thread's import, with its own error."""
-    from fsdpclip.train.entry import import_in_background
+    from fsdpclip.launch.entry import import_in_background
 
     (tmp_path / "slow_module.py").write_text(
         "import threading, time\nimported_on = threading.current_thread().name\ntime.sleep(0.5)\nfinished = True\n")
@@ -124,11 +124,11 @@ def test_import_in_background(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_rank_entry_imports_only_what_the_process_group_needs():
-    """`python -m fsdpclip.train.entry` imports torch and the spec, not the trainer's libraries (DTensor and
+    """`python -m fsdpclip.launch.entry` imports torch and the spec, not the trainer's libraries (DTensor and
     sympy, webdataset, OpenCLIP, dynamo): those are imported on a thread while the process group forms."""
     heavy = ["fsdpclip.train.trainer", "fsdpclip.checkpoint.sharded", "torch.distributed.tensor", "sympy", "webdataset",
              "open_clip", "torch._dynamo"]
-    code = f"import json, sys, fsdpclip.train.entry\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
+    code = f"import json, sys, fsdpclip.launch.entry\nprint(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout) == []
@@ -142,8 +142,8 @@ def test_open_clip_imports_without_transformers_for_a_model_without_hugging_face
     code = (
         "import sys\n"
         "from fsdpclip.model.build import build_model, left_out_of_open_clip\n"
-        "from fsdpclip.spec.job import ModelSpec\n"
-        "from fsdpclip.train.entry import import_in_background\n"
+        "from fsdpclip.jobspec.job import ModelSpec\n"
+        "from fsdpclip.launch.entry import import_in_background\n"
         "spec = ModelSpec(name='ViT-B-32')\n"
         "assert left_out_of_open_clip(spec, logs_to_wandb=True) == ('transformers',)\n"
         "assert not {'transformers', 'wandb'} & set(sys.modules), 'imported before OpenCLIP'\n"
@@ -162,7 +162,7 @@ def test_which_models_may_have_a_hugging_face_text_tower(tmp_path):
     """Read from the spec and the config files without OpenCLIP: OpenCLIP's bundled configs by name, a
     config file of the spec's, a text tower put in by the spec; a config that cannot be read keeps transformers."""
     from fsdpclip.model.build import hf_text_tower
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     plain, hf = tmp_path / "plain.json", tmp_path / "hf.json"
     plain.write_text(json.dumps({"model_cfg": {"embed_dim": 8, "vision_cfg": {}, "text_cfg": {"width": 8}}}))
@@ -185,7 +185,7 @@ def test_flops_are_counted_on_plain_meta_tensors_the_same_as_on_fake_ones(monkey
     from torch._subclasses.fake_tensor import FakeTensor
 
     from fsdpclip.model.build import build_model, fake_batch, training_flops_per_sample
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     model = build_model(ModelSpec(name="ViT-B-32"))
     model.visual.transformer.resblocks[:6].requires_grad_(False)
@@ -207,7 +207,7 @@ import json, multiprocessing, sys
 from pathlib import Path
 from fsdpclip.train import trainer
 from fsdpclip.parallel.distributed import init_distributed
-from fsdpclip.spec.jobfile import load_job
+from fsdpclip.jobspec.jobfile import load_job
 
 env = init_distributed("cpu", 60)
 originals = (trainer.Checkpointer.resume_candidates, trainer.build_optimizer, trainer.build_model)

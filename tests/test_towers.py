@@ -74,7 +74,7 @@ def test_t5_and_timm_towers_train_only_their_last_blocks(tmp_path):
     from safetensors.torch import load_file
 
     from fsdpclip.model.weights import initial_model
-    from fsdpclip.spec.jobfile import parse_job
+    from fsdpclip.jobspec.jobfile import parse_job
 
     hf, timm_dir = _hf_dir(tmp_path), _timm_dir(tmp_path)
     model = {"embed_dim": 48, "text": {"hf": {"path": hf, "pretrained": True}, "context_length": 12},
@@ -176,7 +176,7 @@ def test_flops_of_a_hugging_face_tower_are_counted_on_fake_tensors(tmp_path, mon
     validate's activation trace) takes a FakeTensorMode for any model that holds a transformers module."""
     import fsdpclip.model.build
     from fsdpclip.model.build import build_model, holds_hugging_face_modules, training_flops_per_sample
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     model = build_model(ModelSpec(config=str(TINY_CONFIG), text={"hf": {"path": _hf_dir(tmp_path, weights=False)}}))
     assert holds_hugging_face_modules(model)

@@ -652,7 +652,7 @@ def test_weights_the_spec_names_are_checked_for_their_format(cli, tiny_job, tmp_
     import torch
 
     from fsdpclip.model.weights import read_state_dict
-    from fsdpclip.problems import ModelError
+    from fsdpclip.jobspec.problems import ModelError
 
     marker = tmp_path / "code-ran"
     text = tmp_path / "passwd.pt"

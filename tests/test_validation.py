@@ -35,17 +35,17 @@ def val_shards(digits_dir, tmp_path_factory) -> str:
 
 def _tiny_model():
     from fsdpclip.model.build import build_model
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     torch.manual_seed(0)
     return build_model(ModelSpec(config=str(TINY_CONFIG)), device="cpu").eval()
 
 
 def _ours(model, urls: str, batch_size: int, workers: int = 0) -> dict:
-    from fsdpclip.eval.task import EVAL_TASKS
+    from fsdpclip.jobspec.task import EVAL_TASKS
     from fsdpclip.eval.validation import ValidationSpec
     from fsdpclip.model.build import build_tokenizer, image_transform, model_config
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.job import ModelSpec
 
     task = EVAL_TASKS["validation"]
     dataset = task.load(ValidationSpec(urls=urls, name="digits"), image_transform(model, train=False))

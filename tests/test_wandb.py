@@ -106,7 +106,7 @@ def test_preempted_and_resumed_run_is_one_offline_wandb_run(tmp_path, digits_dir
         url = f"http://127.0.0.1:{port}"
         env = {"WANDB_BASE_URL": url, "HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
                "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
-        train = [sys.executable, "-m", "fsdpclip.train.entry", str(path)]
+        train = [sys.executable, "-m", "fsdpclip.launch.entry", str(path)]
         first = _preempted(train, run_dir, env | {"FSDPCLIP_LAUNCH_TIME": str(time.time())})
         assert first.returncode == 75, first.stdout[-3000:]
         second = run_group(train, timeout=240, env=env | {"FSDPCLIP_LAUNCH_TIME": str(time.time()),

@@ -1,1 +1,1 @@
-"""Sharded checkpoints (save, find, resume, export) and pickles read without running code."""
+"""Sharded checkpoints: save, find, resume, their copies in object storage, export."""

@@ -7,7 +7,7 @@ rank-local state per rank (RNG, data position) and `meta.json` (step, schedule, 
 written last. Every checkpoint is written under a hidden `.partial` name and renamed into
 place only when complete (`publish`); `checkpoints/latest` names the newest complete one. A crash
 while saving leaves at most a `.partial` directory, which is never loaded and is cleared on the
-next start. Nothing is read in a way that can run code (`fsdpclip.checkpoint.pickles`): a checkpoint with a
+next start. Nothing is read in a way that can run code (`fsdpclip.model.pickles`): a checkpoint with a
 file that cannot be read, or whose pickle names anything but plain data, is passed over for the one before it.
 """
 
@@ -19,10 +19,10 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.checkpoint.pickles import PickleRefused, load_weights_only, read_dcp_metadata
+from fsdpclip.model.pickles import PickleRefused, load_weights_only, read_dcp_metadata
 from fsdpclip.run.directory import JOB_FILE
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 
 CHECKPOINTS, LATEST, META = "checkpoints", "latest", "meta.json"
 AVERAGES = "ema"  # the key of the moving average's tensors in a checkpoint's state, beside "model" and "optim"
@@ -126,7 +126,7 @@ def read_rank_state(path: Path) -> dict:
 
 
 def averaged_names(checkpoint: Path) -> list[str]:
-    """The model's names of the tensors whose moving average `checkpoint` holds (`train.ema`): none where its run
+    """The model's names of the tensors whose moving average `checkpoint` holds (`optim.ema`): none where its run
     kept none. Its DCP metadata is read as `checkpoint_problem` reads it; CheckpointError where it cannot be."""
     try:
         metadata = read_dcp_metadata(checkpoint / ".metadata", where=".metadata")
@@ -222,8 +222,8 @@ def resume_candidates(run_dir: Path, resume: Optional[str]) -> tuple[list[Path],
 
 def run_job(checkpoint: Path) -> Optional[Job]:
     """The spec of the run that saved `checkpoint` (its run directory's job.json), if it can be read."""
-    from fsdpclip.problems import SpecError
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.problems import SpecError
+    from fsdpclip.jobspec.jobfile import load_job
 
     path = Path(checkpoint).parent.parent / JOB_FILE
     try:

@@ -28,7 +28,7 @@ from fsdpclip.checkpoint.layout import (
     CHECKPOINTS, LATEST, META, PARTIAL_SUFFIX, CheckpointError, complete_checkpoints, is_checkpoint_name,
     point_latest,
 )
-from fsdpclip.spec.job import CheckpointSpec, is_url
+from fsdpclip.jobspec.job import CheckpointSpec, is_url
 
 log = logging.getLogger("fsdpclip.checkpoint.remote")
 DOWNLOADS = "downloads"  # RUN_DIR/downloads/: checkpoints a resume URL named, downloaded

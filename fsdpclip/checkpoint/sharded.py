@@ -26,14 +26,14 @@ from fsdpclip.checkpoint.layout import (
     AVERAGES, CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, DiskFull, averaged_names, checkpoint_name,
     complete_checkpoints, first_failure, publish, rank_file, read_meta, read_rank_state, resume_candidates,
 )
-from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
+from fsdpclip.model.pickles import SafeLoadPlanner, SafeReader
 from fsdpclip.checkpoint.remote import RemoteFolder, Uploads, fetch_resume
 from fsdpclip.checkpoint.staging import (
     HostCopy, copy_state, device_bytes, local_shard, local_tensors, spare_device_memory, write_dcp, write_staged,
 )
-from fsdpclip.parallel.float8 import without_float8_wrappers
+from fsdpclip.model.float8 import without_float8_wrappers
 from fsdpclip.run.files import disk_free, no_space_message
-from fsdpclip.spec.job import CheckpointSpec
+from fsdpclip.jobspec.job import CheckpointSpec
 
 
 log = logging.getLogger("fsdpclip.checkpoint.sharded")

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from fsdpclip.node import cores_per_local_rank, host_memory
+from fsdpclip.run.node import cores_per_local_rank, host_memory
 
 log = logging.getLogger("fsdpclip.checkpoint.staging")
 DEVICE_HEADROOM = 0.05  # of the device's memory, left free when an asynchronous save's copy is kept there

@@ -22,10 +22,10 @@ from fsdpclip.checkpoint.layout import (
     AVERAGES, CHECKPOINTS, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, checkpoint_problem, first_failure, publish,
     required_averages,
 )
-from fsdpclip.checkpoint.pickles import SafeLoadPlanner, SafeReader
-from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
+from fsdpclip.model.pickles import SafeLoadPlanner, SafeReader
+from fsdpclip.jobspec.preprocess import PREPROCESSING_KEYS
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.job import SHARED_PARAMETERS
+from fsdpclip.jobspec.job import SHARED_PARAMETERS
 from fsdpclip.model.build import OpenClip
 
 
@@ -52,7 +52,7 @@ def save_whole(run_dir: Path, step: int, model: nn.Module, optimizer: torch.opti
 
 def read_model_state(checkpoint: Path, model: nn.Module, averaged: bool = False) -> dict[str, torch.Tensor]:
     """The full model state of a sharded checkpoint, read by this process alone onto the CPU; `averaged`: with the
-    moving average of the tensors it holds one of (`train.ema`: the trained parameters, floating-point buffers) in
+    moving average of the tensors it holds one of (`optim.ema`: the trained parameters, floating-point buffers) in
     place of theirs, the rest (frozen parameters, integer buffers) as trained; CheckpointError where it holds none.
 
     `model` (usually on the meta device) gives the keys, shapes and dtypes.

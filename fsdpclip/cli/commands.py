@@ -13,7 +13,7 @@ from rich.table import Table
 
 from fsdpclip.cli import evaluating, launching
 from fsdpclip.cli.console import check_destination, console, err_console, fail, problem_table, stop
-from fsdpclip.problems import MAX_WORLD_SIZE, Problem, SpecError
+from fsdpclip.jobspec.problems import MAX_WORLD_SIZE, Problem, SpecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Train OpenCLIP models with PyTorch FSDP2 from one JSON job spec.")
@@ -58,7 +58,7 @@ def validate(
 ) -> None:
     """Check a job spec and its meaning before any GPU is allocated."""
     from fsdpclip.cli.tables import summary_tables
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
     from fsdpclip.validate.checks import check_job, kept_on_resume, layout_of, spec_error_problems
 
     if world_size is not None and (nodes is not None or gpus_per_node is not None):
@@ -112,7 +112,7 @@ def plan(
     from fsdpclip.cli.tables import plan_model_line, plan_table
     from fsdpclip.plan.mesh import GPU_MEMORY_GIB, INTER_GBPS, INTRA_GBPS
     from fsdpclip.plan.resolved import plan_job
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
     from fsdpclip.validate.checks import check_job
 
     try:
@@ -151,7 +151,7 @@ app.command()(launching.fetch)
 def train(job_file: Path = typer.Argument(..., help="The resolved spec, usually RUN_DIR/job.json.")) -> None:
     """Train on this rank (what torchrun starts on every rank; `fsdpclip launch` starts it for you and keeps a
     resumed run's global batch on other world sizes)."""
-    from fsdpclip.train.entry import main
+    from fsdpclip.launch.entry import main
 
     raise typer.Exit(main([str(job_file)]))
 
@@ -235,8 +235,8 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT."),
 ) -> None:
     """Write a job spec that passes validate: a model, its data and this machine's GPUs, each value explained."""
-    from fsdpclip.spec.jobfile import parse_job
-    from fsdpclip.spec.starter import described_fields, starter_spec
+    from fsdpclip.jobspec.jobfile import parse_job
+    from fsdpclip.jobspec.starter import described_fields, starter_spec
     from fsdpclip.validate.checks import check_job
 
     if (data is None) != (samples is None):
@@ -292,7 +292,7 @@ def environment(
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of the job spec."""
-    from fsdpclip.spec.job import json_schema
+    from fsdpclip.jobspec.job import json_schema
 
     print(json.dumps(json_schema(), indent=2))
 
@@ -326,9 +326,9 @@ def _short_side(size: Optional[int], model: Optional[str], job_file: Optional[Pa
         return size
     from fsdpclip.cli.console import model_error_line
     from fsdpclip.model.build import model_config
-    from fsdpclip.problems import ModelError
-    from fsdpclip.spec.job import ModelSpec
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.problems import ModelError
+    from fsdpclip.jobspec.job import ModelSpec
+    from fsdpclip.jobspec.jobfile import load_job
 
     try:
         job = load_job(job_file) if job_file is not None else None
@@ -410,7 +410,7 @@ def data_shards(
     """Write webdataset shards (jpg, txt) from your own images, shrunk, in parallel; resumable, skipping
     unreadable images."""
     from fsdpclip.data.writer import WriteError, folder_pairs, table_pairs, write_shards
-    from fsdpclip.node import usable_cores
+    from fsdpclip.run.node import usable_cores
 
     short_side = _short_side(size, model, job_file)
     if not source.exists():
@@ -439,9 +439,9 @@ def data_resize(
                                   help="Members that are images, ';'-separated (as data.image_key)."),
 ) -> None:
     """Shrink the images of existing shards to a short side (other members copied); resumable."""
-    from fsdpclip.data.urls import is_local, local_path, shard_urls
+    from fsdpclip.jobspec.urls import is_local, local_path, shard_urls
     from fsdpclip.data.writer import resize_shards
-    from fsdpclip.node import usable_cores
+    from fsdpclip.run.node import usable_cores
 
     short_side = _short_side(size, model, job_file)
     folder = Path(shards)

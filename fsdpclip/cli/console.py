@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fsdpclip.problems import ModelError, Problem
+from fsdpclip.jobspec.problems import ModelError, Problem
 from fsdpclip.run.files import special_file
 
 # Logs and pipes get wide lines (rich would wrap them at 80 columns); terminals keep their width.

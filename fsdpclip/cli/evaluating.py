@@ -1,5 +1,5 @@
 """`fsdpclip eval`, `export` and `import`: a checkpoint evaluated by an eval task (each registered task is a
-flag: `fsdpclip.eval.task.EVAL_TASKS`), written as one OpenCLIP checkpoint, or continued from open_clip_train's."""
+flag: `fsdpclip.jobspec.task.EVAL_TASKS`), written as one OpenCLIP checkpoint, or continued from open_clip_train's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fsdpclip.cli.console import WithRegisteredOptions, check_destination, console, fail, option, stop
-from fsdpclip.problems import SpecError
+from fsdpclip.jobspec.problems import SpecError
 
 
 class EvalPrecision(str, Enum):
@@ -51,8 +51,8 @@ def eval_command(
 
     from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.eval.evaluate import evaluate_checkpoint
-    from fsdpclip.eval.task import EVAL_TASKS, DatasetError
-    from fsdpclip.problems import ModelError
+    from fsdpclip.jobspec.task import EVAL_TASKS, DatasetError
+    from fsdpclip.jobspec.problems import ModelError
 
     tasks = EVAL_TASKS.members()
     picked = [(tasks[kind], value) for kind, value in task_flags.items() if value is not None]
@@ -113,7 +113,7 @@ def _validation_line(exc) -> str:
 
 def task_options() -> list[inspect.Parameter]:
     """A flag per eval task: `--KIND VALUE`, VALUE one of its choices where it has them."""
-    from fsdpclip.eval.task import EVAL_TASKS
+    from fsdpclip.jobspec.task import EVAL_TASKS
 
     options = []
     for kind, task in EVAL_TASKS.members().items():
@@ -238,10 +238,10 @@ def import_command(
     from fsdpclip.checkpoint.layout import CheckpointError
     from fsdpclip.interop.open_clip_train import import_open_clip_train
     from fsdpclip.launch.launcher import resolve_paths
-    from fsdpclip.problems import ModelError
+    from fsdpclip.jobspec.problems import ModelError
     from fsdpclip.run.directory import IMPORT_FILE
     from fsdpclip.run.lock import RunLocked
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
     from fsdpclip.validate.checks import check_job, spec_error_problems
 
     try:

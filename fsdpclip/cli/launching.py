@@ -1,5 +1,5 @@
 """`fsdpclip launch` and `fsdpclip fetch`: a job validated, checked on this node and started by the launcher
-backend its flag picks (`fsdpclip.launch.backend.LAUNCHER_BACKENDS`), and published weights fetched before it."""
+backend its flag picks (`fsdpclip.jobspec.backend.LAUNCHER_BACKENDS`), and published weights fetched before it."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from rich.markup import escape
 from fsdpclip.cli.console import (
     WithRegisteredOptions, console, err_console, fail, model_error_line, option, problem_table, stop,
 )
-from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, SpecError
+from fsdpclip.jobspec.problems import MAX_WORLD_SIZE, ModelError, Problem, SpecError
 
 if TYPE_CHECKING:
-    from fsdpclip.launch.backend import LaunchFlags
-    from fsdpclip.spec.job import Job, ModelSpec
+    from fsdpclip.jobspec.backend import LaunchFlags
+    from fsdpclip.jobspec.job import Job, ModelSpec
 
 ACCEPT_CHANGES_HELP = ("Resume even where the relaunch changes the run's global batch, length or LR at the resume "
                        "step (checkpoint.accept_changes); each is printed first.")
@@ -56,9 +56,9 @@ def launch_command(
 ) -> None:
     """Validate a job and run it with torchrun on this node, submit it to Slurm (--slurm), or run it on every host
     of a hostfile over ssh (--hostfile)."""
-    from fsdpclip.launch.backend import DEFAULT_BACKEND, LAUNCHER_BACKENDS, LaunchError, LaunchFlags
+    from fsdpclip.jobspec.backend import DEFAULT_BACKEND, LAUNCHER_BACKENDS, LaunchError, LaunchFlags
     from fsdpclip.launch.launcher import resolve_paths
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
 
     picked = {name: value for name, value in backend_flags.items() if value not in (None, False)}
     if len(picked) > 1:
@@ -105,7 +105,7 @@ def launch_command(
 
 def backend_options() -> list[inspect.Parameter]:
     """A flag per launcher backend but the default: `--NAME`, or `--NAME VALUE` for one with a metavar."""
-    from fsdpclip.launch.backend import DEFAULT_BACKEND, LAUNCHER_BACKENDS
+    from fsdpclip.jobspec.backend import DEFAULT_BACKEND, LAUNCHER_BACKENDS
 
     return [option(name.replace("-", "_"), bool, typer.Option(False, f"--{name}", help=backend.help))
             if backend.metavar is None else
@@ -170,7 +170,7 @@ def _ending(code: int, message: str, job: Job) -> None:
 
 def _next_commands(job: Job) -> list[str]:
     """After a finished run: its first evaluation set evaluated again (where it has one) and its export."""
-    from fsdpclip.eval.task import task_of
+    from fsdpclip.jobspec.task import task_of
 
     run_dir = str(job.run_dir)
     evaluate = [shlex.join(["fsdpclip", "eval", run_dir, *task_of(spec).flags(spec)]) for spec in job.eval.sets[:1]]

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.data.source import DATA_SOURCES
-from fsdpclip.eval.task import EVAL_TASKS
+from fsdpclip.jobspec.source import DATA_SOURCES
+from fsdpclip.jobspec.task import EVAL_TASKS
 from fsdpclip.run.directory import EXIT_FILE, EXIT_OK, EXIT_PREEMPTED, EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCHES
-from fsdpclip.problems import SpecError
+from fsdpclip.jobspec.problems import SpecError
 from fsdpclip.run.lock import lock_holder
 from fsdpclip.run.reports import DATA_BOUND, data_wait_notice
-from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.jobspec.jobfile import parse_job
 
 # (metric key in metrics.jsonl, panel title); panels without data are left out.
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("logit_scale", "logit scale (1 / temperature)"),

@@ -13,7 +13,7 @@ from fsdpclip.plan.memory import GIB, host_parts
 
 if TYPE_CHECKING:
     from fsdpclip.plan.mesh import Plan
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 
 def summary_tables(summary: dict) -> list:
@@ -201,7 +201,7 @@ def report_lines(info: dict) -> list[str]:
         lines.append(f"last exit: code {info['exit']['code']}: {escape(str(info['exit']['message']))}")
     if info["relaunch"]:
         lines.append(f"{'resume' if info['last_checkpoint'] else 'launch again'}: {escape(info['relaunch'])}")
-    from fsdpclip.eval.task import EVAL_TASKS
+    from fsdpclip.jobspec.task import EVAL_TASKS
 
     lines += [escape(task.line(name, values)) for kind, task in EVAL_TASKS.members().items()
               for name, values in info.get(kind, {}).items()]

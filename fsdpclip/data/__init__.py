@@ -1,1 +1,1 @@
-"""Training data: webdataset and synthetic batches, tar shards, the image transform, shard URLs, demo data."""
+"""Training data: webdataset and synthetic batches, tar shards, the image transform, shards written, demo data."""

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from fsdpclip.data.engines import EngineShare, missing, worker_context
 from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
 from fsdpclip.data.transform import TrainImages
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
 
 log = logging.getLogger("fsdpclip.data.batches")
 

@@ -29,9 +29,9 @@ from fsdpclip.data.engines import to_engines
 from fsdpclip.data.jpeg import read_header, refuse_huge
 from fsdpclip.data.tarshards import shard_samples
 from fsdpclip.data.transform import CroppedBatch, CroppedImage, EncodedBatch, EncodedJpeg, collate, cropped, for_device
-from fsdpclip.data.urls import shard_urls
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
-from fsdpclip.spec.job import batches_per_epoch
+from fsdpclip.jobspec.urls import shard_urls
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
+from fsdpclip.jobspec.job import batches_per_epoch
 
 log = logging.getLogger("fsdpclip.data.stream")
 

@@ -1,1 +1,1 @@
-"""Zero-shot classification and image-text retrieval."""
+"""The eval tasks (zero-shot classification, retrieval, a validation loss) and a checkpoint evaluated."""

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from fsdpclip.data.batches import WorkerStart, shutdown_workers
 from fsdpclip.data.engines import worker_context
-from fsdpclip.eval.task import DatasetError
+from fsdpclip.jobspec.task import DatasetError
 from fsdpclip.run.files import read_text_file
 
 WDS_IMAGE_KEYS = ("webp", "png", "jpg", "jpeg")

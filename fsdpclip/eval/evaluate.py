@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpclip.eval.task import task_of
+from fsdpclip.jobspec.task import task_of
 
 if TYPE_CHECKING:
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 COUNTS = ("samples", "texts")  # in a set's metrics next to the scores: how many images and captions
 
@@ -50,8 +50,8 @@ def checkpoint_source(path: Path, model_name: Optional[str], model_config: Optio
     from fsdpclip.checkpoint.whole import read_model_state
     from fsdpclip.model.build import model_config as spec_config
     from fsdpclip.model.weights import load_model_weights
-    from fsdpclip.problems import ModelError
-    from fsdpclip.spec.job import ModelSpec
+    from fsdpclip.jobspec.problems import ModelError
+    from fsdpclip.jobspec.job import ModelSpec
 
     path = Path(path)
     try:
@@ -92,7 +92,7 @@ def load_eval_model(source: ModelSource, device: torch.device, mesh, precision: 
     from fsdpclip.model.build import find_towers, model_from_config
     from fsdpclip.parallel.parallelize import materialize, parallelize
     from fsdpclip.plan.resolved import unit_layout
-    from fsdpclip.spec.job import ActivationCheckpointSpec, FsdpSpec
+    from fsdpclip.jobspec.job import ActivationCheckpointSpec, FsdpSpec
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     weights = None

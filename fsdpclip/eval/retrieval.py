@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional
 
 from pydantic import Field
 
-from fsdpclip.eval.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
     import torch
     from fsdpclip.model.build import OpenClip
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 RECALL_K = (1, 5, 10)
 

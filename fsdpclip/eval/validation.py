@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Optional
 
 from pydantic import Field
 
-from fsdpclip.data.webdataset_spec import Urls
-from fsdpclip.eval.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.webdataset_spec import Urls
+from fsdpclip.jobspec.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 RECALLS = {"image→text": "image_to_text_batch_R@1", "text→image": "text_to_image_batch_R@1"}  # direction: key
 
@@ -85,7 +85,7 @@ class ValidationTask(EvalTask):
 
     def check_paths(self, spec: ValidationSpec, where: str, report: Report) -> None:
         from fsdpclip.data.sources.webdataset import check_local_shards
-        from fsdpclip.data.urls import ShardPatterns
+        from fsdpclip.jobspec.urls import ShardPatterns
 
         try:
             shards = ShardPatterns(spec.urls)
@@ -97,7 +97,7 @@ class ValidationTask(EvalTask):
         return ("urls",)
 
     def load(self, spec: ValidationSpec, transform: Optional[Callable]) -> ValidationSet:
-        from fsdpclip.data.urls import shard_urls
+        from fsdpclip.jobspec.urls import shard_urls
 
         try:
             shards = shard_urls(spec.urls)

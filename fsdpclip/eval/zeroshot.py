@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Literal, Optiona
 
 from pydantic import Field
 
-from fsdpclip.eval.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
+from fsdpclip.jobspec.task import EVAL_TASKS, DatasetError, EvalTask, without_grad
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torchvision.datasets import ImageFolder
 
     from fsdpclip.model.build import OpenClip
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 
 class ZeroShotSpec(Section):

@@ -20,7 +20,7 @@ import torch
 
 from fsdpclip.checkpoint.layout import PARTIAL_SUFFIX
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
+from fsdpclip.jobspec.preprocess import PREPROCESSING_KEYS
 
 HF_WEIGHTS = "model.safetensors"
 # OpenCLIP's config keys CLIPModel has no place for (given with a value other than OpenCLIP's default): what each is

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, refusal
+from fsdpclip.model.pickles import NEEDS_CODE_HINT, refusal
 from fsdpclip.checkpoint.layout import CheckpointError, complete_checkpoints
 from fsdpclip.checkpoint.whole import save_whole
 from fsdpclip.model.build import SHARED_PARAMETERS, model_config, original_shapes, training_config
@@ -46,8 +46,8 @@ from fsdpclip.model.weights import load_weights, unwrapped
 from fsdpclip.run.directory import IMPORT_FILE
 from fsdpclip.run.files import write_atomically
 from fsdpclip.run.lock import HeldLock, lock_token
-from fsdpclip.spec.job import DEFAULT_DECAY_RULES, Job
-from fsdpclip.train.optim import build_optimizer
+from fsdpclip.jobspec.job import DEFAULT_DECAY_RULES, Job
+from fsdpclip.optim.adamw import build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

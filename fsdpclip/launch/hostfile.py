@@ -35,14 +35,14 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
+from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
 from fsdpclip.launch.launcher import render
 from fsdpclip.launch.local import (
     LAUNCHER_LOG, cuda_forbids_forked_ranks, kill_tree, last_checkpoint, node_torchrun,
     prepare_forked_ranks, supervise, torchrun_environment,
 )
 from fsdpclip.launch.torchrun import DELIBERATE
-from fsdpclip.problems import MAX_WORLD_SIZE
+from fsdpclip.jobspec.problems import MAX_WORLD_SIZE
 from fsdpclip.run.directory import (
     EXIT_CRASH, EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR,
 )
@@ -53,7 +53,7 @@ from fsdpclip.run.reports import exit_report, finish_exit_report, write_exit_rep
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 NODE_MODULE = "fsdpclip.launch.hostfile"
 # A host as the hostfile may name it: what ssh takes as a host and the rendezvous as an address; never an option.
@@ -335,7 +335,7 @@ def run_node(job_file: Path, node_rank: int, master_addr: str) -> int:
     """One node of a launch over ssh (what ssh runs on each host): torchrun for this node under
     `local.supervise`, as `fsdpclip launch --node-rank` would run it, with the launch's lock token and start time
     (from the environment), following the launcher's lines on stdin (`LauncherLines`)."""
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.jobfile import load_job
 
     lines = LauncherLines()
     job = load_job(job_file)

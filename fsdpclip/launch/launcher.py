@@ -1,4 +1,4 @@
-"""What every launcher backend (`fsdpclip.launch.backend`) shares: the job's paths made absolute and torchrun's
+"""What every launcher backend (`fsdpclip.jobspec.backend`) shares: the job's paths made absolute and torchrun's
 command line. Nothing here imports torch.
 """
 
@@ -8,12 +8,12 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from fsdpclip.data.urls import is_local
+from fsdpclip.jobspec.urls import is_local
 
 if TYPE_CHECKING:
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
-TRAIN_MODULE = "fsdpclip.train.entry"
+TRAIN_MODULE = "fsdpclip.launch.entry"
 TORCHRUN = "fsdpclip.launch.torchrun"  # torchrun, without a traceback for the trainer's deliberate exits
 
 

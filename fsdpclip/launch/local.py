@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
+from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
 from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE, render
 from fsdpclip.run.directory import (
     EXIT_STOPPED_AT_ONCE, JOB_FILE, LAUNCHER_ENV, LAUNCH_TIME_ENV, LOCK_TOKEN_ENV, LOG_DIR,
@@ -32,7 +32,7 @@ from fsdpclip.run.reports import finish_exit_report, request_stop
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 LAUNCHER_LOG = "launch.out"  # RUN_DIR/logs/: the launcher's and torchrun's output once their terminal is gone
 
@@ -93,7 +93,7 @@ def torchrun_command(job_file: Path, nproc_per_node: int, nnodes: int = 1, node_
                      master_addr: Optional[str] = None, master_port: Optional[int] = None,
                      python: str = sys.executable, fork_ranks: bool = False) -> list[str]:
     """torchrun for this node: standalone on one node, a static rendezvous on several. Each rank is a new
-    interpreter running `-m fsdpclip.train.entry`, or with `fork_ranks` a fork of torchrun running that module's
+    interpreter running `-m fsdpclip.launch.entry`, or with `fork_ranks` a fork of torchrun running that module's
     file (torchrun's `--run-path --start-method=fork`): forked from a launcher that has imported torch
     and OpenCLIP, the ranks need not import them again."""
     command = [python, "-m", TORCHRUN, f"--nproc-per-node={nproc_per_node}"]
@@ -130,7 +130,7 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
     GPU leave the driver alone), and imports OpenCLIP as they do (without the libraries it
     would import for nothing: `model.build.left_out_of_open_clip`). What torchrun gives
     each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
-    (fsdpclip.train.entry.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
+    (fsdpclip.launch.entry.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
     (`ForkedTorchrun`)."""
     if not job.launch.fork_ranks:
         return "launch.fork_ranks is false"

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 from pydantic import AfterValidator, Field, field_validator
 
-from fsdpclip.launch.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend
+from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend
 from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE
 from fsdpclip.run.directory import EXIT_PREEMPTED, JOB_FILE, LAUNCH_TIME_ENV, LOG_DIR
 from fsdpclip.run.lock import lock_holder
-from fsdpclip.spec.section import OneLine, Section, environment_names, one_line
+from fsdpclip.jobspec.section import OneLine, Section, environment_names, one_line
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 BATCH_SCRIPT = "launch.sbatch"
 SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", re.DOTALL)

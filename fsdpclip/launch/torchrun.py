@@ -4,7 +4,7 @@
 
 torchrun reports every non-zero exit of a rank with a Python traceback (ChildFailedError). When the
 ranks ended on purpose (preempted and checkpointed, stopped on a non-finite step, or unable to start:
-the codes of fsdpclip.train.entry, whose message is in RUN_DIR/exit.json), this exits with that code and no
+the codes of fsdpclip.launch.entry, whose message is in RUN_DIR/exit.json), this exits with that code and no
 traceback, and without torchrun's `failed (exitcode: 75)` line; ranks that torchrun itself stopped with
 SIGTERM once the first of them had ended count as ending with it. A rank killed by a signal (SIGKILL from the
 kernel's out-of-memory killer or a user) cannot say so itself: this records it for the launcher's last line

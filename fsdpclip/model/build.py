@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.spec.preprocess import PREPROCESSING_KEYS, PreprocessSpec
+from fsdpclip.jobspec.preprocess import PREPROCESSING_KEYS, PreprocessSpec
 from fsdpclip.model.towers import compose, register_hf_families, timm_image_size
-from fsdpclip.problems import ModelError, relative_path_hint
+from fsdpclip.jobspec.problems import ModelError, relative_path_hint
 from fsdpclip.run.files import read_text_file
-from fsdpclip.spec.job import SHARED_PARAMETERS, TOWERS, Job, ModelSpec
-from fsdpclip.model.family import TOWER_FAMILIES
+from fsdpclip.jobspec.job import SHARED_PARAMETERS, TOWERS, Job, ModelSpec
+from fsdpclip.jobspec.family import TOWER_FAMILIES
 
 # An OpenCLIP model, or one of its towers or trunks: OpenCLIP builds them from configs and gives them attributes
 # (a tower's preprocess_cfg, a text tower's context length, the encoders) that nn.Module's typing cannot follow,
@@ -126,7 +126,7 @@ def without_modules(names: tuple[str, ...]):
 
 def import_open_clip_as_the_ranks_do(spec: ModelSpec, logs_to_wandb: bool = False) -> None:
     """Import OpenCLIP without what `left_out_of_open_clip` leaves out, as the rank entry does
-    (fsdpclip.train.entry); `fsdpclip launch` does it where its ranks are forked from it. For a process that
+    (fsdpclip.launch.entry); `fsdpclip launch` does it where its ranks are forked from it. For a process that
     runs one job: its later imports keep OpenCLIP as it was imported."""
     with without_modules(left_out_of_open_clip(spec, logs_to_wandb)):
         import open_clip  # noqa: F401

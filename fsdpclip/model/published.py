@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.problems import ModelError, closest
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.jobspec.problems import ModelError, closest
+from fsdpclip.jobspec.job import ModelSpec
 
 FETCH_HINT = "fetch it where the hub is reachable: fsdpclip fetch {name} {tag} (with the same HF_HOME)"
 

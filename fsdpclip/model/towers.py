@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from torch import nn
 
-from fsdpclip.problems import ModelError, closest, joined, relative_path_hint
+from fsdpclip.jobspec.problems import ModelError, closest, joined, relative_path_hint
 from fsdpclip.run.files import read_text_file, special_file
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.jobspec.job import ModelSpec
 
 HF_INSTALL = "pip install 'fsdpclip[hf]'"
 # The files transformers' tokenizers read from a local directory, where present.

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fsdpclip.model.build import SHARED_PARAMETERS, OpenClip, Tower, find_towers, model_from_config, original_shapes
-from fsdpclip.problems import ModelError
-from fsdpclip.spec.job import TOWERS, DecayRule, FreezeSpec, Job, LayerDecaySpec, OptimizerSpec
+from fsdpclip.jobspec.problems import ModelError
+from fsdpclip.jobspec.job import TOWERS, DecayRule, FreezeSpec, Job, LayerDecaySpec, OptimizerSpec
 
 
 # -------------------------------------------------------------------------- freeze

@@ -12,12 +12,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdpclip.checkpoint.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal, unadmitted_global
+from fsdpclip.model.pickles import NEEDS_CODE_HINT, PickleRefused, load_weights_only, refusal, unadmitted_global
 from fsdpclip.model.build import OpenClip, build_model, tower_of
 from fsdpclip.model.published import weights_file
-from fsdpclip.node import usable_cores
-from fsdpclip.problems import ModelError
-from fsdpclip.spec.job import ModelSpec
+from fsdpclip.run.node import usable_cores
+from fsdpclip.jobspec.problems import ModelError
+from fsdpclip.jobspec.job import ModelSpec
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 

@@ -1,1 +1,1 @@
-"""Sharding a built model: the process group and meshes, the plan of FSDP units, FSDP2 and CUDA graphs."""
+"""Sharding a built model: the process group and meshes, FSDP2 and CUDA graphs."""

@@ -1,7 +1,7 @@
 """Turn a built model into the sharded one, and give the sharded model its weights.
 
-`parallelize` is the one place that applies the plan of `fsdpclip.parallel.units`, in torchtitan's order:
-float8 layers (`fsdpclip.parallel.float8`), activation checkpointing, then per-unit compile, then `fully_shard`
+`parallelize` is the one place that applies the plan of `fsdpclip.model.units`, in torchtitan's order:
+float8 layers (`fsdpclip.model.float8`), activation checkpointing, then per-unit compile, then `fully_shard`
 on every unit innermost first and the root last. The trainer, evaluation and the benchmarks all go through it.
 `materialize` then gives the meta-device result real storage and rank 0's weights.
 """
@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpclip.model.build import SHARED_PARAMETERS, find_towers
 from fsdpclip.model.fast_modules import use_direct_attention, use_direct_patch_embedding
-from fsdpclip.parallel.float8 import convert_to_float8, float8_linears, gathers_in_float8
-from fsdpclip.parallel.units import Layout, Unit, checkpointed_modules, plan_units
+from fsdpclip.model.float8 import convert_to_float8, float8_linears, gathers_in_float8
+from fsdpclip.model.units import Layout, Unit, checkpointed_modules, plan_units
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.job import FsdpSpec
+from fsdpclip.jobspec.job import FsdpSpec
 
 log = logging.getLogger("fsdpclip")
 

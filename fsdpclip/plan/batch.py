@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdpclip.run.directory import AUTO_BATCH_FILE
 from fsdpclip.run.files import read_text_file, write_atomically
-from fsdpclip.spec.job import Job, largest_divisor
+from fsdpclip.jobspec.job import Job, largest_divisor
 
 if TYPE_CHECKING:
     from fsdpclip.plan.mesh import MemoryModel

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from fsdpclip.model.build import Tower, fake_batch
-from fsdpclip.parallel.units import Unit
-from fsdpclip.spec.job import Job
+from fsdpclip.model.units import Unit
+from fsdpclip.jobspec.job import Job
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Activations a transformer block keeps for backward, in elements per element of its output

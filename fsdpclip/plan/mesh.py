@@ -18,10 +18,10 @@ from typing import Callable, Literal, Optional, Union
 from torch import nn
 
 from fsdpclip.model.build import Tower, image_shape, text_shape
-from fsdpclip.parallel.units import Layout, Unit, checkpointed_modules, plan_units
+from fsdpclip.model.units import Layout, Unit, checkpointed_modules, plan_units
 from fsdpclip.plan.memory import DTYPE_BYTES, GIB, MemoryEstimate, activation_elements, estimate_host_memory, \
     estimate_memory, traced_forward
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 
 MEMORY_MARGIN = 0.10  # 'auto' keeps this fraction of a GPU's memory free (the estimate is within ~6%)
 

@@ -21,20 +21,20 @@ from typing import Any, Optional
 from torch import nn
 
 from fsdpclip.checkpoint.staging import asynchronous_saves
-from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.jobspec.source import DATA_SOURCES
 from fsdpclip.model.build import Tower, model_config, training_flops_per_sample
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.model.weights import init_kind
 from fsdpclip.parallel.cuda_graphs import uncapturable_modules
 from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
-from fsdpclip.parallel.units import Layout, blocks_per_unit, whole_tower_wraps
+from fsdpclip.model.units import Layout, blocks_per_unit, whole_tower_wraps
 from fsdpclip.plan.batch import search_start
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.mesh import INTER_GBPS, INTRA_GBPS, MemoryModel, Plan, auto_shard_degree, memory_model, \
     resolve_shard_degree, strategies, sustained_tflops
 from fsdpclip.run.directory import PLAN_FILE
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.job import TOWERS, FsdpSpec, Job
+from fsdpclip.jobspec.job import TOWERS, FsdpSpec, Job
 
 
 @dataclass(frozen=True)

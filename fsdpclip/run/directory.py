@@ -27,7 +27,7 @@ from __future__ import annotations
 JOB_FILE, EXIT_FILE, LOG_DIR, LAUNCHES = "job.json", "exit.json", "logs", "launches"
 LOCK_FILE, STOP_FILE = "lock", "stop"
 WANDB_ID_FILE, IMPORT_FILE, AUTO_BATCH_FILE, PLAN_FILE = "wandb-id", "imported.json", "auto_batch.json", "plan.json"
-# How a run ends (the trainer's exit code, in exit.json): fsdpclip.train.entry says when each is used.
+# How a run ends (the trainer's exit code, in exit.json): fsdpclip.launch.entry says when each is used.
 EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NONFINITE, EXIT_NO_SPACE, EXIT_PREEMPTED = 0, 1, 2, 65, 74, 75
 EXIT_STOPPED_AT_ONCE = 130  # a second Ctrl-C or SIGTERM to `fsdpclip launch`: stopped without a checkpoint
 # When `fsdpclip launch` started the job (seconds since the epoch), for time-to-first-step.

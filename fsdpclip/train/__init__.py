@@ -1,1 +1,2 @@
-"""One rank's training: the rank entry, the Trainer and its loop, the optimizer, the loss and the metrics."""
+"""One rank's training: the Trainer and its loop, and the parts it holds (the plan and the sharded model, the batch
+search, the data feed, checkpoints, evaluation, stops, the loss, the metrics)."""

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from fsdpclip.model.build import OpenClip, training_flops_per_sample
 from fsdpclip.model.trainable import DecayGroup, trainable_decay_groups
 from fsdpclip.model.weights import initial_model
-from fsdpclip.node import cores_per_local_rank, usable_cores
+from fsdpclip.run.node import cores_per_local_rank, usable_cores
 from fsdpclip.parallel.distributed import Dist, shard_mesh
-from fsdpclip.parallel.float8 import float8_problem, gathers_in_float8
+from fsdpclip.model.float8 import float8_problem, gathers_in_float8
 from fsdpclip.parallel.parallelize import COMPILE_CACHE, load_compile_cache, materialize, parallelize, \
     save_compile_cache
 from fsdpclip.plan.memory import GIB
@@ -24,7 +24,7 @@ from fsdpclip.plan.mesh import ShardDegreeError
 from fsdpclip.plan.resolved import Node, RunPlan, plan_for_node, settle_at_start
 from fsdpclip.run.directory import EXIT_SPEC
 from fsdpclip.run.lock import StartupClock
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 from fsdpclip.train.stops import Stop
 
 log = logging.getLogger("fsdpclip")

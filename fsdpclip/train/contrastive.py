@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from fsdpclip.spec.section import Section
-from fsdpclip.train.losses import LOSSES, Loss
+from fsdpclip.jobspec.section import Section
+from fsdpclip.jobspec.losses import LOSSES, Loss
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 
 class ClipLossSpec(Section):

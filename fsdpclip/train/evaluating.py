@@ -7,10 +7,10 @@ from typing import Callable, Optional
 
 import torch
 
-from fsdpclip.eval.task import evaluate_set, load_eval_set, result_line
+from fsdpclip.jobspec.task import evaluate_set, load_eval_set, result_line
 from fsdpclip.model.build import OpenClip, image_transform
-from fsdpclip.spec.job import EvalSpec
-from fsdpclip.train.ema import ShardedEma
+from fsdpclip.jobspec.job import EvalSpec
+from fsdpclip.optim.ema import ShardedEma
 from fsdpclip.train.metrics import MetricsLog
 
 

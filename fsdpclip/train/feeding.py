@@ -9,17 +9,17 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from fsdpclip.node import local_ranks, usable_cores
-from fsdpclip.data.source import DATA_SOURCES, RankData
+from fsdpclip.run.node import local_ranks, usable_cores
+from fsdpclip.jobspec.source import DATA_SOURCES, RankData
 from fsdpclip.parallel.distributed import Dist, all_sum
 from fsdpclip.run.lock import StartupClock
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 from fsdpclip.train.metrics import Window
 
 
 class DataFeed:
     """This rank's micro batches for `model` (its shapes and preprocessing; the meta-device model will do) from the
-    spec's data source (`data.source.DataSource`, with the block's `settled` 'auto' of the run plan), their
+    spec's data source (`jobspec.source.DataSource`, with the block's `settled` 'auto' of the run plan), their
     workers started where `start` (a fresh run's fill their queues while the model is built; a resumed run's
     restart at its position). `next_batch` puts one on the device and counts the step's wait for it; `close`
     stops the workers. `data_ranks`: how many data ranks' streams the run reads (the world size, or that of the

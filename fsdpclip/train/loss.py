@@ -1,4 +1,4 @@
-"""The job's loss (the registered one `loss.kind` names: `fsdpclip.train.losses`), and how the micro batches of
+"""The job's loss (the registered one `loss.kind` names: `fsdpclip.jobspec.losses`), and how the micro batches of
 one optimizer step meet it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fsdpclip.spec.job import LossSpec
-from fsdpclip.train.losses import LOSSES
+from fsdpclip.jobspec.job import LossSpec
+from fsdpclip.jobspec.losses import LOSSES
 
 
 def build_loss(spec: LossSpec, rank: int, world_size: int) -> nn.Module:

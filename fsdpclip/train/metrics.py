@@ -19,7 +19,7 @@ from rich.text import Text
 from fsdpclip.run.directory import EXIT_OK, EXIT_PREEMPTED, WANDB_ID_FILE
 from fsdpclip.run.files import LineLog, write_atomically
 from fsdpclip.run.reports import data_wait_notice
-from fsdpclip.spec.job import WandbSpec
+from fsdpclip.jobspec.job import WandbSpec
 
 # Dense bf16 peak of one device, TFLOP/s (datasheets); the spec's logging.peak_tflops overrides.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0,

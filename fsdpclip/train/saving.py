@@ -17,16 +17,16 @@ import torch.distributed as dist
 from fsdpclip.checkpoint.layout import CheckpointError, DiskFull, checkpoint_name, kept_checkpoint
 from fsdpclip.checkpoint.sharded import FAILED, WRITING, Checkpointer, rng_state, set_rng_state
 from fsdpclip.model.build import OpenClip
-from fsdpclip.node import host_memory
+from fsdpclip.run.node import host_memory
 from fsdpclip.parallel.distributed import Dist, all_max
 from fsdpclip.plan.resolved import RunPlan, settle_at_start
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NO_SPACE
-from fsdpclip.spec.job import CheckpointSpec, Job
-from fsdpclip.spec.resume import checkpoint_changes, is_fixed, kept_streams, shard_fingerprint, unaccepted
-from fsdpclip.train.ema import ShardedEma
+from fsdpclip.jobspec.job import CheckpointSpec, Job
+from fsdpclip.jobspec.resume import checkpoint_changes, is_fixed, kept_streams, shard_fingerprint, unaccepted
+from fsdpclip.optim.ema import ShardedEma
 from fsdpclip.train.feeding import DataFeed
 from fsdpclip.train.metrics import MetricsLog
-from fsdpclip.train.optim import ShardedAdamW
+from fsdpclip.optim.adamw import ShardedAdamW
 from fsdpclip.train.stops import Stop
 
 log = logging.getLogger("fsdpclip")

@@ -42,10 +42,10 @@ from fsdpclip.plan.batch import (
 from fsdpclip.plan.memory import GIB
 from fsdpclip.plan.resolved import RunPlan, settle_at_start
 from fsdpclip.run.directory import EXIT_SPEC
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 from fsdpclip.train.building import BuiltModel
 from fsdpclip.train.loss import backward_micro_batches, build_loss
-from fsdpclip.train.optim import build_optimizer
+from fsdpclip.optim.adamw import build_optimizer
 from fsdpclip.train.stops import Stop
 
 log = logging.getLogger("fsdpclip")

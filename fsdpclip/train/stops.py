@@ -16,7 +16,7 @@ from fsdpclip.parallel.distributed import Dist, all_max
 from fsdpclip.run.directory import EXIT_PREEMPTED, EXIT_SPEC
 from fsdpclip.run.lock import HeldLock, RunLocked, launch_time, launcher_gone, lock_token
 from fsdpclip.run.reports import stop_requested, write_exit_report
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.job import Job
 
 if TYPE_CHECKING:
     from fsdpclip.train.saving import CheckpointManager

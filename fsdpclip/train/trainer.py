@@ -2,7 +2,7 @@
 the run plan and the sharded model (`building`), the batch of per_gpu 'auto' (`sizing`), the data (`feeding`),
 checkpoints (`saving`), evaluation (`evaluating`) and stops (`stops`).
 
-Started by fsdpclip.train.entry, the rank entry point, which imports this module on a thread while the
+Started by fsdpclip.launch.entry, the rank entry point, which imports this module on a thread while the
 process group forms; its exit codes are listed there.
 """
 
@@ -24,16 +24,16 @@ from fsdpclip.model.build import OpenClip, build_tokenizer, training_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.parallel.cuda_graphs import GraphedForwardBackward
 from fsdpclip.parallel.distributed import Dist, all_mean
-from fsdpclip.parallel.float8 import precompute_float8_scales
+from fsdpclip.model.float8 import precompute_float8_scales
 from fsdpclip.parallel.parallelize import average_replicated_gradients, replicated_parameters
 from fsdpclip.run.directory import EXIT_CRASH, EXIT_NONFINITE, EXIT_OK
 from fsdpclip.run.lock import StartupClock, launch_time, launcher_reports
 from fsdpclip.run.reports import record_launch
-from fsdpclip.spec.job import Job
-from fsdpclip.train.ema import moving_average
+from fsdpclip.jobspec.job import Job
+from fsdpclip.optim.ema import moving_average
 from fsdpclip.train.loss import backward_micro_batches, build_loss
 from fsdpclip.train.metrics import MetricsLog, Window, peak_memory_gib, peak_tflops
-from fsdpclip.train.optim import Schedule, build_grad_scaler, build_optimizer, clip_gradients
+from fsdpclip.optim.adamw import Schedule, build_grad_scaler, build_optimizer, clip_gradients
 
 from fsdpclip.train.building import BuiltModel, build_model, keep_compile_cache, plan_run
 from fsdpclip.train.evaluating import Evaluator
@@ -50,7 +50,7 @@ class Trainer:
     """One rank's share of a sharded training run, built from the job spec."""
 
     def __init__(self, job: Job, env: Dist, signals=None, startup: Optional[StartupClock] = None):
-        """`signals`: what tells the loop a stop signal came (fsdpclip.train.entry.StopSignals: `received`)."""
+        """`signals`: what tells the loop a stop signal came (fsdpclip.launch.entry.StopSignals: `received`)."""
         self.job, self.env, self.signals = job, env, signals
         self.startup = startup or StartupClock()
         self.model_config = training_config(job)

@@ -10,16 +10,16 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from fsdpclip.data.source import DATA_SOURCES
-from fsdpclip.eval.task import EVAL_TASKS, EvalTask
+from fsdpclip.jobspec.source import DATA_SOURCES
+from fsdpclip.jobspec.task import EVAL_TASKS, EvalTask
 from fsdpclip.model.build import model_config
 from fsdpclip.model.trainable import frozen_meta_model
 from fsdpclip.model.weights import check_weights_file
-from fsdpclip.node import usable_cores
+from fsdpclip.run.node import usable_cores
 from fsdpclip.plan.memory import GIB
-from fsdpclip.problems import MAX_WORLD_SIZE, ModelError, Problem, Report, SpecError, closest
+from fsdpclip.jobspec.problems import MAX_WORLD_SIZE, ModelError, Problem, Report, SpecError, closest
 from fsdpclip.run.files import special_file
-from fsdpclip.spec.job import (
+from fsdpclip.jobspec.job import (
     DECAY_LENGTHS, FINAL_DECAY, Job, ScheduleSpec, is_url, largest_divisor, world_size_problem,
 )
 from fsdpclip.validate.model_checks import check_model, if_parsed
@@ -322,10 +322,10 @@ def _check_remote(job: Job, report: Report, check_remote: bool) -> None:
 
 def kept_on_resume(job: Job) -> Job:
     """`job` as resuming its run directory's checkpoint trains it on the spec's world size: with the checkpoint's
-    global batch where that differs (`spec.resume.kept_batch`); as it is without a (local, readable) checkpoint."""
+    global batch where that differs (`jobspec.resume.kept_batch`); as it is without a (local, readable) checkpoint."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
     from fsdpclip.launch.launcher import resolve_paths
-    from fsdpclip.spec.resume import kept_batch
+    from fsdpclip.jobspec.resume import kept_batch
 
     if job.checkpoint.resume is not None and is_url(job.checkpoint.resume):
         return job
@@ -340,12 +340,12 @@ def kept_on_resume(job: Job) -> Job:
 def _check_resume(job: Job, report: Report) -> None:
     """What resuming the run directory's checkpoint would mean: errors for what a checkpoint fixes
     (its model, frozen ranges, loss kind, decay groups) and for what changes the run itself unless accepted
-    (its global batch, length or LR at the resume step: `spec.resume.consequences`), a warning for each other
+    (its global batch, length or LR at the resume step: `jobspec.resume.consequences`), a warning for each other
     change (applied from its step), and for each checkpoint that cannot be loaded. A resume URL is not
     downloaded to be checked."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
     from fsdpclip.launch.launcher import resolve_paths
-    from fsdpclip.spec.resume import checkpoint_changes, is_fixed, shard_fingerprint, unaccepted
+    from fsdpclip.jobspec.resume import checkpoint_changes, is_fixed, shard_fingerprint, unaccepted
 
     if job.checkpoint.resume is not None and is_url(job.checkpoint.resume):
         return

@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
-from fsdpclip.node import host_memory
+from fsdpclip.run.node import host_memory
 from fsdpclip.validate.preflight import visible_gpus
 
 NOT_INSTALLED = "not installed"

@@ -16,11 +16,11 @@ from fsdpclip.model.trainable import DecayGroup, apply_freeze, frozen_names, rul
     trainable_decay_groups
 from fsdpclip.parallel.cuda_graphs import uncapturable_modules
 from fsdpclip.parallel.parallelize import COMPILE_MIN_BLOCK_TFLOP, auto_compiles
-from fsdpclip.parallel.units import wrap_classes
-from fsdpclip.problems import ModelError, Report, closest
-from fsdpclip.spec.job import TOWERS, Job
-from fsdpclip.spec.section import Section
-from fsdpclip.train.losses import LOSSES
+from fsdpclip.model.units import wrap_classes
+from fsdpclip.jobspec.problems import ModelError, Report, closest
+from fsdpclip.jobspec.job import TOWERS, Job
+from fsdpclip.jobspec.section import Section
+from fsdpclip.jobspec.losses import LOSSES
 from fsdpclip.validate.summary import summarise
 
 T = TypeVar("T")

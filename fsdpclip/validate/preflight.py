@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from fsdpclip.launch.local import nvml_compute_capabilities, nvml_gpu_count
-from fsdpclip.problems import Report
-from fsdpclip.spec.job import Job
+from fsdpclip.jobspec.problems import Report
+from fsdpclip.jobspec.job import Job
 
 
 def preflight(job: Job, node_rank: int = 0, static_rendezvous: bool = False) -> Report:
@@ -60,7 +60,7 @@ def _check_gpus(ranks: int, report: Report) -> None:
 
 def _check_float8_gpus(report: Report) -> None:
     """`fsdp.float8: true`: this node's GPUs have float8 GEMMs (where NVML tells their compute capability)."""
-    from fsdpclip.parallel.float8 import FLOAT8_CAPABILITY, capability_problem
+    from fsdpclip.model.float8 import FLOAT8_CAPABILITY, capability_problem
 
     oldest = min(nvml_compute_capabilities() or [FLOAT8_CAPABILITY])
     if oldest < FLOAT8_CAPABILITY:
@@ -83,7 +83,7 @@ def already_finished(job: Job) -> Optional[str]:
     """Why relaunching `job` would train nothing (its checkpoint is at or past its last step, as the trainer
     would compute it from that checkpoint), else None."""
     from fsdpclip.checkpoint.layout import CheckpointError, read_meta, resume_candidates
-    from fsdpclip.spec.resume import kept_streams, spec_changes
+    from fsdpclip.jobspec.resume import kept_streams, spec_changes
 
     try:
         candidates, _ = resume_candidates(job.run_dir, job.checkpoint.resume)

@@ -9,15 +9,15 @@ from typing import Optional
 
 from fsdpclip.model.build import SHARED_PARAMETERS, Tower, count, training_flops_per_sample
 from fsdpclip.model.trainable import DecayGroup
-from fsdpclip.parallel.units import Unit
-from fsdpclip.node import host_memory, usable_cores
+from fsdpclip.model.units import Unit
+from fsdpclip.run.node import host_memory, usable_cores
 from fsdpclip.plan.memory import GIB, HostEstimate, MemoryEstimate, estimate_host_memory, host_parts
 from fsdpclip.plan.mesh import MemoryModel, ShardDegreeError, memory_model, strategy, sustained_tflops, \
     valid_shard_degrees
 from fsdpclip.plan.resolved import Node, RunPlan, plan_for_node, unit_layout
-from fsdpclip.problems import Report
-from fsdpclip.spec.job import TOWERS, Job
-from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.jobspec.problems import Report
+from fsdpclip.jobspec.job import TOWERS, Job
+from fsdpclip.jobspec.source import DATA_SOURCES
 
 
 def summarise(job: Job, model, towers: dict[str, Tower], frozen: set[str], groups: list[DecayGroup],

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from fsdpclip.checkpoint import sharded as checkpoint, staging
 from fsdpclip.checkpoint.layout import checkpoint_name
 from fsdpclip.parallel.distributed import init_distributed
-from fsdpclip.spec.job import CheckpointSpec
-from fsdpclip.train.ema import ShardedEma
+from fsdpclip.jobspec.job import CheckpointSpec
+from fsdpclip.optim.ema import ShardedEma
 
 
 def sharded_model(env) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdpclip.parallel.distributed import all_mean, init_distributed
-from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.jobspec.jobfile import parse_job
 from fsdpclip.train.metrics import Window
 from fsdpclip.train.trainer import Trainer
 

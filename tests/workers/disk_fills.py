@@ -19,7 +19,7 @@ from fsdpclip.checkpoint import sharded as checkpoint, staging
 from fsdpclip.checkpoint.layout import latest_checkpoint
 from fsdpclip.parallel.distributed import init_distributed
 from fsdpclip.run.files import disk_free
-from fsdpclip.spec.job import CheckpointSpec
+from fsdpclip.jobspec.job import CheckpointSpec
 
 FILLER_KEEPS_FREE = 2 ** 18  # bytes the filler leaves: room for the rank state, not for the shards
 

@@ -1,4 +1,4 @@
-"""A sharded EMA (`fsdpclip.train.ema.ShardedEma`) beside timm's ModelEmaV3 on the same weights (torchrun, every
+"""A sharded EMA (`fsdpclip.optim.ema.ShardedEma`) beside timm's ModelEmaV3 on the same weights (torchrun, every
 rank): a small FSDP2 model with a frozen layer and a batch norm trains STEPS steps; after each, timm's EMA averages
 an unsharded copy holding the gathered weights. Rank 0 prints JSON: the largest difference between the two
 averages, and whether swapping the average in and out leaves what it should.
@@ -17,7 +17,7 @@ from timm.utils.model_ema import ModelEmaV3
 from torch.distributed.fsdp import fully_shard
 
 from fsdpclip.parallel.distributed import init_distributed
-from fsdpclip.train.ema import ShardedEma
+from fsdpclip.optim.ema import ShardedEma
 
 
 def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdpclip.model.build import model_from_config
 from fsdpclip.parallel.distributed import init_distributed
-from fsdpclip.spec.jobfile import load_job
+from fsdpclip.jobspec.jobfile import load_job
 from fsdpclip.train.metrics import MetricsLog, Window
-from fsdpclip.train.optim import local
+from fsdpclip.optim.adamw import local
 from fsdpclip.train.trainer import Trainer
 
 

@@ -1,4 +1,4 @@
-"""Runs `fsdpclip.train.entry` under torchrun with one fault injected, then exits with its code.
+"""Runs `fsdpclip.launch.entry` under torchrun with one fault injected, then exits with its code.
 
     faults.py JOB signal:RANK:STEP       RANK sends itself SIGUSR1 after STEP
     faults.py JOB slow:SECONDS           every step of every rank takes SECONDS longer
@@ -29,8 +29,9 @@ import time
 import torch
 
 from fsdpclip.checkpoint import layout, remote, sharded as checkpoint, staging
-from fsdpclip.spec.jobfile import load_job
-from fsdpclip.train import entry as train, evaluating, metrics, trainer
+from fsdpclip.jobspec.jobfile import load_job
+from fsdpclip.launch import entry as train
+from fsdpclip.train import evaluating, metrics, trainer
 
 
 def main(job: str, faults: str) -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpclip.parallel.distributed import all_mean, init_distributed
-from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.jobspec.jobfile import parse_job
 from fsdpclip.train import building
 from fsdpclip.train.metrics import Window
 from fsdpclip.train.trainer import Trainer
@@ -82,7 +82,7 @@ def parallelized(config: str) -> None:
     from fsdpclip.model.build import build_model, find_towers
     from fsdpclip.parallel.parallelize import parallelize
     from fsdpclip.plan.resolved import unit_layout
-    from fsdpclip.spec.job import FsdpSpec, ModelSpec
+    from fsdpclip.jobspec.job import FsdpSpec, ModelSpec
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     compiled, original = [], torch.compile

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdpclip.parallel.distributed import all_mean, init_distributed
 from fsdpclip.parallel.parallelize import reshard
-from fsdpclip.spec.jobfile import parse_job
+from fsdpclip.jobspec.jobfile import parse_job
 from fsdpclip.train.metrics import Window
-from fsdpclip.train.optim import local
+from fsdpclip.optim.adamw import local
 from fsdpclip.train.trainer import Trainer
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -22,7 +22,7 @@ from fsdpclip.model.build import build_model, find_towers
 from fsdpclip.model.fast_modules import DirectAttention, DirectPatchEmbedding
 from fsdpclip.parallel.parallelize import parallelize
 from fsdpclip.plan.resolved import unit_layout
-from fsdpclip.spec.job import FsdpSpec, ModelSpec
+from fsdpclip.jobspec.job import FsdpSpec, ModelSpec
 
 
 def main(config: str) -> None:

@@ -33,10 +33,10 @@ def main(world: int, model_name: str) -> None:
     from fsdpclip.model.build import build_model, find_towers, original_shapes
     from fsdpclip.model.trainable import decay_groups
     from fsdpclip.parallel.parallelize import apply_fsdp, materialize
-    from fsdpclip.parallel.units import plan_units
+    from fsdpclip.model.units import plan_units
     from fsdpclip.plan.resolved import unit_layout
-    from fsdpclip.spec.job import FsdpSpec, ModelSpec, OptimizerSpec
-    from fsdpclip.train.optim import build_optimizer, local
+    from fsdpclip.jobspec.job import FsdpSpec, ModelSpec, OptimizerSpec
+    from fsdpclip.optim.adamw import build_optimizer, local
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
     fsdp = FsdpSpec(param_dtype="fp32")

@@ -1,1 +1,1 @@
-"""Data sources: one module each, registered in fsdpclip.data.source.DATA_SOURCES."""
+"""Data sources: one module each, registered in fsdpclip.jobspec.source.DATA_SOURCES."""

@@ -10,8 +10,8 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from fsdpclip.data.source import DATA_SOURCES, DataSource, RankData
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.source import DATA_SOURCES, DataSource, RankData
+from fsdpclip.jobspec.section import Section
 
 
 class SyntheticSpec(Section):

@@ -1,6 +1,6 @@
 """The webdataset source: image-text pairs from tar shards (`data.source` 'webdataset', the default).
 
-Its spec block (`fsdpclip.data.webdataset_spec`, which the stream reads too), `validate`'s checks of the shard
+Its spec block (`fsdpclip.jobspec.webdataset_spec`, which the stream reads too), `validate`'s checks of the shard
 URLs, the path fields `launch` resolves and the shards' fingerprint load without torch; the stream itself
 (`fsdpclip.data.batches`) is imported when a rank asks for its batches.
 """
@@ -13,14 +13,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
-from fsdpclip.data.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem, shard_urls
-from fsdpclip.data.webdataset_spec import WebDatasetSpec
-from fsdpclip.node import usable_cores
-from fsdpclip.data.source import DATA_SOURCES, DataSource, RankData
+from fsdpclip.jobspec.urls import MAX_SHARDS, ShardPatterns, is_local, local_path, scheme_problem, shard_urls
+from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
+from fsdpclip.run.node import usable_cores
+from fsdpclip.jobspec.source import DATA_SOURCES, DataSource, RankData
 
 if TYPE_CHECKING:
-    from fsdpclip.problems import Report
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.problems import Report
+    from fsdpclip.jobspec.job import Job
 
 log = logging.getLogger("fsdpclip")
 CHECKED_SHARDS = 1000  # at most this many shard URLs are looked at (evenly spread over a larger set)

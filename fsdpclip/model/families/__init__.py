@@ -1,1 +1,1 @@
-"""Tower families: one module each, registered in fsdpclip.model.family.TOWER_FAMILIES."""
+"""Tower families: one module each, registered in fsdpclip.jobspec.family.TOWER_FAMILIES."""

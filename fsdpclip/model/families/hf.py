@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.family import TOWER_FAMILIES, TowerFamily
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
     import torch
 
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

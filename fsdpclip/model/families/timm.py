@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from fsdpclip.problems import ModelError
-from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.problems import ModelError
+from fsdpclip.jobspec.family import TOWER_FAMILIES, TowerFamily
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 

@@ -18,10 +18,10 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from fsdpclip.parallel.float8 import forget_float8_scales, without_float8_wrapper
+from fsdpclip.model.float8 import forget_float8_scales, without_float8_wrapper
 from fsdpclip.parallel.parallelize import reshard
-from fsdpclip.spec.job import EmaSpec
-from fsdpclip.train.optim import local
+from fsdpclip.jobspec.job import EmaSpec
+from fsdpclip.optim.adamw import local
 
 
 def ema_decay(step: int, decay: float, start_step: int = 0, warmup: bool = False, every_steps: int = 1) -> float:

@@ -1,5 +1,5 @@
 """The tower family protocol and its registry: towers of one kind given under `model.<tower>.<name>`
-(`fsdpclip.spec.registry`).
+(`fsdpclip.jobspec.registry`).
 
 A tower family is one module (`model/families/NAME.py`, or a plugin's) that subclasses `TowerFamily`, declares
 its block (a `Section`) and ends with `TOWER_FAMILIES.register(Family())`. Its module imports nothing heavy when
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fsdpclip.spec.registry import Registry
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.registry import Registry
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 
 class TowerFamily:

@@ -1,13 +1,13 @@
 """The one way to extend fsdpclip: a registry of named implementations per concern, and the plugins that add to them.
 
-Each pluggable concern has a protocol class and a `Registry` of its implementations beside it: data sources
-(`data.source`), tower families (`model.family`), eval tasks (`eval.task`), launcher backends (`launch.backend`)
-and losses (`train.losses`). An implementation is one module that subclasses the protocol, declares its spec
-block (a `spec.section.Section`) and registers itself (`REGISTRY.register(...)`) when it loads.
+Each pluggable concern has a protocol class and a `Registry` of its implementations beside it, in this package:
+data sources (`jobspec.source`), tower families (`jobspec.family`), eval tasks (`jobspec.task`), launcher backends
+(`jobspec.backend`) and losses (`jobspec.losses`). An implementation is one module that subclasses the protocol,
+declares its spec block (a `jobspec.section.Section`) and registers itself (`REGISTRY.register(...)`) when it loads.
 
 A registry loads its built-in modules by name the first time it is read, and with them the plugins: the entry
 points of the group `fsdpclip.plugins` (each a module that registers what it holds when imported, or a function
-called with no arguments). The job spec (`fsdpclip.spec.job`) reads every registry once, when it is imported,
+called with no arguments). The job spec (`fsdpclip.jobspec.job`) reads every registry once, when it is imported,
 to declare the registered blocks; the registries are closed then, and a later registration is refused.
 """
 
@@ -17,10 +17,10 @@ import importlib
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Generic, Iterator, TypeVar
 
-from fsdpclip.problems import closest
+from fsdpclip.jobspec.problems import closest
 
 if TYPE_CHECKING:
-    from fsdpclip.spec.section import Section
+    from fsdpclip.jobspec.section import Section
 
 PLUGINS = "fsdpclip.plugins"  # the entry point group of plugins
 
@@ -46,7 +46,7 @@ class Registry(Generic[T]):
         if self._closed:
             raise RegistryError(f"{self.what} {name!r} is registered after fsdpclip assembled its job spec: register "
                                 f"it from a plugin (an entry point of the group '{PLUGINS}'), or before "
-                                "fsdpclip.spec.job is imported")
+                                "fsdpclip.jobspec.job is imported")
         if self._members.get(name, entry) is not entry:
             raise RegistryError(f"a {self.what} named {name!r} is registered already")
         self._members[name] = entry

@@ -1,4 +1,4 @@
-"""The data source protocol and its registry: training data named by `data.source` (`fsdpclip.spec.registry`).
+"""The data source protocol and its registry: training data named by `data.source` (`fsdpclip.jobspec.registry`).
 
 A data source is one module (`data/sources/NAME.py`, or a plugin's) that subclasses `DataSource`, declares its
 block under `data` (a `Section` with `source: Literal[NAME]`) and ends with `DATA_SOURCES.register(Source())`.
@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from fsdpclip.spec.registry import Registry
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.registry import Registry
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
-    from fsdpclip.problems import Report
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.problems import Report
+    from fsdpclip.jobspec.job import Job
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The base of every spec block, the tagged union of blocks and the values written into launches: what the spec's
-declarations and the registered implementations (`fsdpclip.spec.registry`) declare their fields with. No torch."""
+declarations and the registered implementations (`fsdpclip.jobspec.registry`) declare their fields with. No torch."""
 
 from __future__ import annotations
 

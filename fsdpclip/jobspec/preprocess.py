@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.section import Section
 
 # The keys of a model config (fsdpclip.model.build.model_config) that hold its preprocessing, not the model.
 PREPROCESSING_KEYS = ("preprocess_cfg", "augmentation_cfg")

@@ -13,12 +13,12 @@ from pydantic import BaseModel, Discriminator, Tag, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from fsdpclip.problems import Problem, SpecError, closest
+from fsdpclip.jobspec.problems import Problem, SpecError, closest
 from fsdpclip.run.files import read_text_file
-from fsdpclip.data.source import DATA_SOURCES
-from fsdpclip.spec.job import Job
-from fsdpclip.spec.section import Section
-from fsdpclip.train.losses import LOSSES
+from fsdpclip.jobspec.source import DATA_SOURCES
+from fsdpclip.jobspec.job import Job
+from fsdpclip.jobspec.section import Section
+from fsdpclip.jobspec.losses import LOSSES
 
 
 def read_job_dict(path: Path) -> tuple[dict, list[Problem]]:

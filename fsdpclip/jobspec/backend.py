@@ -1,4 +1,4 @@
-"""The launcher backend protocol and its registry (`fsdpclip.spec.registry`), and the launch command's flags.
+"""The launcher backend protocol and its registry (`fsdpclip.jobspec.registry`), and the launch command's flags.
 
 A backend is one way to start a job, picked by its flag of `fsdpclip launch`: torchrun on this node
 (`fsdpclip.launch.local`, the default: with a static rendezvous when the job spans nodes and you start each node
@@ -14,13 +14,13 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
-from fsdpclip.spec.registry import Registry
-from fsdpclip.spec.section import Section, one_line
+from fsdpclip.jobspec.registry import Registry
+from fsdpclip.jobspec.section import Section, one_line
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 DEFAULT_BACKEND = "local"
 
@@ -107,7 +107,7 @@ class LauncherBackend:
 
     @classmethod
     def paths(cls, spec: Section) -> tuple[str, ...]:
-        """The fields of its block that hold local paths (see `data.source.DataSource.paths`)."""
+        """The fields of its block that hold local paths (see `jobspec.source.DataSource.paths`)."""
         return ()
 
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpclip.model.trainable import DecayGroup
 from fsdpclip.parallel.distributed import shard_coordinate, shard_group
-from fsdpclip.spec.job import FsdpSpec, OptimizerSpec, ScheduleSpec
+from fsdpclip.jobspec.job import FsdpSpec, OptimizerSpec, ScheduleSpec
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ class ShardedAdamW(torch.optim.AdamW):
     the trainer for a non-finite gradient norm, or by `GradScaler.step` on fp16 overflow (the
     scaler hands it over as the `found_inf`/`grad_scale` attributes, since AdamW's fused kernel
     declares `_step_supports_amp_scaling`). Skipped, the weights, moments and step counts are untouched;
-    `skipped` keeps the last step's flag (None: it had none), for what follows the weights (`train.ema`).
+    `skipped` keeps the last step's flag (None: it had none), for what follows the weights (`optim.ema`).
     """
 
     def __init__(self, params, **kwargs):

@@ -1,4 +1,4 @@
-"""The loss protocol and its registry (`fsdpclip.spec.registry`): the losses a spec names by `loss.kind`.
+"""The loss protocol and its registry (`fsdpclip.jobspec.registry`): the losses a spec names by `loss.kind`.
 
 A loss is one module (or a plugin's) that subclasses `Loss`, declares its `loss` block (a `Section` with
 `kind: Literal[NAME]`) and ends with `LOSSES.register(Kind())`; OpenCLIP's CLIP and SigLIP losses are the
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fsdpclip.spec.registry import Registry
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.registry import Registry
+from fsdpclip.jobspec.section import Section
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 
 class Loss:
@@ -35,7 +35,7 @@ class Loss:
         """`validate`'s problems with this loss for the model (on the meta device), located under `loss`."""
 
     def paths(self, spec: Section) -> tuple[str, ...]:
-        """Its fields that hold local paths (see `data.source.DataSource.paths`)."""
+        """Its fields that hold local paths (see `jobspec.source.DataSource.paths`)."""
         return ()
 
 

@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from fsdpclip.model.build import Tower
-from fsdpclip.parallel.units import Layout
-from fsdpclip.spec.job import FsdpSpec
+from fsdpclip.model.units import Layout
+from fsdpclip.jobspec.job import FsdpSpec
 
 FLOAT8_BLOCKS = frozenset({"ResidualAttentionBlock", "CustomResidualAttentionBlock"})
 # torch._scaled_mm's float8 GEMMs: Ada (8.9), Hopper (9.0) and later.

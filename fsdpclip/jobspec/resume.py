@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from fsdpclip.spec.preprocess import PREPROCESSING_KEYS
-from fsdpclip.spec.job import Job, largest_divisor
-from fsdpclip.data.source import DATA_SOURCES
+from fsdpclip.jobspec.preprocess import PREPROCESSING_KEYS
+from fsdpclip.jobspec.job import Job, largest_divisor
+from fsdpclip.jobspec.source import DATA_SOURCES
 
 # Fields (dotted, prefixes end with '.') that a checkpoint fixes.
 FIXED = ("model.", "freeze.", "loss.kind", "optimizer.decay_rules", "optimizer.layer_decay.")

@@ -1,8 +1,8 @@
 """The job spec: one JSON document that describes a whole training job.
 
 Pure data: pydantic models with `extra="forbid"` everywhere, no torch. The blocks of registered implementations
-(data sources, tower families, eval tasks, launcher backends, losses: `fsdpclip.spec.registry`) are declared once,
-when this module loads, from what the registries hold then. `fsdpclip.spec.jobfile` reads a file into a `Job`
+(data sources, tower families, eval tasks, launcher backends, losses: `fsdpclip.jobspec.registry`) are declared once,
+when this module loads, from what the registries hold then. `fsdpclip.jobspec.jobfile` reads a file into a `Job`
 (structural problems as `Problem`s with JSON locations); meaning (does the model exist, do the regexes match) is
 checked by `fsdpclip.validate.checks`.
 """
@@ -26,14 +26,14 @@ from pydantic import (
     model_validator,
 )
 
-from fsdpclip.data.source import DATA_SOURCES
-from fsdpclip.eval.task import EVAL_TASKS
-from fsdpclip.launch.backend import LAUNCHER_BACKENDS
-from fsdpclip.model.family import TOWER_FAMILIES, TowerFamily
-from fsdpclip.problems import MAX_WORLD_SIZE
+from fsdpclip.jobspec.source import DATA_SOURCES
+from fsdpclip.jobspec.task import EVAL_TASKS
+from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS
+from fsdpclip.jobspec.family import TOWER_FAMILIES, TowerFamily
+from fsdpclip.jobspec.problems import MAX_WORLD_SIZE
 from fsdpclip.run.files import write_atomically
-from fsdpclip.spec.section import OneLine, Section, auto_or_block, environment_names, tagged_union
-from fsdpclip.train.losses import LOSSES
+from fsdpclip.jobspec.section import OneLine, Section, auto_or_block, environment_names, tagged_union
+from fsdpclip.jobspec.losses import LOSSES
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 TOWERS = ("image", "text")

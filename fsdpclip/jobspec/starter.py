@@ -9,8 +9,8 @@ from typing import Any, Optional
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from fsdpclip.spec.job import Job, OptimizerSpec
-from fsdpclip.spec.jobfile import block_of, spelled_default
+from fsdpclip.jobspec.job import Job, OptimizerSpec
+from fsdpclip.jobspec.jobfile import block_of, spelled_default
 
 SYNTHETIC_STEPS = 100  # a run on synthetic batches: long enough to see the speed settle
 LR_FINE_TUNING = 1e-5  # a published model's fine-tuning; from scratch, the spec's default

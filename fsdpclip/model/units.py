@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fsdpclip.model.build import Tower, instances, tower_of
-from fsdpclip.spec.job import TOWERS, FsdpSpec
+from fsdpclip.jobspec.job import TOWERS, FsdpSpec
 
 
 # 'auto' unit size: per-unit overhead is fixed, so large units amortise it. On 2×H200 the
@@ -56,7 +56,7 @@ class Layout:
     """The FSDP units of a model and how they run, with `fsdp`'s 'auto' settled (`plan.resolved`): per tower,
     the classes that become units (None: its blocks) and how many of them one unit holds; whether units free
     their gathered parameters after forward, whether they are compiled, and whether the linear layers of their blocks
-    run in float8 (`parallel.float8`)."""
+    run in float8 (`model.float8`)."""
 
     wrap: dict[str, Optional[tuple[str, ...]]]
     unit_size: dict[str, int]

@@ -1,4 +1,4 @@
-"""The eval task protocol and its registry (`fsdpclip.spec.registry`): what `fsdpclip eval`, evaluation during
+"""The eval task protocol and its registry (`fsdpclip.jobspec.registry`): what `fsdpclip eval`, evaluation during
 training, `validate` and the report need of a kind of evaluation (zero-shot classification, image-text retrieval,
 ...), what every task shares (`DatasetError`, `without_grad`), and a set loaded, measured and logged by its task.
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
-from fsdpclip.spec.registry import Registry
+from fsdpclip.jobspec.registry import Registry
 
 if TYPE_CHECKING:
-    from fsdpclip.problems import Report
+    from fsdpclip.jobspec.problems import Report
 
 
 class DatasetError(Exception):
@@ -60,7 +60,7 @@ class EvalTask:
         """`validate`'s checks of one set's files."""
 
     def paths(self, spec) -> tuple[str, ...]:
-        """The fields of one set that hold local paths (see `data.source.DataSource.paths`)."""
+        """The fields of one set that hold local paths (see `jobspec.source.DataSource.paths`)."""
         return ()
 
     def load(self, spec, transform: Optional[Callable]):

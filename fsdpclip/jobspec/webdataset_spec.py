@@ -9,9 +9,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from fsdpclip.data.urls import ShardPatterns
-from fsdpclip.spec.preprocess import PreprocessSpec
-from fsdpclip.spec.section import Section
+from fsdpclip.jobspec.urls import ShardPatterns
+from fsdpclip.jobspec.preprocess import PreprocessSpec
+from fsdpclip.jobspec.section import Section
 
 Urls = Union[str, list[str]]
 

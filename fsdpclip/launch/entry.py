@@ -1,11 +1,11 @@
 """The rank entry point (what torchrun starts on every rank).
 
-    python -m fsdpclip.train.entry RUN_DIR/job.json      (or: fsdpclip train RUN_DIR/job.json)
+    python -m fsdpclip.launch.entry RUN_DIR/job.json      (or: fsdpclip train RUN_DIR/job.json)
 
 `fsdpclip launch` on its own nodes has torchrun fork the ranks from it instead and run this file
 (`--run-path`): they start with everything below imported (fsdpclip.launch.local.torchrun_command).
 Started by hand, the ranks resume as a launch would: a checkpoint whose run this spec and world size would
-change (its global batch, length or LR at the resume step, `spec.resume.consequences`) is refused (exit 2)
+change (its global batch, length or LR at the resume step, `jobspec.resume.consequences`) is refused (exit 2)
 unless the spec accepts it, and `fsdpclip launch` is the one that keeps the global batch on other world sizes.
 
 Exit codes (also written to RUN_DIR/exit.json by rank 0):
@@ -55,7 +55,7 @@ from fsdpclip.run.lock import StartupClock
 from fsdpclip.run.reports import write_crash_report, write_exit_report
 
 if TYPE_CHECKING:
-    from fsdpclip.spec.job import Job
+    from fsdpclip.jobspec.job import Job
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A rank whose peer is gone waits this long for torchrun to stop it (SIGTERM) before it exits itself: torchrun's
@@ -104,17 +104,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         warnings.filterwarnings("ignore", message=message, category=category)
     import argparse
 
-    from fsdpclip.problems import SpecError
-    from fsdpclip.spec.jobfile import load_job
+    from fsdpclip.jobspec.problems import SpecError
+    from fsdpclip.jobspec.jobfile import load_job
 
-    parser = argparse.ArgumentParser(prog="fsdpclip.train.entry", description=__doc__,
+    parser = argparse.ArgumentParser(prog="fsdpclip.launch.entry", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job", type=Path, help="the resolved job spec, usually RUN_DIR/job.json")
     args = parser.parse_args(argv)
     try:
         job = load_job(args.job)
     except SpecError as exc:
-        print(f"fsdpclip.train.entry: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
+        print(f"fsdpclip.launch.entry: {args.job} is not a valid job spec:\n{exc}", file=sys.stderr)
         return EXIT_SPEC
     keep_output(job.run_dir / LOG_DIR / f"rank-{int(os.environ.get('RANK', '0')):05d}.out")  # once a terminal is gone
     signals = StopSignals()
@@ -130,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         # The trainer first: this waits for the thread's import of it, which holds fsdpclip.checkpoint.sharded's.
         from fsdpclip.checkpoint.layout import CheckpointError
-        from fsdpclip.problems import ModelError
+        from fsdpclip.jobspec.problems import ModelError
         from fsdpclip.train.stops import Stop, run_lock
         from fsdpclip.train.trainer import Trainer
 
@@ -145,7 +145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (Stop, CheckpointError, ModelError) as exc:  # the job cannot start as it is: one line, no traceback
             message = getattr(exc, "message", str(exc))
             if env.is_main:
-                print(f"fsdpclip.train.entry: {message}", file=sys.stderr)
+                print(f"fsdpclip.launch.entry: {message}", file=sys.stderr)
                 if not isinstance(exc, Stop):  # a locked run directory's exit.json is its running job's
                     write_exit_report(job.run_dir, EXIT_SPEC, message, None, "")
             return EXIT_SPEC
@@ -162,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_NO_SPACE
         lost = lost_peer(exc)
         if lost:  # another rank's end, which the launcher names: one line here, no traceback
-            print(f"fsdpclip.train.entry: rank {env.rank} lost its connection to another rank ({lost})",
+            print(f"fsdpclip.launch.entry: rank {env.rank} lost its connection to another rank ({lost})",
                   file=sys.stderr)
             signals.wait(PEER_GONE_GRACE_S)
             return EXIT_CRASH
@@ -179,7 +179,7 @@ def report_no_space(job: Job, rank: int, error: OSError, step: Optional[int]) ->
 
     path = Path(error.filename or job.run_dir)
     message = f"rank {rank}: {no_space_message(path, disk_free(path))}; {kept_checkpoint(job.run_dir, full=True)}"
-    print(f"fsdpclip.train.entry: {message}", file=sys.stderr)
+    print(f"fsdpclip.launch.entry: {message}", file=sys.stderr)
     with contextlib.suppress(OSError):
         write_exit_report(job.run_dir, EXIT_NO_SPACE, message, step, str(latest_checkpoint(job.run_dir) or ""))
 

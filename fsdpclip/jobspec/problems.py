@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
-from fsdpclip.data.urls import is_local, local_path
+from fsdpclip.jobspec.urls import is_local, local_path
 
 # Ranks (GPUs) of one job, in a spec or a command-line flag: far beyond any cluster, few enough to count through.
 MAX_WORLD_SIZE = 2 ** 20
