@@ -20,9 +20,10 @@ $(VENV)/.demo-installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[demo]'
 	touch $@
 
-# What the tests need besides: the Hugging Face, TensorBoard, W&B and report extras, CLIP_benchmark, ruff and pyright.
+# What the tests need besides: the Hugging Face, TensorBoard, W&B and report extras, CLIP_benchmark, ruff, pyright and
+# import-linter.
 $(VENV)/.installed: $(VENV)/.demo-installed
-	@echo "== installing the test extras (transformers, tensorboard, wandb, matplotlib, pytest, ruff, pyright)"
+	@echo "== installing the test extras (transformers, tensorboard, wandb, matplotlib, pytest, ruff, pyright, import-linter)"
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps clip_benchmark  # the reference the eval tests compare with
 	touch $@
@@ -38,10 +39,12 @@ demo: venv $(DEMO_DATA)/info.json
 	$(BIN)/fsdpclip eval runs/tiny-cpu --zeroshot digits --data $(DEMO_DATA)/test --output runs/tiny-cpu/zeroshot-digits.json
 	@echo "== done. To run fsdpclip yourself: source $(VENV)/bin/activate (or call $(BIN)/fsdpclip)"
 
-# The static checks of the package: ruff and pyright (basic mode), both configured in pyproject.toml.
+# The static checks of the package: ruff, pyright (basic mode) and import-linter's contract of the layers
+# (docs/architecture.md), all configured in pyproject.toml.
 lint: $(VENV)/.installed
 	$(BIN)/ruff check fsdpclip
 	$(BIN)/pyright --pythonpath $(BIN)/python fsdpclip
+	$(BIN)/lint-imports --no-cache
 
 # The static checks, then the whole suite on pytest-xdist workers that each take whole test modules (a module's
 # fixtures are built once). fsdpclip is byte-compiled first: where PYTHONDONTWRITEBYTECODE is set, every interpreter
