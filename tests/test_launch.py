@@ -278,6 +278,22 @@ def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_launcher_imports_openclip_without_collecting_and_freezes_what_it_imported(tmp_path):
+    """No cyclic collection runs while the launcher that forks the ranks imports torch and OpenCLIP; what it
+    imported is frozen out of later collections, and the collector is on again afterwards."""
+    code = ("import gc, sys\nfrom fsdpclip.launch.local import prepare_forked_ranks\n"
+            "from fsdpclip.spec.jobfile import load_job\ncollections = []\n"
+            "gc.callbacks.append(lambda phase, info: collections.append(info['generation']) if phase == 'start' else 0)\n"
+            "job = load_job(sys.argv[1])\nfrozen = gc.get_freeze_count()\n"
+            "assert prepare_forked_ranks(job) is None\n"
+            "print(collections, 'open_clip' in sys.modules, gc.isenabled(), gc.get_freeze_count() - frozen > 100_000)")
+    proc = subprocess.run([sys.executable, "-c", code, str(_tiny(tmp_path))], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "True", "True", "True"]
+
+
+@pytest.mark.slow
 def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     """`launch` forks the ranks from itself (they need not import torch and OpenCLIP again), takes the spec's
     launch.env before it imports torch and imports OpenCLIP as the ranks do (without transformers here); a
