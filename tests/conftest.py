@@ -18,6 +18,11 @@ import pytest
 from typer.testing import CliRunner
 
 from fsdpclip.cli.commands import app
+from fsdpclip.launch.local import collection_paused
+
+with collection_paused():  # what every test's process holds from its start: out of the collector's walks
+    import open_clip  # noqa: F401
+    import torch  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "examples" / "models" / "tiny-clip.json"

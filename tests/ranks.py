@@ -96,12 +96,15 @@ def finish_launch(process: subprocess.Popen, log: Path, timeout: float = 180) ->
 
 
 if __name__ == "__main__":
-    from fsdpclip.model.build import without_modules
+    from fsdpclip.launch.local import collection_paused
 
-    with without_modules(("wandb",)):  # as `fsdpclip launch` imports it for a job that does not log to W&B
-        import open_clip  # noqa: F401
+    with collection_paused():  # as `fsdpclip launch` imports for a job that does not log to W&B
+        from fsdpclip.model.build import without_modules
 
-    import fsdpclip.train.trainer  # noqa: F401
-    from torch.distributed.run import main
+        with without_modules(("wandb",)):
+            import open_clip  # noqa: F401
+
+        import fsdpclip.train.trainer  # noqa: F401
+        from torch.distributed.run import main
 
     main()

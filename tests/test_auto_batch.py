@@ -142,9 +142,11 @@ def test_a_record_is_reused_only_for_the_same_spec_world_and_gpu(tmp_path):
     assert (reused.per_gpu, reused.grad_accum, reused.probes[1].fits) == (96, 1, True)
     other_model = job.model_copy(update={"freeze": job.freeze.model_copy(update={"logit_scale": True})})
     averaged = job.model_copy(update={"ema": EmaSpec()})  # its float32 shards take memory every step
+    capped = job.model_copy(update={"launch": job.launch.model_copy(update={"gpu_memory_gib": 40})})
     for changed in (search_basis(job, 4, "H200, 150000000000 bytes"), search_basis(job, 2, "H100, 80 bytes"),
                     search_basis(other_model, 2, "H200, 150000000000 bytes"),
-                    search_basis(averaged, 2, "H200, 150000000000 bytes")):
+                    search_basis(averaged, 2, "H200, 150000000000 bytes"),
+                    search_basis(capped, 2, "H200, 150000000000 bytes"), {**basis, "torch": "2.99.0"}):
         assert recorded_batch(tmp_path, changed) is None
     (tmp_path / "auto_batch.json").write_text("{not json")
     assert recorded_batch(tmp_path, basis) is None

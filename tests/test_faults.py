@@ -581,6 +581,7 @@ def _race_for_locks(run_dirs: list[Path], token: str, barrier, results) -> None:
             outcomes.append("took" if acquire_lock(run_dir, token) else "joined")
         except RunLocked:
             outcomes.append("refused")
+    barrier.wait(timeout=60)  # alive until the other has tried the last lock: a holder that ended is stale
     results.put((token, outcomes))
 
 

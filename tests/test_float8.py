@@ -192,6 +192,17 @@ def test_parallelize_swaps_the_layers_and_gathers_tensorwise_weights_in_float8(t
                                                  for o in result["rowwise"]["compiled"])
 
 
+def test_the_moving_average_follows_float8_shards_that_fsdp_gives_new_storage():
+    """A weight gathered in float8 and sharded unevenly gets new storage when a state dict is loaded (FSDP2 keeps
+    the padded storage of plain tensors only): the average still reads the weights as they are, and an evaluation
+    of it writes the averages where the forward reads them."""
+    pytest.importorskip("torchao")
+    result = json_result([sys.executable, str(REPO / "tests/workers/float8.py"), "ema"], timeout=300)
+    assert result["storage_moved"] == ["0.weight"] and result["uneven"] == [12, 32]  # rank 2: 40 rows → 14, 14, 12
+    assert result["equal_to_weights"] == [True, False]  # the first update copies, the next one averages
+    assert result["swapped_in"] is True
+
+
 @pytest.mark.slow
 def test_a_float8_run_trains_as_bf16_does_and_its_checkpoints_resume_either_way(tmp_path):
     """2 CPU ranks, the real Trainer: float8 (tensorwise, weights gathered in float8, their scales precomputed after

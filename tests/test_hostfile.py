@@ -219,3 +219,28 @@ def test_a_host_that_cannot_be_reached_is_named_and_nothing_is_left(ssh_options,
     run_dir = tmp_path / "runs" / "ssh"
     assert json.loads((run_dir / "exit.json").read_text())["message"].startswith(line)
     _none_left(_run_processes(run_dir))
+
+
+def test_a_node_launcher_ends_only_once_its_kill_of_the_ranks_has(monkeypatch):
+    """KILL kills torchrun and everything under it on the line's thread; torchrun's end ends `supervise` on the main
+    thread at once, which then asks whether it was killed: the answer waits for the kill of the rest."""
+    import threading
+
+    from fsdpclip.launch import hostfile
+
+    lines = hostfile.LauncherLines.__new__(hostfile.LauncherLines)  # without its thread on this process's stdin
+    lines.guard, lines.torchrun, lines.forking, lines.killed, lines.pending = threading.Lock(), 4321, True, False, []
+    killing, killed = threading.Event(), threading.Event()
+
+    def kill_tree(pid: int) -> list[int]:
+        killing.set()
+        time.sleep(0.3)  # the ranks and data workers under torchrun ending
+        killed.set()
+        return []
+
+    monkeypatch.setattr(hostfile, "kill_tree", kill_tree)
+    follower = threading.Thread(target=lines._line, args=(hostfile.KILL,))
+    follower.start()
+    assert killing.wait(10)
+    assert lines.kill_ended() and killed.is_set()
+    follower.join(10)

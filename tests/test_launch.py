@@ -244,12 +244,18 @@ while True:
 """
 
 
-def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path):
+@pytest.mark.parametrize("pidfds", [True, False])
+def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path, monkeypatch, pidfds):
     """A tree whose members fork all the time (as a rank starting its next data workers): nothing forked
-    between kill_tree's scan of the tree and its kill outlives it as an orphan."""
+    between kill_tree's scan of the tree and its kill outlives it as an orphan, and each has ended when it
+    returns; with pidfds and, as on kernels before Linux 5.3, without."""
     import time
 
+    from fsdpclip.launch import local
     from fsdpclip.launch.local import kill_tree
+
+    if not pidfds:
+        monkeypatch.setattr(local, "_pidfd", lambda pid: None)
 
     marker = f"fork-marker-{tmp_path.name}"
     root = subprocess.Popen([sys.executable, "-c", _FORKING, marker], start_new_session=True)
@@ -268,13 +274,29 @@ def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path):
     try:
         time.sleep(1.0)
         assert len(named()) >= 10  # the root and its children
-        kill_tree(root.pid)
+        assert kill_tree(root.pid) == []
         assert named() == []  # an orphan forked during the kill would live on for up to 0.5 s
         assert root.wait(10) == -9
     finally:  # whatever kill_tree did: the tree's process group (its members keep it) stops at once
         with contextlib.suppress(ProcessLookupError):
             os.killpg(root.pid, 9)
         root.wait(10)
+
+
+@pytest.mark.slow
+def test_the_launcher_imports_openclip_without_collecting_and_freezes_what_it_imported(tmp_path):
+    """No cyclic collection runs while the launcher that forks the ranks imports torch and OpenCLIP; what it
+    imported is frozen out of later collections, and the collector is on again afterwards."""
+    code = ("import gc, sys\nfrom fsdpclip.launch.local import prepare_forked_ranks\n"
+            "from fsdpclip.jobspec.jobfile import load_job\ncollections = []\n"
+            "gc.callbacks.append(lambda phase, info: collections.append(info['generation']) if phase == 'start' else 0)\n"
+            "job = load_job(sys.argv[1])\nfrozen = gc.get_freeze_count()\n"
+            "assert prepare_forked_ranks(job) is None\n"
+            "print(collections, 'open_clip' in sys.modules, gc.isenabled(), gc.get_freeze_count() - frozen > 100_000)")
+    proc = subprocess.run([sys.executable, "-c", code, str(_tiny(tmp_path))], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "True", "True", "True"]
 
 
 @pytest.mark.slow

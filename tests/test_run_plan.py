@@ -69,6 +69,19 @@ def test_the_plan_is_concrete_and_round_trips(tmp_path):
     assert RunPlan.from_dict(json.loads(json.dumps(settled.as_dict()))) == settled
 
 
+def test_a_recorded_batch_settles_per_gpu_auto_and_leaves_nothing_to_search(tmp_path):
+    """per_gpu 'auto' with an earlier launch's record that applies: the plan takes its batch and the ranks search
+    nothing (the batch is pending only without one)."""
+    job = Job(**{**synthetic_job(tmp_path), "batch": {"per_gpu": "auto", "grad_accum": 1}})
+    model, towers = frozen_meta_model(model_config(job.model), job)
+    node = Node(2, 2, "cuda", cores=8, gpu_bytes=80 * 2 ** 30)
+    searched = plan_for_node(job, model, towers, node)
+    assert {"per_gpu", "grad_accum"} <= set(searched.pending)
+    recorded = plan_for_node(job, model, towers, node, recorded_batch=(96, 2))
+    assert (recorded.per_gpu, recorded.grad_accum) == (96, 2)
+    assert not {"per_gpu", "grad_accum"} & set(recorded.pending)
+
+
 def test_validate_prints_the_plan(cli, tmp_path):
     """validate's summary holds the plan, from the same builder, and prints it in a line."""
     path = write_job(tmp_path, {**synthetic_job(tmp_path), "launch": {"device": "cpu", "gpus_per_node": 2,

@@ -349,7 +349,7 @@ def run_node(job_file: Path, node_rank: int, master_addr: str) -> int:
     lines.starting()
     status = supervise(command, env, job.run_dir, started=lines.started)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the run is over: the connection's end changes nothing
-    return EXIT_STOPPED_AT_ONCE if lines.killed else status
+    return EXIT_STOPPED_AT_ONCE if lines.kill_ended() else status
 
 
 class LauncherLines:
@@ -376,6 +376,12 @@ class LauncherLines:
             self.torchrun = torchrun
             for line in self.pending:
                 self._act(line)
+
+    def kill_ended(self) -> bool:
+        """Whether a KILL line killed torchrun, asked once that kill has ended (every process under torchrun gone:
+        torchrun itself ends first, which ends `supervise`)."""
+        with self.guard:  # held while a line is acted on
+            return self.killed
 
     def _follow(self) -> None:
         pending = b""

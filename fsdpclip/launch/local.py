@@ -10,7 +10,9 @@ runs in a fork of the launcher (`ForkedTorchrun`) and, where it can, forks the r
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -18,7 +20,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
 from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE, render
@@ -141,10 +143,27 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
         return f"launch.env sets {', '.join(loading)}, read when a process loads"
     os.environ.update(job.launch.env)
     os.environ.update(forking_environment(job, True))  # this launcher's own checks for a GPU ask NVML too
-    from fsdpclip.model.build import import_open_clip_as_the_ranks_do
+    with collection_paused():
+        from fsdpclip.model.build import import_open_clip_as_the_ranks_do
 
-    import_open_clip_as_the_ranks_do(job.model, job.logging.wandb is not None)
+        import_open_clip_as_the_ranks_do(job.model, job.logging.wandb is not None)
     return None
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (torch's and OpenCLIP's imports make millions of objects that
+    live as long as the process, which each automatic collection walks again: a fifth of their CPU time), and the
+    objects made until then frozen out of later collections afterwards, as Python's `gc.freeze` advises before a
+    fork (the ranks' collections then leave the pages they share with the launcher alone)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 # What the ranks' parents (this launcher, torchrun's agent) may do with CUDA: ask NVML whether there is a GPU.
@@ -370,28 +389,57 @@ class ForkedTorchrun:
         return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
 
 
-def kill_tree(pid: int, timeout: float = 10.0) -> None:
+def kill_tree(pid: int, timeout: float = 10.0) -> list[int]:
     """SIGKILL a process and every process under it (Linux: their parents read from /proc) and wait, up to
-    `timeout` seconds, until none of them runs any more. The tree is stopped first (SIGSTOP, until a scan finds no
-    member it has not stopped), so that a process forked between a scan and the kill (a rank's next data workers,
-    say) cannot outlive its killed parent as an orphan."""
-    stopped: set[int] = set()
-    while True:
-        members = [member for member in _tree(pid) if member not in stopped]
-        if not members:
-            break
-        for member in members:
-            _signal(member, signal.SIGSTOP)
-            stopped.add(member)
-    for member in stopped:
-        _signal(member, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while any(map(_running, stopped)) and time.monotonic() < deadline:
-        time.sleep(0.01)  # SIGKILL acts asynchronously: a loaded machine may take a moment to end each member
+    `timeout` seconds, until each has ended, all its threads; returns those that had not. The tree is stopped first
+    (SIGSTOP, until a scan finds no member it has not stopped), so that a process forked between a scan and the
+    kill (a rank's next data workers, say) cannot outlive its killed parent as an orphan. Each member is held by a
+    pidfd where the kernel has them (Linux 5.3): signals reach that process and no later one of the same number,
+    and its end is seen once its last thread has gone; elsewhere by its number, its end read from /proc."""
+    members: dict[int, Optional[int]] = {}  # a member's number: its pidfd, None where there is none
+    try:
+        while True:
+            found = [member for member in _tree(pid) if member not in members]
+            if not found:
+                break
+            for member in found:
+                members[member] = _pidfd(member)
+                _signal(member, members[member], signal.SIGSTOP)
+        for member, handle in members.items():
+            _signal(member, handle, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        running = [member for member, handle in members.items() if _running(member, handle)]
+        while running and time.monotonic() < deadline:
+            time.sleep(0.01)  # SIGKILL acts asynchronously: a loaded machine takes a moment to end each member
+            running = [member for member in running if _running(member, members[member])]
+        return running
+    finally:
+        for handle in members.values():
+            if handle is not None:
+                os.close(handle)
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` is a process that has not ended (a zombie has)."""
+def _pidfd(pid: int) -> Optional[int]:
+    """A pidfd of process `pid`; None where it has ended or the kernel has none."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _signal(pid: int, handle: Optional[int], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if handle is None:
+            os.kill(pid, signum)
+        else:
+            signal.pidfd_send_signal(handle, signum)
+
+
+def _running(pid: int, handle: Optional[int]) -> bool:
+    """Whether process `pid` has not ended: its pidfd not readable yet, else its state in /proc (a zombie's leader
+    counts as ended there)."""
+    if handle is not None:
+        return not select.select([handle], [], [], 0)[0]
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -416,11 +464,6 @@ def _tree(pid: int) -> list[int]:
             tree.append(child)
             todo.append(child)
     return tree
-
-
-def _signal(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signum)
 
 
 LAUNCHER_BACKENDS.register(LocalBackend)

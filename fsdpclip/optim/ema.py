@@ -55,10 +55,10 @@ class ShardedEma:
                  warmup: bool = False):
         self.model, self.decay, self.every_steps, self.start_step, self.warmup = \
             model, decay, every_steps, start_step, warmup
-        # the plain tensors under weights gathered in float8: what the average reads and an evaluation overwrites
-        self.sources = {name: without_float8_wrapper(t) for name, t in averaged_tensors(model).items()}
+        self.sources = averaged_tensors(model)
         with torch.no_grad():
-            self.averages = {name: t.detach().to(torch.float32, copy=True) for name, t in self.sources.items()}
+            self.averages = {name: without_float8_wrapper(t).detach().to(torch.float32, copy=True)
+                             for name, t in self.sources.items()}
 
     @torch.no_grad()
     def update(self, step: int, skipped: Optional[torch.Tensor] = None) -> None:
@@ -74,7 +74,7 @@ class ShardedEma:
             shard = local(average)
             averages, sources = by_device.setdefault(shard.device, ([], []))
             averages.append(shard)
-            sources.append(local(self.sources[name]).to(torch.float32))
+            sources.append(plain_shard(self.sources[name]).to(torch.float32))
         for device, (averages, sources) in by_device.items():
             if skipped is None:
                 torch._foreach_lerp_(averages, sources, weight)  # pyright: ignore[reportPrivateImportUsage]  (torch's private kernels)
@@ -86,7 +86,7 @@ class ShardedEma:
     def restart(self) -> None:
         """The average started again from the weights as they are (a resumed checkpoint that holds none)."""
         for name, average in self.averages.items():
-            local(average).copy_(local(self.sources[name]))
+            local(average).copy_(plain_shard(self.sources[name]))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.averages
@@ -99,17 +99,23 @@ class ShardedEma:
         are dropped on the way in and out, so that each forward gathers the shards as they are. One spare copy of
         the rank's shards meanwhile."""
         reshard(self.model)
-        kept = {name: local(tensor).clone() for name, tensor in self.sources.items()}
+        kept = {name: plain_shard(tensor).clone() for name, tensor in self.sources.items()}
         for name, tensor in self.sources.items():
-            local(tensor).copy_(local(self.averages[name]))
+            plain_shard(tensor).copy_(local(self.averages[name]))
         forget_float8_scales(self.model)
         try:
             yield
         finally:
             reshard(self.model)
             for name, tensor in self.sources.items():
-                local(tensor).copy_(kept[name])
+                plain_shard(tensor).copy_(kept[name])
             forget_float8_scales(self.model)
+
+
+def plain_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a trained tensor as a plain tensor (the one a weight gathered in float8 wraps), looked up
+    at each use: FSDP may give a wrapped shard new storage (its lazy init, a load of a state dict)."""
+    return without_float8_wrapper(local(tensor))
 
 
 def moving_average(model: nn.Module, spec: Optional[EmaSpec]) -> Optional[ShardedEma]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from importlib import metadata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -191,11 +192,13 @@ class BatchRecord:
 
 
 def search_basis(job: Job, world: int, device: str) -> dict:
-    """What makes a recorded batch reusable: the spec's sections that change a step's memory, the world size
-    and the GPU (its name and memory)."""
+    """What makes a recorded batch reusable: the spec's sections that change a step's memory and the memory
+    `launch.gpu_memory_gib` allows, the world size, the GPU (its name and memory) and torch's version (its kernels
+    and allocator)."""
     spec = json.loads(job.to_json())
     return {"spec": {key: spec[key] for key in ("model", "freeze", "fsdp", "loss", "batch", "ema")},
-            "data_samples": spec["data"].get("samples"), "world_size": world, "device": device}
+            "gpu_memory_gib": spec["launch"].get("gpu_memory_gib"), "data_samples": spec["data"].get("samples"),
+            "world_size": world, "device": device, "torch": metadata.version("torch")}
 
 
 def recorded_batch(run_dir: Path, basis: dict) -> Optional[BatchRecord]:

@@ -112,10 +112,11 @@ def plan_for_node(job: Job, model: nn.Module, towers: dict[str, Tower], node: No
     if fsdp.shard_degree == "auto" and world > node.gpus_per_node and node.gpu_bytes is None and device == "cuda":
         pending.append("shard_degree")
     accum = job.batch.grad_accum
-    if job.batch.searched:
+    if job.batch.searched and recorded_batch:
+        per_gpu, accum = recorded_batch
+    elif job.batch.searched:
         pending += ["per_gpu", "grad_accum"]
-        per_gpu, accum = recorded_batch or (search_start(measured(), job, world, degree, node.gpu_bytes)
-                                            if node.gpu_bytes else 1, accum)
+        per_gpu = search_start(measured(), job, world, degree, node.gpu_bytes) if node.gpu_bytes else 1
     else:
         per_gpu = job.batch.settled_per_gpu
     ours = auto_compiles(towers, device)

@@ -6,6 +6,9 @@
     python tests/workers/float8.py parallelize MODEL_CONFIG
         `parallelize` on the meta device over a fake process group of 2, compiled, with each recipe: the layers
         swapped, those whose weights are gathered in float8, the inductor options of each torch.compile call
+    python tests/workers/float8.py ema
+        rank 2 of a fake process group of 3: a sharded EMA of two linear layers gathered in float8, one sharded
+        unevenly (40 rows over 3 ranks), whose shards FSDP gives new storage when a state dict is loaded
 
 Each prints one JSON line.
 """
@@ -108,5 +111,42 @@ def parallelized(config: str) -> None:
     print(json.dumps(result))
 
 
+def averaged() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdpclip.model.float8 import convert_to_float8
+    from fsdpclip.optim.ema import ShardedEma
+
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=3)
+    mesh = init_device_mesh("cpu", (3,))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.Linear(40, 48))
+    convert_to_float8(model, ["0", "1"], "tensorwise", gather_in_float8=True, emulate=True)
+    for module in (model[0], model[1], model):
+        fully_shard(module, mesh=mesh)
+    ema = ShardedEma(model, 0.5)
+
+    def shards() -> dict:
+        """Each weight's local shard as FSDP holds it now, unwrapped."""
+        return {f"{i}.weight": model[i].weight._local_tensor._tensor for i in (0, 1)}
+
+    storage = {name: shard.data_ptr() for name, shard in shards().items()}
+    model.load_state_dict(model.state_dict())  # as a resume's set_state_dict does
+    moved = [name for name, shard in shards().items() if shard.data_ptr() != storage[name]]
+    tracks = []
+    for step in (1, 2):  # a copy, then halfway between the average and the weights
+        with torch.no_grad():
+            for shard in shards().values():
+                shard.add_(1.0)
+        ema.update(step)
+        tracks.append(all(torch.equal(ema.averages[name]._local_tensor, shard) for name, shard in shards().items()))
+    with ema.swapped_in():
+        swapped = all(torch.equal(shard, ema.averages[name]._local_tensor) for name, shard in shards().items())
+    dist.destroy_process_group()
+    print(json.dumps({"storage_moved": moved, "equal_to_weights": tracks, "swapped_in": swapped,
+                      "uneven": list(model[0].weight._local_tensor.shape)}))
+
+
 if __name__ == "__main__":
-    {"train": trained, "parallelize": parallelized}[sys.argv[1]](*sys.argv[2:])
+    {"train": trained, "parallelize": parallelized, "ema": averaged}[sys.argv[1]](*sys.argv[2:])
