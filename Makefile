@@ -63,6 +63,7 @@ test-fast: $(VENV)/.installed
 # The fast tier on the lowest versions pyproject.toml allows of the pure-Python dependencies (.ci/lower_bounds.py
 # reads them; FLOOR="pydantic==2.8.2" tries another), in a venv of their own. Its other packages, torch among them,
 # are $(VENV)'s: a .pth file puts them after the floor venv's own, so nothing as large as torch is installed twice.
+# import-linter (a test tool built on rich) comes in the version pip finds for the floor's rich.
 FLOOR_VENV ?= .venv-floor
 FLOOR ?=
 test-floor: $(VENV)/.installed
@@ -70,7 +71,7 @@ test-floor: $(VENV)/.installed
 	$(BIN)/python -m venv $(FLOOR_VENV)
 	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
 		> "$$($(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/main-venv.pth"
-	$(FLOOR_VENV)/bin/pip install --quiet --no-warn-conflicts $$($(BIN)/python .ci/lower_bounds.py $(FLOOR))
+	$(FLOOR_VENV)/bin/pip install --quiet --no-warn-conflicts $$($(BIN)/python .ci/lower_bounds.py $(FLOOR)) import-linter
 	$(FLOOR_VENV)/bin/pip list 2>/dev/null | grep -iE '^(pydantic|pydantic.core|typer|rich|webdataset|open.clip.torch) '
 	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadscope tests
 
