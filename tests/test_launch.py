@@ -283,6 +283,23 @@ def test_kill_tree_leaves_no_process_forked_while_it_kills(tmp_path, monkeypatch
         root.wait(10)
 
 
+def test_kill_tree_names_the_processes_it_could_not_end(monkeypatch, capsys):
+    """A member that has not ended when the wait is over (as one in an uninterruptible driver call) is returned and
+    named in one line."""
+    from fsdpclip.launch import local
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    monkeypatch.setattr(local, "_running", lambda pid, handle: True)
+    try:
+        assert local.kill_tree(sleeper.pid, timeout=0.2) == [sleeper.pid]
+        assert f"still running 0.2 s after SIGKILL: pid {sleeper.pid}" in capsys.readouterr().err
+        assert sleeper.wait(10) == -9
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sleeper.pid, 9)
+        sleeper.wait(10)
+
+
 @pytest.mark.slow
 def test_the_launcher_imports_openclip_without_collecting_and_freezes_what_it_imported(tmp_path):
     """No cyclic collection runs while the launcher that forks the ranks imports torch and OpenCLIP; what it

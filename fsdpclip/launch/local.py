@@ -391,11 +391,13 @@ class ForkedTorchrun:
 
 def kill_tree(pid: int, timeout: float = 10.0) -> list[int]:
     """SIGKILL a process and every process under it (Linux: their parents read from /proc) and wait, up to
-    `timeout` seconds, until each has ended, all its threads; returns those that had not. The tree is stopped first
-    (SIGSTOP, until a scan finds no member it has not stopped), so that a process forked between a scan and the
-    kill (a rank's next data workers, say) cannot outlive its killed parent as an orphan. Each member is held by a
-    pidfd where the kernel has them (Linux 5.3): signals reach that process and no later one of the same number,
-    and its end is seen once its last thread has gone; elsewhere by its number, its end read from /proc."""
+    `timeout` seconds, until each has ended, all its threads; returns those that had not, named in one line on
+    stderr (a process in an uninterruptible call, a GPU driver's say, ends only when that returns). The tree is
+    stopped first (SIGSTOP, until a scan finds no member it has not stopped), so that a process forked between a
+    scan and the kill (a rank's next data workers, say) cannot outlive its killed parent as an orphan. Each member
+    is held by a pidfd where the kernel has them (Linux 5.3): signals reach that process and no later one of the
+    same number, and its end is seen once its last thread has gone; elsewhere by its number, its end read from
+    /proc."""
     members: dict[int, Optional[int]] = {}  # a member's number: its pidfd, None where there is none
     try:
         while True:
@@ -412,6 +414,9 @@ def kill_tree(pid: int, timeout: float = 10.0) -> list[int]:
         while running and time.monotonic() < deadline:
             time.sleep(0.01)  # SIGKILL acts asynchronously: a loaded machine takes a moment to end each member
             running = [member for member in running if _running(member, members[member])]
+        if running:
+            print(f"fsdpclip: still running {timeout:g} s after SIGKILL: pid {', '.join(map(str, running))}",
+                  file=sys.stderr, flush=True)
         return running
     finally:
         for handle in members.values():
@@ -439,7 +444,9 @@ def _running(pid: int, handle: Optional[int]) -> bool:
     """Whether process `pid` has not ended: its pidfd not readable yet, else its state in /proc (a zombie's leader
     counts as ended there)."""
     if handle is not None:
-        return not select.select([handle], [], [], 0)[0]
+        poll = select.poll()  # not select(): a launcher may hold descriptors past its limit of 1024
+        poll.register(handle, select.POLLIN)
+        return not poll.poll(0)
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
