@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-from importlib import metadata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -195,10 +194,12 @@ def search_basis(job: Job, world: int, device: str) -> dict:
     """What makes a recorded batch reusable: the spec's sections that change a step's memory and the memory
     `launch.gpu_memory_gib` allows, the world size, the GPU (its name and memory) and torch's version (its kernels
     and allocator)."""
+    import torch  # what the ranks run, which a search has imported already
+
     spec = json.loads(job.to_json())
     return {"spec": {key: spec[key] for key in ("model", "freeze", "fsdp", "loss", "batch", "ema")},
             "gpu_memory_gib": spec["launch"].get("gpu_memory_gib"), "data_samples": spec["data"].get("samples"),
-            "world_size": world, "device": device, "torch": metadata.version("torch")}
+            "world_size": world, "device": device, "torch": torch.__version__}
 
 
 def recorded_batch(run_dir: Path, basis: dict) -> Optional[BatchRecord]:
