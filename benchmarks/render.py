@@ -9,9 +9,10 @@ table are only ever written from here, so a number changes in one place: its row
 
 Row kinds: "sidebyside" (benchmarks/sidebyside.py's and throughput.py's JSON lines: one per side, the
 ratio taken against the table's `reference` side of the same model and batch; `labels` shortens a
-row's `variant` on the page, `omit` leaves variants off it), "run" (a run's metrics.jsonl: rates averaged over the log steps after the
+row's `variant` on the page), "run" (a run's metrics.jsonl: rates averaged over the log steps after the
 first), "columns" (the fields `columns` names, one line per row) and "loss_curves"
-(benchmarks/loss_curve.py's JSON).
+(benchmarks/loss_curve.py's JSON). A "sidebyside" or "columns" table's `omit` leaves the rows of those variants
+off the page (superseded designs; the row files keep them).
 """
 
 from __future__ import annotations
