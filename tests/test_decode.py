@@ -371,14 +371,14 @@ def test_jpeg_engines_true_is_refused_where_they_have_nothing_to_take(cli, tiny_
     code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
     assert code == 2 and [e["location"] for e in out["errors"]] == ["data.jpeg_engines"], out["errors"]
     assert "decoded 'cpu'" in out["errors"][0]["message"]
-    monkeypatch.setattr(engines, "missing", lambda: "nvImageCodec is not installed (test)")
+    monkeypatch.setattr(engines, "installed", lambda: False)
     job = dict(tiny_job, data={**tiny_job["data"], "decode": "mixed", "jpeg_engines": True})
     code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
     assert code == 2 and "nvImageCodec is not installed" in out["errors"][0]["message"], out["errors"]
     auto = dict(tiny_job, launch={**tiny_job["launch"], "device": "cuda"})
     code, out = cli.validate_json(write_job(tmp_path, auto), "--no-check-paths")
     assert code == 0 and out["summary"]["batch"]["decode"] == "mixed", out
-    monkeypatch.setattr(engines, "missing", lambda: None)
+    monkeypatch.setattr(engines, "installed", lambda: True)
     code, out = cli.validate_json(write_job(tmp_path, auto), "--no-check-paths")
     assert code == 0 and out["summary"]["batch"]["decode"] == "mixed+engines", out
 
@@ -931,3 +931,51 @@ def test_what_lies_past_a_packed_crop_weighs_nothing_in_its_resize():
     for size in ((16, 16), (48, 20)):
         assert torch.equal(resized_crops(batch.permute(0, 3, 1, 2), boxes, size),
                            resized_crops(zeroed.permute(0, 3, 1, 2), boxes, size))
+
+
+@pytest.mark.slow
+def test_a_launch_settles_the_jpeg_engines_without_importing_nvimgcodec(tiny_job, tmp_path):
+    """The launcher settles data.jpeg_engines 'auto' (validate's plan) without importing nvImageCodec, whose import
+    initialises the CUDA driver: its forked ranks could not use CUDA then, and start as new interpreters instead."""
+    import importlib.util
+    import subprocess
+    import sys
+    import textwrap
+
+    if importlib.util.find_spec("nvidia.nvimgcodec") is None:
+        pytest.skip("nvImageCodec is not installed")
+    job = write_job(tmp_path, dict(tiny_job, launch={**tiny_job["launch"], "device": "cuda", "gpus_per_node": 1}))
+    script = textwrap.dedent(f"""
+        import json, sys
+        from typer.testing import CliRunner
+        from fsdpclip.cli.commands import app
+        launched = CliRunner().invoke(app, ["launch", {str(job)!r}, "--dry-run"])
+        validated = CliRunner().invoke(app, ["validate", {str(job)!r}, "--no-check-paths", "--json"])
+        print(launched.exit_code, json.loads(validated.stdout)["summary"]["batch"]["decode"],
+              "nvidia.nvimgcodec" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.split() == ["0", "mixed+engines", "False"], done.stdout + done.stderr
+
+
+def test_a_rank_whose_nvimgcodec_fails_to_import_decodes_on_its_workers_or_stops_where_the_engines_were_asked_for(
+        tmp_path, monkeypatch, caplog):
+    """The plan settles the engines from nvImageCodec being installed (`engines.installed`); a rank imports it
+    before its data starts. Where that import fails, 'auto' leaves every JPEG to the workers with a warning
+    saying why, and `true` stops the rank with the reason."""
+    from fsdpclip.data import batches as data_batches
+
+    monkeypatch.setattr(data_batches, "missing", lambda: "nvImageCodec is not installed (libnvjpeg.so.13: none)")
+    settled = {"decode": "mixed", "jpeg_engines": True, "workers": 0}
+
+    def rank_batches(jpeg_engines):
+        spec = WebDatasetSpec(urls=str(tmp_path / "s.tar"), samples=4, workers=0, jpeg_engines=jpeg_engines)
+        return data_batches.webdataset_batches(spec, settled, train_transform(), caption_indices, 4, 0, 1, 3,
+                                               torch.device("cpu"))[0]
+
+    with caplog.at_level("WARNING", logger="fsdpclip.data.batches"):
+        assert rank_batches("auto").engines is None
+    assert "the data workers decode every JPEG: nvImageCodec is not installed (libnvjpeg" in caplog.text
+    with pytest.raises(RuntimeError, match="data.jpeg_engines: nvImageCodec is not installed"):
+        rank_batches(True)

@@ -12,6 +12,7 @@ A process that holds a decoder starts its DataLoader workers from a fork server 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
@@ -28,8 +29,20 @@ REFUSED_IN_A_ROW = 3  # batches in a row of which the engines decoded nothing: t
 _SALT = 0x5DEECE66D  # the engines' draw is a stream of its own, not the augmentation's first draw
 
 
+def installed() -> bool:
+    """Whether nvImageCodec is installed, asked without importing it: its import initialises the CUDA driver,
+    after which no process forked from this one can use CUDA (the launcher, whose ranks are its forks)."""
+    return importlib.util.find_spec("nvidia.nvimgcodec") is not None
+
+
+def absent() -> Optional[str]:
+    """Why the engines cannot be used here (nvImageCodec not installed), or None; without importing it."""
+    return None if installed() else f"nvImageCodec is not installed: {INSTALL}"
+
+
 def missing() -> Optional[str]:
-    """Why the engines cannot be used here (nvImageCodec not importable), or None. Imports nvImageCodec."""
+    """Why the engines cannot be used here (nvImageCodec not importable), or None. Imports nvImageCodec (a rank
+    calls it on its main thread, before any decoder is made: `_nvimgcodec`)."""
     try:
         _nvimgcodec()
     except ImportError as exc:
@@ -39,11 +52,10 @@ def missing() -> Optional[str]:
 
 def engines_on(requested, device_type: str) -> bool:
     """Whether the engines take a share of the JPEGs: `data.jpeg_engines` with 'auto' settled as on CUDA
-    where nvImageCodec is installed (True asks for them anywhere; nvImageCodec's CPU decoder on the CPU)."""
+    where nvImageCodec is installed (True asks for them anywhere; nvImageCodec's CPU decoder on the CPU).
+    Imports nothing (`installed`)."""
     if requested == "auto":
-        return device_type == "cuda" and missing() is None
-    if requested:
-        missing()  # imported on this thread, before any decoder is made (`_nvimgcodec`)
+        return device_type == "cuda" and installed()
     return bool(requested)
 
 

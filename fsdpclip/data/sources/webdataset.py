@@ -68,7 +68,7 @@ class WebDatasetSource(DataSource):
 
     def _check_engines(self, spec: WebDatasetSpec, job: Job, report: Report) -> None:
         """`jpeg_engines: true` where they have a share to take: decode 'mixed', nvImageCodec installed."""
-        from fsdpclip.data.engines import missing
+        from fsdpclip.data.engines import absent
         from fsdpclip.data.transform import decode_mode
 
         if spec.jpeg_engines is not True:
@@ -77,7 +77,7 @@ class WebDatasetSource(DataSource):
         if mode != "mixed":
             report.error("data.jpeg_engines", f"the JPEG engines take a share of decode 'mixed', but this run's images "
                          f"are decoded '{mode}'", True, hint="data.decode 'mixed', or data.jpeg_engines 'auto'")
-        elif reason := missing():
+        elif reason := absent():
             report.error("data.jpeg_engines", reason, True, hint="data.jpeg_engines 'auto' decodes every JPEG on the "
                          "data workers where nvImageCodec is missing")
 
