@@ -336,6 +336,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
                 f"sys.argv = ['fsdpclip', 'launch', {str(path)!r}, '--dry-run']\n"
                 "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
                 "print('transformers imported:', 'transformers' in sys.modules)\n"
+                "print('checked here:', 'fsdpclip.checkpoint.remote' in sys.modules)\n"
                 "print('launch.env taken:', os.environ.pop('SPEC_PROBE', None))\n"
                 f"print('again:', prepare_forked_ranks(load_job({str(path)!r})), os.environ.get('SPEC_PROBE'))\n")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -347,6 +348,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
     assert squeezed(f"run directory {tmp_path / 'runs' / 't'} {sys.executable} -m fsdpclip.launch.torchrun") in forked
     assert squeezed(f"--run-path --start-method=fork {REPO / 'fsdpclip' / 'launch' / 'entry.py'} ") in forked
     assert squeezed("transformers imported: False") in forked
+    assert squeezed("checked here: False") in forked  # the spec's checks ran in a fork of the launcher
     assert squeezed("launch.env taken: from the spec") in forked
     assert squeezed("again: this process had imported torch before it could take launch.env None") in forked
     for path, why in ((pythonpath, "launch.env sets PYTHONPATH, read when a process loads"),
@@ -355,6 +357,7 @@ def test_ranks_are_forked_unless_the_spec_sets_load_time_variables(tmp_path):
         assert squeezed(f"the ranks start as new interpreters: {why}") in new_interpreters
         assert squeezed("-m fsdpclip.launch.entry ") in new_interpreters
         assert squeezed("transformers imported: True") in new_interpreters
+        assert squeezed("checked here: True") in new_interpreters
     assert squeezed("new interpreters") not in forked
 
 
@@ -378,7 +381,8 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     assert cuda_forbids_forked_ranks(gpu) is None  # no CUDA driver on this machine: nothing initialised it
     driver = FakeDriver(initialised=True)  # a library the launcher loaded called cuInit: torch cannot tell
     monkeypatch.setattr(ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else None)
-    assert cuda_forbids_forked_ranks(gpu) == "this process has initialised the CUDA driver"
+    assert cuda_forbids_forked_ranks(gpu) == ("this process initialised the CUDA driver after its imports (not in "
+                                              "the spec's checks, run apart)")
     assert cuda_forbids_forked_ranks(cpu) is None  # CPU ranks do not use it
     driver.initialised = False
     assert cuda_forbids_forked_ranks(gpu) is None
@@ -414,6 +418,34 @@ def test_a_gpu_launcher_checks_for_gpus_through_nvml(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")  # as in a launcher that has not imported torch yet
     assert prepare_forked_ranks(cpu) is None and "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
     assert prepare_forked_ranks(gpu) is None and os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    driver = FakeDriver(initialised=True)  # an import called cuInit: the ranks start as new interpreters
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else None)
+    assert prepare_forked_ranks(gpu) == "importing torch and OpenCLIP initialised the CUDA driver"
+    assert prepare_forked_ranks(cpu) is None
+
+
+def test_work_in_a_fork_answers_and_leaves_this_process_as_it_was():
+    """`in_a_fork`: the work's result or exception comes back; what it does to the process (a module it imports,
+    a variable it sets, as a library that initialises the CUDA driver would) stays in the fork; a fork that dies
+    or whose answer does not pickle is said so."""
+    import signal
+    import threading
+
+    from fsdpclip.launch.local import in_a_fork
+
+    def work() -> tuple[int, bool]:
+        os.environ["FSDPCLIP_FORK_PROBE"] = "set"
+        import fsdpclip.launch.fork_probe_absent  # noqa: F401  (not a module: raises)
+
+    assert in_a_fork(lambda: (os.getpid(), sorted({3, 1}))) [1] == [1, 3]
+    assert in_a_fork(lambda: os.getpid()) != os.getpid()
+    with pytest.raises(ModuleNotFoundError, match="fork_probe_absent"):
+        in_a_fork(work)
+    assert "FSDPCLIP_FORK_PROBE" not in os.environ
+    with pytest.raises(RuntimeError, match="ended without an answer \\(signal SIGKILL\\)"):
+        in_a_fork(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    with pytest.raises(RuntimeError, match="could not be sent"):
+        in_a_fork(lambda: threading.Lock())
 
 _FORKED_RANK = """
 import os, signal, sys, torch

@@ -73,11 +73,15 @@ def launch_command(
         backend.check_flags()
         job = load_job(job_file, [*overrides, *flags.overrides(), *backend.overrides(), *accepted(accept_changes)])
         backend.prepare(job)  # before the checks import torch
+        from fsdpclip.launch.local import in_a_fork
         from fsdpclip.validate.checks import check_job, kept_on_resume
 
         job = kept_on_resume(job)
-        problems = [*check_job(job, check_paths=check_paths, on_this_node=here).problems,
-                    *_node_problems(job, flags, here)]
+
+        def checks() -> list[Problem]:
+            return check_job(job, check_paths=check_paths, on_this_node=here).problems
+
+        problems = [*(in_a_fork(checks) if backend.forks_ranks() else checks()), *_node_problems(job, flags, here)]
         if any(problem.severity == "error" for problem in problems):
             fail(problems)
         if problems:

@@ -67,7 +67,7 @@ class LaunchFlags:
 class LauncherBackend:
     """One way to start a job: the protocol every backend implements (a subclass that overrides `start`; the
     class is what `LAUNCHER_BACKENDS` holds). `fsdpclip launch` makes one per launch from its flags and calls
-    `check_flags`, `overrides`, `prepare`, `check_job` and `start` in that order; each raises LaunchError for
+    `check_flags`, `overrides`, `prepare`, `forks_ranks`, `check_job` and `start` in that order; each raises LaunchError for
     the user.
 
     `name` is its flag (`--NAME`; the default backend's is never given), `help` that flag's help, `metavar`
@@ -96,6 +96,11 @@ class LauncherBackend:
 
     def prepare(self, job: Job) -> None:
         """Work that must come before torch is imported (the spec's checks import it)."""
+
+    def forks_ranks(self) -> bool:
+        """Whether the ranks are to be forked from this launcher (known after `prepare`); then the spec's checks run
+        in a fork of their own, so that nothing they do to the process reaches the ranks."""
+        return False
 
     def check_job(self, job: Job) -> None:
         """What this backend cannot do with a valid job (its nodes, say)."""

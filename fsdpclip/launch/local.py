@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pickle
 import select
 import signal
 import sys
@@ -20,7 +21,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar
 
 from fsdpclip.jobspec.backend import LAUNCHER_BACKENDS, LaunchError, LauncherBackend, LaunchFlags
 from fsdpclip.launch.launcher import TORCHRUN, TRAIN_MODULE, render
@@ -61,6 +62,9 @@ class LocalBackend(LauncherBackend):
 
     def prepare(self, job: Job) -> None:
         self.new_interpreters = prepare_forked_ranks(job)
+
+    def forks_ranks(self) -> bool:
+        return self.new_interpreters is None
 
     def check_job(self, job: Job) -> None:
         """A launch on several nodes needs one launch per node with its rank (or another backend)."""
@@ -130,7 +134,8 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
     LOAD_TIME_VARIABLES. Otherwise it takes the job's launch.env, so that the ranks start as new
     interpreters with that environment would (and for a GPU job FORK_SAFE_CUDA_CHECK, so that its own checks for a
     GPU leave the driver alone), and imports OpenCLIP as they do (without the libraries it
-    would import for nothing: `model.build.left_out_of_open_clip`). What torchrun gives
+    would import for nothing: `model.build.left_out_of_open_clip`); for a GPU job, the CUDA driver must still be
+    untouched then (the spec's checks run in a fork of their own: `in_a_fork`). What torchrun gives
     each rank (its rank, OMP_NUM_THREADS, unbuffered output) the rank applies itself
     (fsdpclip.launch.entry.adopt_rank_environment). torchrun itself always runs in a fork of the launcher
     (`ForkedTorchrun`)."""
@@ -147,7 +152,57 @@ def prepare_forked_ranks(job: Job) -> Optional[str]:
         from fsdpclip.model.build import import_open_clip_as_the_ranks_do
 
         import_open_clip_as_the_ranks_do(job.model, job.logging.wandb is not None)
+    if job.launch.device == "cuda" and cuda_driver_initialised():
+        return "importing torch and OpenCLIP initialised the CUDA driver"
     return None
+
+
+Result = TypeVar("Result")
+
+
+def in_a_fork(work: Callable[[], Result]) -> Result:
+    """`work()` run in a fork of this process, its result or exception pickled back: what it does to the process
+    stays in the fork. The launcher runs the spec's checks so where it forks the ranks, since a library that
+    initialises the CUDA driver (nvImageCodec's import does) would leave none of its later forks able to use
+    CUDA."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fork: answer through the pipe, then end without running the launcher's exit handlers
+        os.close(reader)
+        try:
+            try:
+                outcome: tuple[bool, object] = (True, work())
+            except BaseException as exc:  # noqa: BLE001  (raised again in the launcher)
+                outcome = (False, exc)
+            try:
+                answer = pickle.dumps(outcome)
+            except Exception as exc:  # noqa: BLE001  (a result or exception that does not pickle)
+                answer = pickle.dumps((False, RuntimeError(f"{outcome[1]!r} (which could not be sent: {exc})")))
+            with os.fdopen(writer, "wb") as sink:
+                sink.write(answer)
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        with os.fdopen(reader, "rb") as source:
+            answer = source.read()
+    finally:
+        _, status = os.waitpid(pid, 0)
+    if not answer:
+        raise RuntimeError(f"the process running the spec's checks ended without an answer ({ended_how(status)})")
+    done, value = pickle.loads(answer)
+    if done:
+        return value
+    raise value
+
+
+def ended_how(status: int) -> str:
+    """A wait status in words: "exit status N" or "signal NAME"."""
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.waitstatus_to_exitcode(status)}"
 
 
 @contextlib.contextmanager
@@ -194,7 +249,7 @@ def cuda_forbids_forked_ranks(job: Job) -> Optional[str]:
     if job.launch.device != "cuda":
         return None
     if cuda_driver_initialised():
-        return "this process has initialised the CUDA driver"
+        return "this process initialised the CUDA driver after its imports (not in the spec's checks, run apart)"
     gpus = nvml_gpu_count()
     if gpus is None:
         return "this torch cannot ask NVML for the GPUs"
