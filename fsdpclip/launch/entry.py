@@ -64,7 +64,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PEER_GONE_GRACE_S = 5
 # This module imports only what forming the process group needs (torch, the spec); the trainer (DTensor
 # and sympy, checkpointing, the data pipeline) is imported on a thread meanwhile, with OpenCLIP (in a rank
-# forked from the launcher, OpenCLIP, DTensor and checkpointing are imported already).
+# forked from the launcher, OpenCLIP and DTensor are imported already).
 TRAINER_MODULE = "fsdpclip.train.trainer"
 # Other libraries' warnings a user cannot act on: torch's deprecation of the all_gather that OpenCLIP's losses
 # call (once per rank and tower), and the DataLoader's count of one rank's workers against the cores (`validate`
