@@ -156,7 +156,9 @@ def fsdpclip_side(name: str, data: dict, args) -> dict:
     if len(records) < 2:
         return {"error": f"exit {code}; see {name}.log"}
     shares = [r["jpeg_engine_share"] for r in records if "jpeg_engine_share" in r]
-    return {"jpeg_engine_shares": shares or None, "samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
+    new_interpreters = re.search(r"the ranks start as new interpreters: (.*)", (args.out / f"{name}.log").read_text())
+    return {"launch": f"new interpreters: {new_interpreters[1]}" if new_interpreters else "ranks forked from the launcher",
+            "jpeg_engine_shares": shares or None, "samples_per_s_per_gpu": second_half([r["samples_per_s_per_gpu"] for r in records]),
             "data_wait_fraction": second_half([r["data_wait_fraction"] for r in records]),
             "step_limited_samples_per_s_per_gpu": step_rate(records),
             "time_to_first_step_s": records[0]["time_to_first_step_s"], "exit": code,

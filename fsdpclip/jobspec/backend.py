@@ -67,8 +67,8 @@ class LaunchFlags:
 class LauncherBackend:
     """One way to start a job: the protocol every backend implements (a subclass that overrides `start`; the
     class is what `LAUNCHER_BACKENDS` holds). `fsdpclip launch` makes one per launch from its flags and calls
-    `check_flags`, `overrides`, `prepare`, `forks_ranks`, `check_job` and `start` in that order; each raises LaunchError for
-    the user.
+    `check_flags`, `overrides`, `prepare`, `forks_ranks`, `check_job` and `start` in that order; each raises
+    LaunchError for the user.
 
     `name` is its flag (`--NAME`; the default backend's is never given), `help` that flag's help, `metavar`
     set when the flag takes a value (`flags.backend_value`), and `runs_here` true when the ranks start on
