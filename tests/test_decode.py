@@ -22,6 +22,7 @@ from fsdpclip.data import transform as decode
 from fsdpclip.data.batches import WebDatasetBatches
 from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
 from fsdpclip.jobspec.preprocess import ColorJitterSpec, PreprocessSpec
+from fsdpclip.jobspec.problems import SpecError
 from fsdpclip.data.stream import ShardStream
 from fsdpclip.data.jpeg import read_header, rgb_pixels
 from fsdpclip.data.augment import coloured, crop_box
@@ -371,10 +372,11 @@ def test_jpeg_engines_true_is_refused_where_they_have_nothing_to_take(cli, tiny_
     code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
     assert code == 2 and [e["location"] for e in out["errors"]] == ["data.jpeg_engines"], out["errors"]
     assert "decoded 'cpu'" in out["errors"][0]["message"]
-    monkeypatch.setattr(engines, "installed", lambda: False)
+    monkeypatch.setattr(engines, "missing", lambda: "nvImageCodec did not import (test)")
     job = dict(tiny_job, data={**tiny_job["data"], "decode": "mixed", "jpeg_engines": True})
     code, out = cli.validate_json(write_job(tmp_path, job), "--no-check-paths")
-    assert code == 2 and "nvImageCodec is not installed" in out["errors"][0]["message"], out["errors"]
+    assert code == 2 and "nvImageCodec did not import" in out["errors"][0]["message"], out["errors"]
+    monkeypatch.setattr(engines, "installed", lambda: False)
     auto = dict(tiny_job, launch={**tiny_job["launch"], "device": "cuda"})
     code, out = cli.validate_json(write_job(tmp_path, auto), "--no-check-paths")
     assert code == 0 and out["summary"]["batch"]["decode"] == "mixed", out
@@ -974,8 +976,51 @@ def test_a_rank_whose_nvimgcodec_fails_to_import_decodes_on_its_workers_or_stops
         return data_batches.webdataset_batches(spec, settled, train_transform(), caption_indices, 4, 0, 1, 3,
                                                torch.device("cpu"))[0]
 
-    with caplog.at_level("WARNING", logger="fsdpclip.data.batches"):
+    with caplog.at_level("INFO", logger="fsdpclip.data.batches"):
         assert rank_batches("auto").engines is None
-    assert "the data workers decode every JPEG: nvImageCodec is not installed (libnvjpeg" in caplog.text
-    with pytest.raises(RuntimeError, match="data.jpeg_engines: nvImageCodec is not installed"):
+    assert [record.getMessage() for record in caplog.records] == [
+        "data: the data workers decode every JPEG: nvImageCodec is not installed (libnvjpeg.so.13: none)"]
+    with pytest.raises(SpecError, match="data.jpeg_engines: nvImageCodec is not installed"):
         rank_batches(True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engines", ["on", "auto"])
+def test_a_rank_starts_its_workers_fork_server_as_it_starts_where_the_engines_take_a_share(engines):
+    """`prepare_rank` (before the process group forms): where the engines take a share (here `true`, nvImageCodec's
+    CPU decoder), the fork server the data workers start from is already running, loading while the rank starts;
+    without them ('auto' on the CPU) no server starts."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import multiprocessing.forkserver as forkserver, os, signal
+        from fsdpclip.jobspec.source import DATA_SOURCES
+        from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
+        spec = WebDatasetSpec(urls="/shards/{{0..1}}.tar", samples=8, workers=1, decode="mixed",
+                              jpeg_engines={engines == "on"!r} or "auto")
+        DATA_SOURCES["webdataset"].prepare_rank(spec, "cpu")
+        pid = forkserver._forkserver._forkserver_pid
+        print("running:", pid is not None and os.waitpid(pid, os.WNOHANG)[0] == 0)
+        if pid is not None:  # this test's server, stopped by its number
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.split() == ["running:", str(engines == "on")], done.stdout + done.stderr
+
+
+def test_the_engines_are_off_where_python_has_no_nvidia_package(monkeypatch):
+    """`installed` asks without importing: looking up `nvidia.nvimgcodec` imports the `nvidia` package, which a CPU,
+    ROCm or macOS torch does not have; then the engines are simply not installed."""
+    import importlib.util
+
+    from fsdpclip.data import engines
+
+    def no_parent(name):
+        raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_parent)
+    assert engines.installed() is False and engines.engines_on("auto", "cuda") is False

@@ -395,6 +395,17 @@ def test_ranks_on_gpus_are_forked_only_where_nvml_sees_a_gpu(tmp_path, monkeypat
     assert forking_environment(cpu, True) == forking_environment(gpu, False) == {}
 
 
+class Unrebuildable(Exception):
+    """An exception pickle saves but cannot make again (its __init__ takes an argument it does not pass on)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__()
+        self.message, self.code = message, code
+
+    def __reduce__(self):
+        return Unrebuildable, ()
+
+
 class FakeDriver:
     """libcuda as ctypes loads it: cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3) before cuInit."""
 
@@ -433,15 +444,18 @@ def test_work_in_a_fork_answers_and_leaves_this_process_as_it_was():
 
     from fsdpclip.launch.local import in_a_fork
 
-    def work() -> tuple[int, bool]:
+    def work() -> None:
         os.environ["FSDPCLIP_FORK_PROBE"] = "set"
         import fsdpclip.launch.fork_probe_absent  # noqa: F401  (not a module: raises)
 
     assert in_a_fork(lambda: (os.getpid(), sorted({3, 1}))) [1] == [1, 3]
     assert in_a_fork(lambda: os.getpid()) != os.getpid()
-    with pytest.raises(ModuleNotFoundError, match="fork_probe_absent"):
+    with pytest.raises(ModuleNotFoundError, match="fork_probe_absent") as raised:
         in_a_fork(work)
     assert "FSDPCLIP_FORK_PROBE" not in os.environ
+    assert "in work\n" in str(raised.value.__cause__)  # the fork's traceback
+    with pytest.raises(RuntimeError, match="could not be sent"):  # pickles, but does not unpickle
+        in_a_fork(lambda: Unrebuildable("an argument its class does not pass on"))
     with pytest.raises(RuntimeError, match="ended without an answer \\(signal SIGKILL\\)"):
         in_a_fork(lambda: os.kill(os.getpid(), signal.SIGKILL))
     with pytest.raises(RuntimeError, match="could not be sent"):
@@ -576,3 +590,56 @@ def test_two_nodes_without_slurm(tmp_path):
     run_dir = tmp_path / "runs" / "t"
     assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
     assert json.loads((latest_checkpoint(run_dir) / "meta.json").read_text())["world_size"] == 2
+
+
+_WAITING_FORK = """
+import os, sys, time
+from fsdpclip.launch.local import in_a_fork
+
+def work():
+    with open(sys.argv[1] + ".part", "w") as out:
+        out.write(str(os.getpid()))
+    os.rename(sys.argv[1] + ".part", sys.argv[1])
+    time.sleep(60)
+
+try:
+    in_a_fork(work)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+def test_a_fork_ends_with_the_launcher_that_stops_waiting_for_it(tmp_path, signal_name):
+    """A signal to the launcher alone (not its process group) while its checks run in a fork: interrupted, it
+    kills the fork and reaps it; killed, the kernel ends the fork with it (PR_SET_PDEATHSIG)."""
+    import signal
+    import time
+
+    marker = tmp_path / "fork.pid"
+    launcher = subprocess.Popen([sys.executable, "-c", _WAITING_FORK, str(marker)], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        fork = int(marker.read_text())
+        launcher.send_signal(getattr(signal, signal_name))
+        out, _ = launcher.communicate(timeout=20)
+        assert ("interrupted" in out) == (signal_name == "SIGINT"), out
+        deadline = time.monotonic() + 10
+        while _alive(fork) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(fork)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from fsdpclip.data.engines import INSTALL, EngineShare, missing, worker_context
 from fsdpclip.data.stream import Reading, ShardStream, WorkerPosition
+from fsdpclip.jobspec.problems import Problem, SpecError
 from fsdpclip.data.transform import TrainImages
 from fsdpclip.jobspec.webdataset_spec import WebDatasetSpec
 
@@ -219,16 +220,19 @@ def webdataset_batches(spec: WebDatasetSpec, settled: dict, transform: Callable,
     `workers`: `WebDatasetSource.plan`). The batches go through the pinning thread (which decodes 'gpu' batches)
     on CUDA unless `pin_memory` says otherwise."""
     decode, engines = settled["decode"], settled["jpeg_engines"]
-    if engines and (reason := missing()):  # installed, yet its import failed (a library it loads is missing)
+    failed = engines and missing()  # installed, yet its import failed (a library it loads is missing)
+    if failed:
         if spec.jpeg_engines is True:
-            raise RuntimeError(f"data.jpeg_engines: {reason}")
-        log.warning("data: the data workers decode every JPEG: %s", reason)
+            raise SpecError([Problem("data.jpeg_engines", failed, True, hint="data.jpeg_engines 'auto'")])
+        if rank == 0:
+            log.warning("data: the data workers decode every JPEG: %s", failed)
         engines = False
     images = TrainImages(transform, decode, device)
     stream = ShardStream(spec.model_copy(update={"decode": decode}), images.worker_transform, tokenizer, batch_size,
                          rank, world_size, seed)
     pin = device.type == "cuda" if pin_memory is None else pin_memory
-    if rank == 0 and decode == "mixed" and device.type == "cuda" and not engines and spec.jpeg_engines == "auto":
+    if rank == 0 and decode == "mixed" and device.type == "cuda" and not engines and spec.jpeg_engines == "auto" \
+            and not failed:
         log.info("data: the data workers decode every JPEG: %s lets the GPU's hardware JPEG engines take a share",
                  INSTALL)
     return WebDatasetBatches(stream, settled["workers"], pin_memory=pin, settled=spec.workers == "auto",

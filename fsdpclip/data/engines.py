@@ -32,12 +32,10 @@ _SALT = 0x5DEECE66D  # the engines' draw is a stream of its own, not the augment
 def installed() -> bool:
     """Whether nvImageCodec is installed, asked without importing it: its import initialises the CUDA driver,
     after which no process forked from this one can use CUDA (the launcher, whose ranks are its forks)."""
-    return importlib.util.find_spec("nvidia.nvimgcodec") is not None
-
-
-def absent() -> Optional[str]:
-    """Why the engines cannot be used here (nvImageCodec not installed), or None; without importing it."""
-    return None if installed() else f"nvImageCodec is not installed: {INSTALL}"
+    try:
+        return importlib.util.find_spec("nvidia.nvimgcodec") is not None
+    except (ImportError, ValueError):  # no `nvidia` package at all (its parent is imported to look)
+        return False
 
 
 def missing() -> Optional[str]:
@@ -46,7 +44,8 @@ def missing() -> Optional[str]:
     try:
         _nvimgcodec()
     except ImportError as exc:
-        return f"nvImageCodec is not installed ({exc.msg}): {INSTALL}"
+        return (f"nvImageCodec did not import ({exc.msg})" if installed() else
+                f"nvImageCodec is not installed ({exc.msg})") + f": {INSTALL}"
     return None
 
 

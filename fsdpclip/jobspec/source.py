@@ -78,6 +78,10 @@ class DataSource:
         `cores` (None: not known here), each a short clause; none by default."""
         return []
 
+    def prepare_rank(self, spec: Section, device: str) -> None:
+        """Work a rank on `device` sets going as it starts, before its process group forms, so that it overlaps the
+        rank's start-up (processes that load for seconds); nothing by default."""
+
     def fingerprint(self, spec: Section) -> Optional[dict]:
         """What tells its local files apart cheaply (a resumed run keeps its saved position only while it
         is unchanged); None: nothing to compare."""

@@ -104,8 +104,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         warnings.filterwarnings("ignore", message=message, category=category)
     import argparse
 
-    from fsdpclip.jobspec.problems import SpecError
     from fsdpclip.jobspec.jobfile import load_job
+    from fsdpclip.jobspec.problems import SpecError
+    from fsdpclip.jobspec.source import DATA_SOURCES
 
     parser = argparse.ArgumentParser(prog="fsdpclip.launch.entry", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     keep_output(job.run_dir / LOG_DIR / f"rank-{int(os.environ.get('RANK', '0')):05d}.out")  # once a terminal is gone
     signals = StopSignals()
     keep_nccl_capturable(job.fsdp.cuda_graph, os.environ)  # before any other thread reads the environment
+    DATA_SOURCES[job.data.source].prepare_rank(job.data, job.launch.device)
     import_in_background([TRAINER_MODULE, "open_clip"],
                          absent=left_out_of_open_clip(job.model, job.logging.wandb is not None))
     env = init_distributed(job.launch.device, job.launch.collective_timeout_s, cpu_collectives=job.fsdp.cpu_offload)
@@ -142,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return trainer.fit()
                 finally:
                     trainer.close()
-        except (Stop, CheckpointError, ModelError) as exc:  # the job cannot start as it is: one line, no traceback
+        except (Stop, CheckpointError, ModelError, SpecError) as exc:  # it cannot start as it is: no traceback
             message = getattr(exc, "message", str(exc))
             if env.is_main:
                 print(f"fsdpclip.launch.entry: {message}", file=sys.stderr)

@@ -161,41 +161,80 @@ Result = TypeVar("Result")
 
 
 def in_a_fork(work: Callable[[], Result]) -> Result:
-    """`work()` run in a fork of this process, its result or exception pickled back: what it does to the process
-    stays in the fork. The launcher runs the spec's checks so where it forks the ranks, since a library that
-    initialises the CUDA driver (nvImageCodec's import does) would leave none of its later forks able to use
-    CUDA."""
+    """`work()` run in a fork of this process, its result or exception (with the fork's traceback as its cause)
+    pickled back: what it does to the process stays in the fork. The launcher runs the spec's checks so where it
+    forks the ranks, since a library that initialises the CUDA driver (nvImageCodec's import does) would leave
+    none of its later forks able to use CUDA. The fork is killed if this process stops waiting for it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    reader, writer = os.pipe()
+    reader, writer, parent = *os.pipe(), os.getpid()
     pid = os.fork()
     if pid == 0:  # the fork: answer through the pipe, then end without running the launcher's exit handlers
-        os.close(reader)
         try:
-            try:
-                outcome: tuple[bool, object] = (True, work())
-            except BaseException as exc:  # noqa: BLE001  (raised again in the launcher)
-                outcome = (False, exc)
-            try:
-                answer = pickle.dumps(outcome)
-            except Exception as exc:  # noqa: BLE001  (a result or exception that does not pickle)
-                answer = pickle.dumps((False, RuntimeError(f"{outcome[1]!r} (which could not be sent: {exc})")))
+            os.close(reader)
+            _end_with_parent(parent)
             with os.fdopen(writer, "wb") as sink:
-                sink.write(answer)
+                sink.write(_answer(work))
         finally:
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(0)
     os.close(writer)
     try:
         with os.fdopen(reader, "rb") as source:
             answer = source.read()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
     finally:
-        _, status = os.waitpid(pid, 0)
-    if not answer:
-        raise RuntimeError(f"the process running the spec's checks ended without an answer ({ended_how(status)})")
-    done, value = pickle.loads(answer)
+        status = _reaped(pid)
+    try:
+        done, value, trace = pickle.loads(answer)
+    except Exception:  # noqa: BLE001  (nothing, or part of an answer)
+        raise RuntimeError(f"the process running the spec's checks ended without an answer "
+                           f"({ended_how(status)})") from None
     if done:
         return value
-    raise value
+    raise value from RuntimeError(f"in the process that ran the spec's checks:\n{trace}")
+
+
+def _end_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent ends (Linux's PR_SET_PDEATHSIG), or end now where the
+    parent `parent` already has."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _answer(work: Callable[[], object]) -> bytes:
+    """`work()`'s outcome as `in_a_fork` reads it: (done, result or exception, the exception's traceback), pickled
+    and checked to unpickle; an outcome that does not comes back as a RuntimeError naming it."""
+    try:
+        outcome: tuple[bool, object, str] = (True, work(), "")
+    except BaseException as exc:  # noqa: BLE001  (raised again in the launcher)
+        outcome = (False, exc, traceback.format_exc())
+    try:
+        answer = pickle.dumps(outcome)
+        pickle.loads(answer)
+        return answer
+    except Exception as exc:  # noqa: BLE001  (a result or exception that does not pickle, or not back)
+        return pickle.dumps((False, RuntimeError(f"{outcome[1]!r} (which could not be sent: {exc})"), outcome[2]))
+
+
+def _reaped(pid: int) -> int:
+    """`pid`'s wait status once it has ended, waiting through interruptions (its end is near: it answered, its
+    pipe closed, or it was killed)."""
+    while True:
+        try:
+            return os.waitpid(pid, 0)[1]
+        except InterruptedError:
+            continue
+        except KeyboardInterrupt:
+            os.kill(pid, signal.SIGKILL)
 
 
 def ended_how(status: int) -> str:

@@ -68,7 +68,7 @@ class WebDatasetSource(DataSource):
 
     def _check_engines(self, spec: WebDatasetSpec, job: Job, report: Report) -> None:
         """`jpeg_engines: true` where they have a share to take: decode 'mixed', nvImageCodec installed."""
-        from fsdpclip.data.engines import absent
+        from fsdpclip.data.engines import missing
         from fsdpclip.data.transform import decode_mode
 
         if spec.jpeg_engines is not True:
@@ -77,7 +77,7 @@ class WebDatasetSource(DataSource):
         if mode != "mixed":
             report.error("data.jpeg_engines", f"the JPEG engines take a share of decode 'mixed', but this run's images "
                          f"are decoded '{mode}'", True, hint="data.decode 'mixed', or data.jpeg_engines 'auto'")
-        elif reason := absent():
+        elif reason := missing():  # imported: where the launcher forks its ranks, its checks run in a fork
             report.error("data.jpeg_engines", reason, True, hint="data.jpeg_engines 'auto' decodes every JPEG on the "
                          "data workers where nvImageCodec is missing")
 
@@ -135,6 +135,15 @@ class WebDatasetSource(DataSource):
         if cores is not None:
             settled["workers"] = spec.settled_workers(world_size, local_ranks, cores)
         return settled
+
+    def prepare_rank(self, spec: WebDatasetSpec, device: str) -> None:
+        """Where the JPEG engines take a share (`plan`), the data workers start from a fork server, which imports
+        torch and OpenCLIP before it forks any: started here, it loads while the rank starts, rather than while
+        the rank waits for its first workers."""
+        from fsdpclip.data.engines import worker_context
+
+        if spec.workers != 0 and self.plan(spec, device, 1, 1, None)["jpeg_engines"]:
+            worker_context(engines=True)
 
     def waiting_hints(self, spec: WebDatasetSpec, world_size: int, local_ranks: int,
                       cores: Optional[int]) -> list[str]:
