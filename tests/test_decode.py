@@ -936,9 +936,9 @@ def test_what_lies_past_a_packed_crop_weighs_nothing_in_its_resize():
 
 
 @pytest.mark.slow
-def test_a_launch_settles_the_jpeg_engines_without_importing_nvimgcodec(tiny_job, tmp_path):
-    """The launcher settles data.jpeg_engines 'auto' (validate's plan) without importing nvImageCodec, whose import
-    initialises the CUDA driver: its forked ranks could not use CUDA then, and start as new interpreters instead."""
+def test_the_plan_settles_the_jpeg_engines_without_importing_nvimgcodec(tiny_job, tmp_path):
+    """validate's plan (which the launcher and rank 0 make) settles data.jpeg_engines 'auto' without importing
+    nvImageCodec, whose import initialises the CUDA driver, after which no fork of that process can use CUDA."""
     import importlib.util
     import subprocess
     import sys
@@ -951,9 +951,8 @@ def test_a_launch_settles_the_jpeg_engines_without_importing_nvimgcodec(tiny_job
         import json, sys
         from typer.testing import CliRunner
         from fsdpclip.cli.commands import app
-        launched = CliRunner().invoke(app, ["launch", {str(job)!r}, "--dry-run"])
         validated = CliRunner().invoke(app, ["validate", {str(job)!r}, "--no-check-paths", "--json"])
-        print(launched.exit_code, json.loads(validated.stdout)["summary"]["batch"]["decode"],
+        print(validated.exit_code, json.loads(validated.stdout)["summary"]["batch"]["decode"],
               "nvidia.nvimgcodec" in sys.modules)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -609,36 +609,35 @@ except KeyboardInterrupt:
 """
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` is a process that has not ended (a zombie has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
-def test_a_fork_ends_with_the_launcher_that_stops_waiting_for_it(tmp_path, signal_name):
-    """A signal to the launcher alone (not its process group) while its checks run in a fork: interrupted, it
-    kills the fork and reaps it; killed, the kernel ends the fork with it (PR_SET_PDEATHSIG)."""
+@pytest.mark.parametrize("signal_name,group", [("SIGINT", True), ("SIGINT", False), ("SIGKILL", False)])
+def test_a_fork_ends_with_the_launcher_that_stops_waiting_for_it(tmp_path, signal_name, group):
+    """A signal while the launcher's checks run in a fork. Ctrl-C (SIGINT to the process group) or SIGINT to the
+    launcher alone: it kills the fork, reaps it and stops; SIGKILL to the launcher: the kernel ends the fork with
+    it (PR_SET_PDEATHSIG)."""
     import signal
     import time
 
+    from fsdpclip.run.lock import process_alive
+
     marker = tmp_path / "fork.pid"
     launcher = subprocess.Popen([sys.executable, "-c", _WAITING_FORK, str(marker)], cwd=REPO, text=True,
-                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline and launcher.poll() is None:
             time.sleep(0.05)
         fork = int(marker.read_text())
-        launcher.send_signal(getattr(signal, signal_name))
+        if group:
+            os.killpg(launcher.pid, getattr(signal, signal_name))
+        else:
+            launcher.send_signal(getattr(signal, signal_name))
         out, _ = launcher.communicate(timeout=20)
         assert ("interrupted" in out) == (signal_name == "SIGINT"), out
         deadline = time.monotonic() + 10
-        while _alive(fork) and time.monotonic() < deadline:
+        while process_alive(fork) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(fork)
+        assert not process_alive(fork)
     finally:
         if launcher.poll() is None:
             launcher.kill()
