@@ -592,6 +592,34 @@ def test_two_nodes_without_slurm(tmp_path):
     assert json.loads((latest_checkpoint(run_dir) / "meta.json").read_text())["world_size"] == 2
 
 
+def test_a_ctrl_c_while_the_launcher_reaps_its_fork_kills_the_fork_and_stops_the_launcher(monkeypatch):
+    """The launcher waits for its checks' fork to end; a Ctrl-C then kills the fork and, once it is reaped,
+    stops the launcher rather than letting it launch."""
+    import signal
+
+    from fsdpclip.launch import local
+
+    fork = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    real_waitpid, calls = os.waitpid, []
+
+    def interrupted_once(pid, options):
+        calls.append(pid)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_waitpid(pid, options)
+
+    monkeypatch.setattr(os, "waitpid", interrupted_once)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            local._reaped(fork.pid)
+        assert calls == [fork.pid, fork.pid]
+        fork.returncode = -signal.SIGKILL  # reaped above, by its number
+    finally:
+        if fork.returncode is None:
+            fork.kill()
+            fork.wait()
+
+
 _WAITING_FORK = """
 import os, sys, time
 from fsdpclip.launch.local import in_a_fork

@@ -226,15 +226,19 @@ def _answer(work: Callable[[], object]) -> bytes:
 
 
 def _reaped(pid: int) -> int:
-    """`pid`'s wait status once it has ended, waiting through interruptions (its end is near: it answered, its
-    pipe closed, or it was killed)."""
+    """`pid`'s wait status once it has ended (its end is near: it answered, its pipe closed, or it was killed). A
+    Ctrl-C meanwhile kills it; once reaped, the interrupt goes on."""
+    interrupted: Optional[KeyboardInterrupt] = None
     while True:
         try:
-            return os.waitpid(pid, 0)[1]
-        except InterruptedError:
-            continue
-        except KeyboardInterrupt:
+            status = os.waitpid(pid, 0)[1]
+            break
+        except KeyboardInterrupt as exc:
             os.kill(pid, signal.SIGKILL)
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+    return status
 
 
 def ended_how(status: int) -> str:
